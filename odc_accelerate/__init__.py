@@ -17,7 +17,7 @@ _LAZY = {
     "plan_step": "odc_accelerate.balance",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["LengthBalancedBatchSampler", "ODCEngine", "ODCTimeoutError", "loss_scale", "plan_step"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .balance import plan_step

@@ -1,0 +1,447 @@
+"""ODCEngine: FSDP2 with one-sided gathers and scatter-accumulates, synchronised once per optimizer step.
+
+Data path, per FSDP2 param group (one per ``fully_shard`` call):
+
+* every rank publishes its shard (FSDP2's all-gather input, already in ``param_dtype``) into a
+  transport buffer ``p<i>`` after each optimizer step;
+* FSDP2's all-gather hook fills the peers' rows of the gather output by reading their ``p<i>``;
+* FSDP2's reduce-scatter hook adds row ``r`` of its input into owner ``r``'s accumulator ``g<i>``
+  and returns zeros, so FSDP2's own per-microbatch post-processing adds nothing to ``.grad``;
+* ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
+  ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
+
+Between ``post_optimizer_step`` and ``pre_optimizer_step`` the engine makes no torch.distributed
+call and waits for no peer, so ranks may run different numbers of microbatches, including zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _fsdp_compat as compat
+from .transport import BufferSpec, Transport, create_transport
+
+logger = logging.getLogger(__name__)
+
+_IDLE, _IN_STEP, _IN_OPTIM, _CLOSED, _BROKEN = "idle", "in_step", "in_optimizer", "closed", "broken"
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step cost this rank (seconds unless named otherwise).
+
+    Attributes:
+        gather_s: time inside all-gather hooks (reading peers' shards).
+        scatter_s: time inside reduce-scatter hooks (adding slices into owners' accumulators).
+        wait_s: time blocked in the step-boundary barriers.
+        fold_s: time folding the accumulators into ``.grad``.
+        publish_s: time publishing the new shards after the optimizer step.
+        gathers / scatters: hook calls during the step.
+        bytes_read / bytes_accumulated: payload moved through the transport.
+    """
+
+    gather_s: float = 0.0
+    scatter_s: float = 0.0
+    wait_s: float = 0.0
+    fold_s: float = 0.0
+    publish_s: float = 0.0
+    gathers: int = 0
+    scatters: int = 0
+    bytes_read: int = 0
+    bytes_accumulated: int = 0
+
+
+@dataclass
+class _Group:
+    """One FSDP2 param group as the engine sees it."""
+
+    index: int
+    fqn: str
+    group: Any  # FSDPParamGroup
+    module: nn.Module
+    gather_numel: int
+    gather_dtype: torch.dtype
+    reduce_numel: int
+    reduce_dtype: torch.dtype | None
+    saved_comms: tuple[Any, Any]
+    saved_flags: tuple[bool, bool]
+    touched: bool = False
+
+
+class _ODCAllGather(compat.AllGather):
+    """FSDP2 all-gather hook: fill the peers' rows of the output from their published shards."""
+
+    def __init__(self, engine: ODCEngine, index: int) -> None:
+        self._engine, self._index = engine, index
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+        self._engine._gather(self._index, output_tensor)
+        return None
+
+
+class _ODCReduceScatter(compat.ReduceScatter):
+    """FSDP2 reduce-scatter hook: add each owner's slice into its accumulator, return zeros."""
+
+    def __init__(self, engine: ODCEngine, index: int) -> None:
+        self._engine, self._index = engine, index
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # FSDP2 may turn the output into `.grad` (a view): it must be fresh memory every call.
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ):
+        self._engine._scatter_accumulate(self._index, input_tensor, output_tensor, op)
+        return None
+
+
+class ODCEngine:
+    """Turn an FSDP2 model into an ODC model: per-layer one-sided communication, one sync per step.
+
+    Collective: every rank of the FSDP2 mesh constructs it, with the same model structure.
+
+    Args:
+        model (`torch.nn.Module`):
+            The ROOT module returned by ``fully_shard``, with every block already wrapped. One param
+            group per ``fully_shard`` call, a 1-D mesh (no HSDP), ``reshard_after_forward`` a bool.
+        transport (`str` or `Transport`, *optional*, defaults to `"auto"`):
+            ``"auto"`` (shared memory for CPU tensors), ``"shm"``, or a :class:`~odc_accelerate.transport.Transport`.
+        timeout (`float`, *optional*, defaults to 600.0):
+            Seconds any wait may last; a missing or dead rank raises
+            :class:`~odc_accelerate.ODCTimeoutError` naming it.
+        sync_every_hook (`bool`, *optional*, defaults to `False`):
+            Benchmark-only: add a barrier inside every hook (per-layer sync like FSDP2, same data path),
+            to isolate what once-per-step sync buys. Requires equal microbatch counts on every rank.
+
+    Example:
+
+    ```python
+    engine = ODCEngine(model)
+    for step in range(n):
+        for mb in my_microbatches:  # the count may differ per rank, including zero
+            loss = compute(model, mb)
+            loss.backward()
+        engine.pre_optimizer_step()  # .grad now equals FSDP2's for the same total work
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.post_optimizer_step()  # new shards published
+    engine.close()
+    ```
+
+    Gradients of a step are the sum of every rank's contributions divided as FSDP2 divides them (by
+    the world size unless ``set_gradient_divide_factor`` was used). A rank that ran zero microbatches
+    still receives its shards' gradients from the ranks that did. A param group no rank ran backward
+    through in a step keeps its ``.grad`` untouched (None after ``zero_grad``), as with FSDP2; if no
+    rank ran any microbatch, no gradient is created and the optimizer skips the parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        transport: str | Transport = "auto",
+        timeout: float = 600.0,
+        *,
+        sync_every_hook: bool = False,
+    ) -> None:
+        self._state = _CLOSED  # until fully built, close() has nothing to undo
+        self._groups: list[_Group] = []
+        self.transport: Transport | None = None
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
+        if not compat.is_fsdp2(model):
+            raise TypeError(
+                f"ODCEngine needs a model wrapped with FSDP2 (torch.distributed.fsdp.fully_shard), got "
+                f"{type(model).__name__}. Call fully_shard on each block and then on the root; FSDP1 "
+                "(FullyShardedDataParallel) and DDP are not supported."
+            )
+        if (warning := compat.version_warning()) is not None:
+            logger.warning(warning)
+        compat.lazy_init(model)
+        compat.check(model)
+        self.model = model
+        self.timeout = float(timeout)
+        self.sync_every_hook = sync_every_hook
+        self.stats = StepStats()
+        self.last_step_stats: StepStats | None = None
+        self.steps = 0
+
+        entries = self._inspect(model)
+        self._pg = compat.shard_group(entries[0][1])
+        self.rank, self.world_size = self._pg.rank(), self._pg.size()
+        self._device = entries[0][1].device
+        self._check_same_model_everywhere(entries)
+
+        specs: dict[str, BufferSpec] = {}
+        for index, (module, group) in enumerate(entries):
+            gather = compat.all_gather_input(group)
+            rdtype = compat.reduce_dtype(group)
+            g = _Group(
+                index=index,
+                fqn=compat.group_fqn(group),
+                group=group,
+                module=module,
+                gather_numel=gather.numel(),
+                gather_dtype=gather.dtype,
+                reduce_numel=compat.reduce_scatter_numel(group, self.world_size),
+                reduce_dtype=rdtype,
+                saved_comms=compat.get_comms(group),
+                saved_flags=compat.sum_and_unused_flags(group),
+            )
+            self._groups.append(g)
+            specs[f"p{index}"] = BufferSpec(g.gather_numel, g.gather_dtype)
+            if rdtype is not None:
+                specs[f"g{index}"] = BufferSpec(g.reduce_numel, rdtype)
+        specs["touched"] = BufferSpec(len(self._groups), torch.uint8)
+
+        self.transport = create_transport(
+            transport,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            device=self._device,
+            group=self._pg,
+        )
+        try:
+            self._buffers = self.transport.register(specs)
+            for g in self._groups:
+                # Engine owns the divisor (applied at the fold): sum-only hooks, and a fixed layout.
+                module = g.module
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_reduce_scatter_unused_params(True, recurse=False)
+                module.set_custom_all_gather(_ODCAllGather(self, g.index))
+                module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
+            self._state = _IN_OPTIM  # so that the initial publish is the normal post-step path
+            self.post_optimizer_step()
+        except BaseException:
+            self._state = _BROKEN
+            self.close()
+            raise
+        logger.info(
+            "ODC engine on rank %d/%d: %d param groups, transport %s",
+            self.rank,
+            self.world_size,
+            len(self._groups),
+            self.transport.name,
+        )
+
+    # ------------------------------------------------------------------ set-up checks
+    def _inspect(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+        entries: list[tuple[nn.Module, Any]] = []
+        for module, state in compat.all_states(model):
+            groups = state._fsdp_param_groups
+            if len(groups) > 1:
+                raise ValueError(
+                    f"ODC supports one param group per fully_shard call, but {type(module).__name__} has "
+                    f"{len(groups)} (from shard_placement_fn with per-param meshes); shard it with one mesh"
+                )
+            for group in groups:
+                fqn = compat.group_fqn(group)
+                if compat.is_hsdp_or_ddp(group):
+                    raise ValueError(
+                        f"ODC supports a 1-D FSDP mesh only; {fqn} uses HSDP/replication or a 2-D mesh. "
+                        "Pass a 1-D DeviceMesh (or none) to fully_shard."
+                    )
+                if compat.uses_hpz(group):
+                    raise ValueError(
+                        f"ODC does not support reshard_after_forward as an int (HPZ) yet; {fqn} uses it. "
+                        "Use reshard_after_forward=True or False."
+                    )
+                if compat.offloads(group):
+                    raise ValueError(
+                        f"ODC does not support CPUOffloadPolicy yet; {fqn} uses it. Remove offload_policy."
+                    )
+                entries.append((module, group))
+        if not entries:
+            raise ValueError("the FSDP2 model has no parameters to shard; nothing for ODC to do")
+        pgs = {id(compat.shard_group(g)) for _, g in entries}
+        if len(pgs) != 1:
+            raise ValueError("ODC needs every fully_shard call to use the same mesh / process group")
+        return entries
+
+    def _check_same_model_everywhere(self, entries: list[tuple[nn.Module, Any]]) -> None:
+        """All ranks must build the same groups in the same order, or reads would mix layers."""
+        signature = [
+            (
+                compat.group_fqn(g),
+                [(p._param_fqn, tuple(p.padded_sharded_param_size), str(p.orig_dtype)) for p in g.fsdp_params],
+                str(compat.reduce_dtype(g)),
+            )
+            for _, g in entries
+        ]
+        signatures: list[Any] = [None] * self.world_size
+        dist.all_gather_object(signatures, signature, group=self._pg)
+        different = [r for r, s in enumerate(signatures) if s != signatures[0]]
+        if different:
+            first = signatures[different[0]]
+            where = next(
+                (
+                    f"group {i} ({a[0]} vs {b[0]})"
+                    for i, (a, b) in enumerate(zip(signatures[0], first, strict=False))
+                    if a != b
+                ),
+                f"the number of groups ({len(signatures[0])} vs {len(first)})",
+            )
+            raise ValueError(
+                f"ODC needs the same FSDP2 model on every rank, but rank(s) {different} differ from rank 0 "
+                f"at {where}. Build and wrap the model identically on all ranks."
+            )
+
+    # ------------------------------------------------------------------ hooks
+    def _check_usable(self) -> None:
+        if self._state in (_CLOSED, _BROKEN):
+            raise RuntimeError(f"the ODCEngine is {self._state}; FSDP2 hooks cannot run through it any more")
+
+    def _gather(self, index: int, output: torch.Tensor) -> None:
+        self._check_usable()
+        g = self._groups[index]
+        start = time.perf_counter()
+        if self.sync_every_hook:
+            self._barrier(count_wait=False)
+        rows = output.view(self.world_size, -1)
+        if rows.shape[1] != g.gather_numel or output.dtype != g.gather_dtype:
+            raise RuntimeError(
+                f"ODC all-gather for {g.fqn}: FSDP2 asked for {rows.shape[1]} x {output.dtype} per rank but the "
+                f"published shard has {g.gather_numel} x {g.gather_dtype}; parameters were changed after ODCEngine()"
+            )
+        name = f"p{index}"
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.transport.read(peer, name, rows[peer])
+        self.stats.gathers += 1
+        self.stats.bytes_read += (self.world_size - 1) * g.gather_numel * output.element_size()
+        self.stats.gather_s += time.perf_counter() - start
+
+    def _scatter_accumulate(self, index: int, inp: torch.Tensor, out: torch.Tensor, op: Any) -> None:
+        self._check_usable()
+        g = self._groups[index]
+        if self._state != _IN_STEP:
+            raise RuntimeError(
+                "a backward ran after engine.pre_optimizer_step() and before engine.post_optimizer_step(); "
+                "run every microbatch's backward before pre_optimizer_step()"
+            )
+        if op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"ODC expects sum reductions (the engine owns the divisor), FSDP2 passed {op}")
+        start = time.perf_counter()
+        if self.sync_every_hook:
+            self._barrier(count_wait=False)
+        rows = inp.view(self.world_size, -1)
+        if rows.shape[1] != g.reduce_numel or inp.dtype != g.reduce_dtype:
+            raise RuntimeError(
+                f"ODC reduce-scatter for {g.fqn}: got {rows.shape[1]} x {inp.dtype} per rank, expected "
+                f"{g.reduce_numel} x {g.reduce_dtype}; trainable parameters changed after ODCEngine()"
+            )
+        name = f"g{index}"
+        # Start with the next rank so that ranks finishing a layer together hit different owners.
+        for k in range(1, self.world_size + 1):
+            owner = (self.rank + k) % self.world_size
+            self.transport.accumulate(owner, name, rows[owner])
+        out.zero_()
+        g.touched = True
+        self.stats.scatters += 1
+        self.stats.bytes_accumulated += inp.numel() * inp.element_size()
+        self.stats.scatter_s += time.perf_counter() - start
+
+    def _barrier(self, count_wait: bool = True) -> None:
+        start = time.perf_counter()
+        try:
+            self.transport.barrier()
+        except BaseException:
+            self._state = _BROKEN
+            raise
+        if count_wait:
+            self.stats.wait_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ step lifecycle
+    @torch.no_grad()
+    def pre_optimizer_step(self) -> None:
+        """Wait for every rank's gradient pushes, then write the step's gradients into ``.grad``.
+
+        After this call ``.grad`` equals what FSDP2 would hold for the same total work. Call it once
+        per optimizer step, after the last backward and before clipping / ``optimizer.step()``.
+        """
+        self._check_usable()
+        if self._state != _IN_STEP:
+            raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
+        touched = self._buffers["touched"]
+        touched.copy_(torch.tensor([g.touched for g in self._groups], dtype=torch.uint8))
+        self._barrier()  # every rank has pushed all of this step's gradients
+        start = time.perf_counter()
+        any_touched = touched.clone()
+        peer_flags = torch.empty_like(touched)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.transport.read(peer, "touched", peer_flags)
+                any_touched |= peer_flags
+        for g in self._groups:
+            if g.reduce_dtype is None or not any_touched[g.index]:
+                continue
+            acc = self._buffers[f"g{g.index}"]
+            reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
+            acc.zero_()  # safe: no peer adds again before the post-step barrier
+            compat.fold_into_grads(g.group, reduce_output, self.world_size)
+        for g in self._groups:
+            g.touched = False
+        self.stats.fold_s += time.perf_counter() - start
+        self._state = _IN_OPTIM
+
+    @torch.no_grad()
+    def post_optimizer_step(self) -> None:
+        """Publish the new shards; peers may read them once every rank has returned from this call."""
+        self._check_usable()
+        if self._state != _IN_OPTIM:
+            raise RuntimeError("post_optimizer_step() called without pre_optimizer_step() before it")
+        start = time.perf_counter()
+        for g in self._groups:
+            self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
+        self.stats.publish_s += time.perf_counter() - start
+        self._barrier()  # nobody reads a shard before its owner has finished writing it
+        if self.steps or self.stats.gathers or self.stats.scatters:
+            self.last_step_stats = self.stats
+        self.stats = StepStats()
+        self.steps += 1
+        self._state = _IN_STEP
+
+    # ------------------------------------------------------------------ tear-down
+    def close(self) -> None:
+        """Restore FSDP2's own collectives and release the transport (shared memory is removed). Idempotent."""
+        if self._state == _CLOSED and self.transport is None:
+            return
+        for g in self._groups:
+            compat.set_comms(g.group, *g.saved_comms)
+            compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._state = _CLOSED
+
+    def __enter__(self) -> ODCEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort; the transport has its own finaliser
+        try:
+            if self.transport is not None:
+                self.transport.close()
+        except Exception:
+            pass
+
+    @property
+    def param_groups(self) -> list[str]:
+        """FQNs of the FSDP2 param groups the engine serves, in registration order."""
+        return [g.fqn for g in self._groups]

@@ -1,0 +1,42 @@
+"""Loss scaling for unequal work per rank.
+
+FSDP2 (and ODC, which reproduces it) averages gradients over ranks: ``grad = (1/W) sum_r g_r``.
+With a per-token loss, the gradient we want is that of the mean over every label token of the
+optimizer step, on every rank and microbatch: ``(1/N) sum_{all tokens} nll``. So each microbatch's
+loss must be its SUMMED token loss times ``W / N`` (``N`` = label tokens of the whole step across all
+ranks): the ``1/W`` of the average cancels the ``W`` and what remains is ``1/N`` for every token,
+whichever rank or microbatch it ran in. A per-microbatch mean instead weights a token by
+``1 / (tokens of its microbatch)``, which differs between ranks as soon as work is unequal.
+
+``N`` is known up front from the step plan (or one all-reduce at step start, never per microbatch).
+"""
+
+from __future__ import annotations
+
+
+def loss_scale(global_num_tokens: int, world_size: int) -> float:
+    """Factor that turns a microbatch's summed per-token loss into the loss to ``backward()`` under ODC/FSDP2.
+
+    Args:
+        global_num_tokens (`int`): label tokens in the whole optimizer step, over all ranks and microbatches.
+        world_size (`int`): number of data-parallel ranks FSDP2 averages over.
+
+    Returns:
+        `float`: ``world_size / global_num_tokens``; use ``(token_losses.sum() * scale).backward()``.
+
+    Example:
+
+    ```python
+    scale = loss_scale(total_label_tokens_of_step, dist.get_world_size())
+    for mb in my_microbatches:
+        nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+        (nll * scale).backward()
+    ```
+    """
+    if isinstance(global_num_tokens, bool) or int(global_num_tokens) != global_num_tokens or global_num_tokens <= 0:
+        raise ValueError(
+            f"global_num_tokens must be a positive integer (label tokens of the whole step), got {global_num_tokens!r}"
+        )
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size <= 0:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    return world_size / global_num_tokens

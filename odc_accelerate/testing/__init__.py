@@ -1,0 +1,116 @@
+"""Helpers to run real multi-process gloo jobs on CPU (tests and benchmarks).
+
+:func:`launch` starts ``world_size`` fresh processes (``spawn``), initialises a gloo process group
+on loopback in each, runs ``fn(rank, world_size, *args)`` and returns every rank's result. A rank
+that raises, dies or overruns the timeout makes :func:`launch` raise with that rank's traceback;
+no process is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; ``failures`` maps rank -> traceback text (or exit description)."""
+
+    def __init__(self, failures: dict[int, str], results: dict[int, Any]) -> None:
+        self.failures = failures
+        self.results = results
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes.
+        timeout: seconds for the whole job; stragglers are killed and reported.
+        threads: torch threads per process (1 = one core per rank).
+        allow_failures: return ``LaunchError.results``-style partial results instead of raising; failed
+            ranks then hold ``LaunchError`` text in their slot.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) + len(failures) < world_size:
+        try:
+            rank, ok, out = results.get(timeout=0.2)
+            (got if ok else failures)[rank] = out
+            continue
+        except queue.Empty:
+            pass
+        # A rank that died without reporting (e.g. SIGKILL) is recorded once the queue is drained.
+        for r, p in enumerate(procs):
+            if r not in got and r not in failures and not p.is_alive():
+                try:
+                    rank, ok, out = results.get(timeout=0.5)
+                    (got if ok else failures)[rank] = out
+                except queue.Empty:
+                    failures[r] = f"process exited with code {p.exitcode} without reporting"
+        if time.monotonic() > deadline:
+            for r in range(world_size):
+                if r not in got and r not in failures:
+                    failures[r] = f"did not finish within {timeout:.0f}s"
+            break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if failures and not allow_failures:
+        raise LaunchError(failures, got)
+    return [got.get(r, failures.get(r)) for r in range(world_size)]

@@ -1,0 +1,126 @@
+"""Per-rank training loops used by the engine tests (run through :func:`odc_accelerate.testing.launch`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..engine import ODCEngine
+from ..loss import loss_scale
+from .dist_counter import count_dist_calls
+from .models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
+
+
+def _mp_policy(precision: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "bf16-reduce":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy()
+
+
+def _placement(spec: dict[str, Any], world_size: int):
+    if not spec.get("shard_dim1"):
+        return None
+    from torch.distributed.tensor import Shard
+
+    def place(param: torch.nn.Parameter):
+        # Shard(1) needs even chunks along dim 1 in FSDP2.
+        if param.ndim == 2 and param.shape[1] % world_size == 0:
+            return Shard(1)
+        return None
+
+    return place
+
+
+def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Unsharded fp32 copies of every parameter (collective: all ranks call it)."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = full.detach().float().cpu().numpy().copy()
+    return out
+
+
+def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Train the toy LM for ``spec["plan"]`` (steps x ranks x sequence lengths) with FSDP2 or ODC.
+
+    Each microbatch's loss is its summed token loss times ``world / global tokens of the step``, so
+    the result equals single-process training on the whole global batch.
+    """
+    cfg = ToyConfig(**spec.get("cfg", {}))
+    model = shard_model(
+        build_model(cfg, seed=spec.get("seed", 0)),
+        mp_policy=_mp_policy(spec.get("precision", "fp32")),
+        shard_placement_fn=_placement(spec, world_size),
+    )
+    if spec.get("grad_divide_factor"):
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(spec["grad_divide_factor"])
+    engine = ODCEngine(model, timeout=spec.get("timeout", 60.0)) if spec["mode"] == "odc" else None
+    optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
+    steps = make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1))
+    counts, norms, grads = [], [], []
+    kill_at = spec.get("kill_rank_at_step")
+    for step_index, step in enumerate(steps):
+        n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
+        scale = loss_scale(n_global, world_size)
+        if kill_at is not None and kill_at[0] == rank and kill_at[1] == step_index:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with count_dist_calls() as calls:
+            for ids in step[rank]:
+                loss, _ = token_loss_sum(model, ids)
+                (loss * scale).backward()
+        counts.append(dict(calls))
+        if spec.get("hang_rank") == rank:
+            time.sleep(spec["hang_seconds"])
+        if engine is not None:
+            engine.pre_optimizer_step()
+        if spec.get("record_grads"):
+            grads.append(
+                {
+                    n: (p.grad.full_tensor().float().numpy().copy() if p.grad is not None else None)
+                    for n, p in model.named_parameters()
+                }
+            )
+        clip = spec.get("clip")
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()))
+        optim.step()
+        optim.zero_grad()
+        if engine is not None:
+            engine.post_optimizer_step()
+    result = {"params": full_params(model), "counts": counts, "norms": norms, "grads": grads}
+    if engine is not None:
+        result["shm_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
+        engine.close()
+        result["shm_files_after_close"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
+    dist.barrier()
+    return result
+
+
+def reference(spec: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Single-process training on the whole global batch of every step (the ground truth)."""
+    cfg = ToyConfig(**spec.get("cfg", {}))
+    model = build_model(cfg, seed=spec.get("seed", 0))
+    optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
+    for step in make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1)):
+        n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
+        for rank_mbs in step:
+            for ids in rank_mbs:
+                loss, _ = token_loss_sum(model, ids)
+                (loss / n_global).backward()
+        if spec.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+        optim.step()
+        optim.zero_grad()
+    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}

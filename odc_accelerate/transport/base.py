@@ -1,0 +1,110 @@
+"""The transport interface: how one rank reads a peer's buffer and adds into an owner's buffer.
+
+ODC needs exactly four things from a transport, none of which may require the peer's training
+thread to take part:
+
+* ``register`` (collective, once): every rank exposes the same named buffers;
+* ``read(peer, name, out)``: copy the peer's buffer ``name`` into ``out`` (one-sided get);
+* ``accumulate(owner, name, src)``: ``owner.name += src``, safe against concurrent adds from other
+  ranks (one-sided accumulate);
+* ``barrier()``: every rank has arrived; the only synchronisation point of an optimizer step.
+
+Every wait honours the transport's ``timeout``; a peer that never arrives or died raises
+:class:`ODCTimeoutError` naming it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+class ODCTimeoutError(RuntimeError):
+    """A peer did not arrive within the timeout, or died; the current optimizer step is lost.
+
+    Attributes:
+        ranks (`list[int]`): the ranks that were missing (or dead).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class BufferSpec:
+    """Shape of one registered buffer: ``numel`` elements of ``dtype`` (1-D)."""
+
+    __slots__ = ("numel", "dtype")
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        if numel < 0:
+            raise ValueError(f"buffer numel must be >= 0, got {numel}")
+        self.numel = int(numel)
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BufferSpec) and (self.numel, self.dtype) == (other.numel, other.dtype)
+
+    def __repr__(self) -> str:
+        return f"BufferSpec(numel={self.numel}, dtype={self.dtype})"
+
+
+class Transport(abc.ABC):
+    """One-sided communication between the ranks of one ODC job.
+
+    Args:
+        rank (`int`): this process's rank in the data-parallel group.
+        world_size (`int`): number of ranks.
+        timeout (`float`): seconds any wait may last before raising :class:`ODCTimeoutError`.
+    """
+
+    #: short name used in logs and by ``transport=`` arguments
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+
+    @abc.abstractmethod
+    def register(self, specs: Mapping[str, BufferSpec]) -> dict[str, torch.Tensor]:
+        """Collective: expose the same named buffers on every rank (zero-initialised).
+
+        Returns this rank's own buffers, which the caller may read and write directly.
+        """
+
+    @abc.abstractmethod
+    def read(self, peer: int, name: str, out: torch.Tensor) -> None:
+        """Copy ``peer``'s buffer ``name`` into ``out`` without the peer taking part."""
+
+    @abc.abstractmethod
+    def accumulate(self, owner: int, name: str, src: torch.Tensor) -> None:
+        """``owner``'s buffer ``name`` ``+= src``, atomic with respect to other ranks' accumulates."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank has called ``barrier`` as often as this one.
+
+        Raises:
+            ODCTimeoutError: a rank did not arrive within ``timeout`` or died; names the rank(s).
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every resource; idempotent. Peers' buffers stay valid for peers that still use them."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
