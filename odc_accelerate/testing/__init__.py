@@ -36,7 +36,11 @@ def free_port() -> int:
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple, results) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
     )
     import torch
     import torch.distributed as dist

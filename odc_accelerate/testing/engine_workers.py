@@ -66,7 +66,14 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(spec["grad_divide_factor"])
-    engine = ODCEngine(model, timeout=spec.get("timeout", 60.0)) if spec["mode"] == "odc" else None
+    engine = None
+    if spec["mode"] in ("odc", "odc_layersync"):
+        engine = ODCEngine(
+            model,
+            transport=spec.get("transport", "auto"),
+            timeout=spec.get("timeout", 60.0),
+            sync_every_hook=spec["mode"] == "odc_layersync",
+        )
     optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
     steps = make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1))
     counts, norms, grads = [], [], []
