@@ -56,6 +56,9 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     Each microbatch's loss is its summed token loss times ``world / global tokens of the step``, so
     the result equals single-process training on the whole global batch.
     """
+    if spec.get("pid_dir"):
+        with open(os.path.join(spec["pid_dir"], f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     cfg = ToyConfig(**spec.get("cfg", {}))
     model = shard_model(
         build_model(cfg, seed=spec.get("seed", 0)),
@@ -66,6 +69,8 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(spec["grad_divide_factor"])
+                # gloo has no PREMUL_SUM: plain FSDP2 needs sum + post-divide for a custom factor.
+                module.set_force_sum_reduction_for_comms(True)
     engine = None
     if spec["mode"] in ("odc", "odc_layersync"):
         engine = ODCEngine(
@@ -80,7 +85,7 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     kill_at = spec.get("kill_rank_at_step")
     for step_index, step in enumerate(steps):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
-        scale = loss_scale(n_global, world_size)
+        scale = loss_scale(n_global, world_size) if n_global else 0.0
         if kill_at is not None and kill_at[0] == rank and kill_at[1] == step_index:
             os.kill(os.getpid(), signal.SIGKILL)
         with count_dist_calls() as calls:
@@ -101,13 +106,23 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             )
         clip = spec.get("clip")
         if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optim.step()
         optim.zero_grad()
         if engine is not None:
             engine.post_optimizer_step()
     result = {"params": full_params(model), "counts": counts, "norms": norms, "grads": grads}
+    if engine is not None and spec.get("skip_close"):
+        result["job_id"] = engine.transport.job_id
+        return result  # interpreter exit must clean up
     if engine is not None:
+        result["job_id"] = engine.transport.job_id
+        result["modes"] = sorted(
+            oct(os.stat(os.path.join("/dev/shm", f)).st_mode & 0o777)
+            for f in os.listdir("/dev/shm")
+            if f.startswith(f"odc_{engine.transport.job_id}_r{rank}_")
+        )
         result["shm_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
         engine.close()
         result["shm_files_after_close"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
