@@ -21,10 +21,9 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import numpy as np
-
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +33,14 @@ __all__ = [
     "QuadraticCost",
     "cost_from_config",
     "flops_cost",
+    "lower_bound",
     "plan_step",
     "resolve_cost",
     "step_metrics",
 ]
 
 Plan = list[list[list[int]]]
-CostSpec = Union[Literal["auto", "tokens"], Callable[[int], float]]
+CostSpec = Literal["auto", "tokens"] | Callable[[int], float]
 
 _MODES = ("odc", "lockstep")
 
@@ -243,7 +243,9 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
     )
 
 
-def resolve_cost(cost: CostSpec | QuadraticCost = "auto", model_config: Any = None) -> Callable[[np.ndarray], np.ndarray]:
+def resolve_cost(
+    cost: CostSpec | QuadraticCost = "auto", model_config: Any = None
+) -> Callable[[np.ndarray], np.ndarray]:
     """Turn a ``cost`` argument into a vectorised function from an int64 length array to a float64 cost array.
 
     Args:
@@ -378,7 +380,9 @@ def _check_plan_args(world_size: int, max_tokens_per_microbatch: int, mode: str)
         raise ValueError(f"Unknown mode {mode!r}: use 'odc' (ODC engine) or 'lockstep' (plain FSDP2).")
 
 
-def check_oversize(lengths: np.ndarray, max_tokens_per_microbatch: int, index_map: Sequence[int] | None = None) -> None:
+def check_oversize(
+    lengths: np.ndarray, max_tokens_per_microbatch: int, index_map: Sequence[int] | None = None
+) -> None:
     """Raise a `ValueError` naming the first sample longer than the microbatch budget, if any.
 
     Args:
@@ -428,13 +432,48 @@ def plan_from_costs(
 # --------------------------------------------------------------------------------------------------
 
 
+def lower_bound(costs: Sequence[float] | np.ndarray, world_size: int) -> float:
+    """A lower bound on ``max_r C_r`` of any assignment of ``costs`` to ``world_size`` ranks (absolute cost units).
+
+    The largest of:
+
+    - the mean per-rank cost;
+    - pigeonhole: for every m, one rank holds at least ``ceil(m / world_size)`` of the m costliest samples, so at
+      least the sum of the cheapest that many of them (m = 1 gives the largest single sample);
+    - pairing: for ``m = world_size + j`` with ``1 <= j <= world_size``, either some rank holds three of the m
+      costliest samples (so at least the three cheapest of them), or exactly j ranks hold two each; the pairs
+      then cost at least as much as the 2j cheapest of the m paired largest-with-smallest (the min-max pairing),
+      so the smaller of the two figures bounds the step from below.
+
+    Args:
+        costs (`Sequence[float]` or `np.ndarray`): cost of every sample.
+        world_size (`int`): number of ranks.
+    """
+    c = np.sort(np.asarray(costs, dtype=np.float64))[::-1]
+    n = c.size
+    if n == 0:
+        return 0.0
+    prefix = np.concatenate(([0.0], np.cumsum(c)))
+    m = np.arange(1, n + 1)
+    q = -(-m // world_size)
+    best = max(prefix[-1] / world_size, float((prefix[m] - prefix[m - q]).max()))
+    for j in range(1, min(world_size, n - world_size) + 1):
+        top = world_size + j
+        group = c[top - 2 * j : top]  # the 2j cheapest of the `top` costliest
+        pairs = float((group + group[::-1]).max())
+        triple = float(c[top - 3 : top].sum()) if top >= 3 else math.inf
+        best = max(best, min(pairs, triple))
+    return best
+
+
 def step_metrics(plan: Plan, costs: Sequence[float] | np.ndarray) -> dict[str, float]:
     """Imbalance figures of one step plan, each relative to the mean per-rank cost.
 
     Returns a dict with ``odc`` (``max_r C_r / mean_r C_r``: what an ODC step pays), ``lockstep``
     (``sum_k max_r C_rk / mean_r C_r``: what a lockstep step pays; ranks with fewer microbatches count as empty
     in the missing slots), ``bound`` (``max(1, largest sample cost / mean_r C_r)``: no plan does better on either
-    metric) and ``microbatches`` (largest number of microbatches on one rank).
+    metric), ``tight_bound`` (`lower_bound` of the plan's samples relative to the mean, >= ``bound``) and
+    ``microbatches`` (largest number of microbatches on one rank).
 
     Args:
         plan (`list[list[list[int]]]`): a plan as returned by `plan_step`.
@@ -450,12 +489,14 @@ def step_metrics(plan: Plan, costs: Sequence[float] | np.ndarray) -> dict[str, f
     totals = per.sum(axis=1)
     mean = totals.mean()
     if mean <= 0:
-        return {"odc": 1.0, "lockstep": 1.0, "bound": 1.0, "microbatches": float(slots)}
-    biggest = max((costs[mb].max() for mbs in plan for mb in mbs if len(mb)), default=0.0)
+        return {"odc": 1.0, "lockstep": 1.0, "bound": 1.0, "tight_bound": 1.0, "microbatches": float(slots)}
+    used = np.concatenate([np.asarray(mb, dtype=np.int64) for mbs in plan for mb in mbs] or [np.zeros(0, np.int64)])
+    biggest = costs[used].max() if used.size else 0.0
     return {
         "odc": float(totals.max() / mean),
         "lockstep": float(per.max(axis=0).sum() / mean),
         "bound": float(max(1.0, biggest / mean)),
+        "tight_bound": float(lower_bound(costs[used], world) / mean),
         "microbatches": float(slots),
     }
 
@@ -708,7 +749,11 @@ def _refine(
     while iters < max_iters and not stuck.all():
         # Work on the slot whose maximum stands out most above its own mean: that is where the waste is.
         cand = np.flatnonzero(~stuck)
-        s = int(cand[0]) if cand.size == 1 else int(cand[np.argmax([slot_max[c] - bcost[slot_bins[c]].mean() for c in cand])])
+        s = (
+            int(cand[0])
+            if cand.size == 1
+            else int(cand[np.argmax([slot_max[c] - bcost[slot_bins[c]].mean() for c in cand])])
+        )
         sb = slot_bins[s]
         a = int(sb[np.argmax(bcost[sb])])
         ca = bcost[a]
@@ -788,7 +833,9 @@ def _refine(
     return bin_of
 
 
-def _assign_slots_to_ranks(costs: np.ndarray, tokens: np.ndarray, bin_of: np.ndarray, n_slots: int, world: int) -> Plan:
+def _assign_slots_to_ranks(
+    costs: np.ndarray, tokens: np.ndarray, bin_of: np.ndarray, n_slots: int, world: int
+) -> Plan:
     """Hand the bins of each slot to ranks so that per-rank totals also come out balanced (costliest slot first)."""
     n_bins = n_slots * world
     members: list[list[int]] = [[] for _ in range(n_bins)]
@@ -802,7 +849,7 @@ def _assign_slots_to_ranks(costs: np.ndarray, tokens: np.ndarray, bin_of: np.nda
         bins = list(range(s * world, (s + 1) * world))
         bins.sort(key=lambda b: (-bcost[b], b))
         ranks = np.lexsort((np.arange(world), totals)).tolist()  # least loaded rank first
-        for b, r in zip(bins, ranks):
+        for b, r in zip(bins, ranks, strict=True):
             plan[r][s] = members[b]
             totals[r] += bcost[b]
     # Drop slots that are empty on every rank (only possible after refinement emptied nothing; kept for safety).

