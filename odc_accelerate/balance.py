@@ -513,12 +513,13 @@ def _desc_order(costs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 def _lpt(costs: np.ndarray, order: np.ndarray, n_bins: int) -> np.ndarray:
     """Longest-processing-time greedy: each item (costliest first) to the least loaded bin. Returns bin per item."""
-    heap = [(0.0, b) for b in range(n_bins)]
+    # Ties on load go to the bin with fewer items, so zero-cost samples still spread over the ranks.
+    heap = [(0.0, 0, b) for b in range(n_bins)]
     bin_of = np.empty(costs.size, dtype=np.int64)
     for i in order.tolist():
-        load, b = heapq.heappop(heap)
+        load, count, b = heapq.heappop(heap)
         bin_of[i] = b
-        heapq.heappush(heap, (load + costs[i], b))
+        heapq.heappush(heap, (load + costs[i], count + 1, b))
     return bin_of
 
 
@@ -670,20 +671,20 @@ def _lpt_capacity(
 ) -> list[list[int]] | None:
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     btok = [0] * n_bins
-    heap = [(0.0, j) for j in range(n_bins)]
+    heap = [(0.0, 0, j) for j in range(n_bins)]  # (cost, items, bin): least loaded first, then emptiest
     parked = []
     for i in remaining:
         t = int(tokens[i])
         parked.clear()
         while heap:
-            bc, j = heapq.heappop(heap)
+            bc, count, j = heapq.heappop(heap)
             if btok[j] + t <= budget or not bins[j]:
                 bins[j].append(i)
                 btok[j] += t
-                if t <= budget:
-                    heapq.heappush(heap, (bc + costs[i], j))
+                if t <= budget:  # an oversize sample closes its bin
+                    heapq.heappush(heap, (bc + costs[i], count + 1, j))
                 break
-            parked.append((bc, j))
+            parked.append((bc, count, j))
         else:
             return None
         for entry in parked:
