@@ -28,7 +28,6 @@ from odc_accelerate.balance import (
     step_metrics,
 )
 
-
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from odc_accelerate import LengthBalancedBatchSampler, plan_step
 from odc_accelerate.sampler import _LENGTH_CACHE, dataset_lengths
 
-
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
