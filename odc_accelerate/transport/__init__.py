@@ -1,4 +1,13 @@
-"""Transports: how ranks read each other's shards and add into each other's gradient accumulators."""
+"""Transports: how ranks read each other's shards and add into each other's gradient accumulators.
+
+=================  ==================================================================================
+``"shm"``          CPU tensors, every rank on one host: ``/dev/shm`` mappings and record locks.
+``"network"``      CPU tensors, any hosts: TCP with an owner-side service thread per rank.
+``"hierarchical"`` CPU tensors, several hosts: ``"shm"`` within a host, ``"network"`` across hosts.
+``"cuda"``         CUDA tensors, one node: torch symmetric memory (CUDA IPC), per-sender staging slots.
+``"auto"``         picks one of the above (see :func:`create_transport`) and logs the choice.
+=================  ==================================================================================
+"""
 
 from __future__ import annotations
 
@@ -8,14 +17,30 @@ import torch
 import torch.distributed as dist
 
 from .base import BufferSpec, ODCTimeoutError, Transport
+from .cuda import CudaTransport, cuda_unavailable_reason
+from .hierarchical import HOST_ID_ENV, HierarchicalTransport, gather_hosts, host_id, host_layout
+from .network import NetworkTransport
 from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BufferSpec", "ODCTimeoutError", "ShmTransport", "Transport", "create_transport", "TRANSPORTS"]
+__all__ = [
+    "BufferSpec",
+    "CudaTransport",
+    "HOST_ID_ENV",
+    "HierarchicalTransport",
+    "NetworkTransport",
+    "ODCTimeoutError",
+    "ShmTransport",
+    "Transport",
+    "TRANSPORTS",
+    "create_transport",
+    "host_id",
+]
 
 #: transport names accepted by ``ODCEngine(transport=...)``
-TRANSPORTS = ("auto", "shm")
+TRANSPORTS = ("auto", "shm", "network", "hierarchical", "cuda")
+_CPU_ONLY = ("shm", "network", "hierarchical")
 
 
 def create_transport(
@@ -29,19 +54,64 @@ def create_transport(
 ) -> Transport:
     """Build the transport called ``name`` (or pass an instance through).
 
-    ``"auto"`` picks shared memory for CPU tensors; GPU and cross-host transports come later and
-    are refused with a clear error until then.
+    ``"auto"`` is collective (one ``all_gather_object`` of host identities over ``group``) and picks:
+
+    * CPU tensors, every rank on one host: ``"shm"``;
+    * CPU tensors, one rank per host: ``"network"``; several ranks on some host: ``"hierarchical"``;
+    * CUDA tensors, every rank on one host and symmetric memory usable: ``"cuda"``.
+
+    Host identity is :func:`~odc_accelerate.transport.host_id` (``$ODC_HOST_ID`` overrides it). The choice is logged
+    at INFO. CUDA tensors across hosts have no transport yet and are refused with an error saying so.
     """
     if isinstance(name, Transport):
         return name
     if name not in TRANSPORTS:
         raise ValueError(f"unknown ODC transport {name!r}; choose one of {list(TRANSPORTS)} or pass a Transport")
-    if device.type != "cpu":
-        raise NotImplementedError(
-            f"ODC has no transport for {device.type} tensors yet (only 'shm' for CPU); "
-            "train on CPU or use plain FSDP2 on this device"
+    if name in _CPU_ONLY and device.type != "cpu":
+        raise ValueError(
+            f"ODC transport {name!r} moves CPU tensors, but the model is on {device.type}; "
+            f"use transport='cuda' (one node) or 'auto'"
         )
-    chosen = ShmTransport(rank, world_size, timeout=timeout, group=group)
+    if name == "cuda" and device.type != "cuda":
+        raise ValueError(f"ODC transport 'cuda' needs a model on CUDA, got {device.type}; use 'auto' for CPU models")
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"ODC has no transport for {device.type} tensors; use plain FSDP2 on this device")
+    reason = ""
     if name == "auto":
-        logger.info("ODC transport 'auto' chose %r for %s tensors", chosen.name, device.type)
+        hosts = host_layout(gather_hosts(group, world_size))
+        if device.type == "cuda":
+            if len(hosts) > 1:
+                raise NotImplementedError(
+                    f"ODC has no cross-host transport for CUDA tensors yet (ranks span {len(hosts)} hosts); "
+                    "use plain FSDP2 across nodes or keep the ODC group within one node"
+                )
+            missing = cuda_unavailable_reason(device)
+            if missing:
+                raise RuntimeError(f"ODC transport 'auto' cannot use CUDA symmetric memory here: {missing}")
+            name, reason = "cuda", "CUDA tensors on one host"
+        elif len(hosts) == 1:
+            name, reason = "shm", "CPU tensors, every rank on one host"
+        elif all(len(ranks) == 1 for ranks in hosts):
+            name, reason = "network", f"CPU tensors, {len(hosts)} hosts with one rank each"
+        else:
+            name, reason = "hierarchical", f"CPU tensors, ranks per host {[len(r) for r in hosts]}"
+    kwargs = dict(timeout=timeout, group=group)
+    if name == "shm":
+        chosen: Transport = ShmTransport(rank, world_size, **kwargs)
+    elif name == "network":
+        chosen = NetworkTransport(rank, world_size, **kwargs)
+    elif name == "hierarchical":
+        chosen = HierarchicalTransport(rank, world_size, **kwargs)
+    else:
+        chosen = CudaTransport(rank, world_size, device=device, staged=engine_accumulates, **kwargs)
+    if reason:
+        logger.info("ODC transport 'auto' chose %r (%s)", chosen.name, reason)
     return chosen
+
+
+def engine_accumulates(name: str) -> bool:
+    """Whether the engine ever ``accumulate``-s into buffer ``name`` (its gradient accumulators ``g<i>``).
+
+    Transports without remote atomics need staging memory per accumulated buffer; this keeps it off the shards.
+    """
+    return name[:1] == "g" and name[1:].isdigit()
