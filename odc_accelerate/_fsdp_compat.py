@@ -61,6 +61,7 @@ CPUOffloadPolicy = _import("torch.distributed.fsdp", "CPUOffloadPolicy")
 _get_param_all_gather_inputs = _import(f"{_FSDP}._fsdp_collectives", "_get_param_all_gather_inputs")
 _get_all_gather_input_metadatas = _import(f"{_FSDP}._fsdp_collectives", "_get_all_gather_input_metadatas")
 _get_gradient_divide_factors = _import(f"{_FSDP}._fsdp_collectives", "_get_gradient_divide_factors")
+_module_state_mapping = _import("torch.distributed._composable_state", "_module_state_mapping")
 
 # Attributes read on live objects; checked on the first param group at engine start.
 _STATE_ATTRS = ("_fsdp_param_groups", "_is_root", "_lazy_init")
@@ -136,11 +137,20 @@ def lazy_init(root: nn.Module) -> None:
     for attr in _STATE_ATTRS:
         if not hasattr(state, attr):
             raise FSDPCompatError(_missing(f"FSDPState.{attr}"))
-    if state._is_root is False:
+    if state._is_root is False or _enclosing_fsdp_module(root) is not None:
         raise ValueError(
             "ODCEngine needs the ROOT FSDP2 module (the outermost module passed to fully_shard), got a nested one"
         )
     state._lazy_init()
+
+
+def _enclosing_fsdp_module(module: nn.Module) -> nn.Module | None:
+    """An FSDP2 module that contains ``module`` as a strict descendant, if any (before lazy init the
+    nested/root distinction exists only in the module tree)."""
+    for other in list(_module_state_mapping.keys()):
+        if other is not module and is_fsdp2(other) and any(m is module for m in other.modules()):
+            return other
+    return None
 
 
 # ----------------------------------------------------------------- param-group views

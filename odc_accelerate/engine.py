@@ -160,14 +160,14 @@ class ODCEngine:
         self.transport: Transport | None = None
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
         if not compat.is_fsdp2(model):
             raise TypeError(
                 f"ODCEngine needs a model wrapped with FSDP2 (torch.distributed.fsdp.fully_shard), got "
                 f"{type(model).__name__}. Call fully_shard on each block and then on the root; FSDP1 "
                 "(FullyShardedDataParallel) and DDP are not supported."
             )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
         if (warning := compat.version_warning()) is not None:
             logger.warning(warning)
         compat.lazy_init(model)

@@ -123,9 +123,10 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             for f in os.listdir("/dev/shm")
             if f.startswith(f"odc_{engine.transport.job_id}_r{rank}_")
         )
-        result["shm_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
+        own = f"odc_{engine.transport.job_id}_r{rank}_"
+        result["shm_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith(own))
         engine.close()
-        result["shm_files_after_close"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_"))
+        result["shm_files_after_close"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith(own))
     dist.barrier()
     return result
 

@@ -1,0 +1,150 @@
+"""Bad input, timeouts, killed ranks, shared-memory hygiene and concurrent accumulation."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_pids, shm_files_of
+
+from odc_accelerate import ODCEngine, ODCTimeoutError
+from odc_accelerate.loss import loss_scale
+from odc_accelerate.testing import LaunchError, launch
+from odc_accelerate.testing.engine_workers import train
+from odc_accelerate.testing.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
+from odc_accelerate.testing.models import ToyConfig, build_model
+from odc_accelerate.transport.shm import cleanup_stale_segments
+
+PLAN = [[[9, 7], [8, 6]], [[5, 9], [7, 8]], [[6, 6], [9, 5]]]
+
+CASES = {
+    # case: (exception type, words the message must contain)
+    "plain_module": ("TypeError", ["fully_shard", "FSDP1", "DDP"]),
+    "fsdp1": ("TypeError", ["FSDP2", "FullyShardedDataParallel"]),
+    "ddp": ("TypeError", ["FSDP2", "DDP"]),
+    "hsdp": ("ValueError", ["1-D", "HSDP"]),
+    "several_param_groups": ("ValueError", ["one param group"]),
+    "different_models": ("ValueError", ["same FSDP2 model", "rank(s) [1]"]),
+    "unknown_transport": ("ValueError", ["carrier-pigeon", "shm"]),
+    "bad_timeout": ("ValueError", ["timeout"]),
+    "nested_module": ("ValueError", ["ROOT"]),
+    "lifecycle": ("RuntimeError / RuntimeError", ["without pre_optimizer_step", "twice"]),
+}
+
+
+def test_bad_input_raises_clear_errors_on_every_rank():
+    results = launch(bad_inputs, 2, list(CASES), timeout=240)
+    for rank, outcomes in enumerate(results):
+        for case, (kind, words) in CASES.items():
+            got_kind, message = outcomes[case]
+            assert got_kind == kind, f"rank {rank} {case}: {got_kind}: {message}"
+            for word in words:
+                assert word in message, f"rank {rank} {case}: {word!r} not in {message!r}"
+
+
+def test_hpz_reshard_after_forward_int_is_refused():
+    results = launch(bad_inputs, 4, ["hpz"], timeout=240)
+    for outcomes in results:
+        kind, message = outcomes["hpz"]
+        assert kind == "ValueError" and "reshard_after_forward" in message, message
+
+
+def test_non_fsdp_model_is_refused_without_distributed():
+    with pytest.raises(TypeError, match="fully_shard"):
+        ODCEngine(build_model(ToyConfig()))
+
+
+def test_timeout_names_the_missing_rank(pid_dir):
+    spec = dict(mode="odc", plan=PLAN, timeout=3.0, hang_rank=1, hang_seconds=12, pid_dir=str(pid_dir))
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(train, 2, spec, timeout=120)
+    elapsed = time.monotonic() - start
+    failure = info.value.failures[0]
+    assert "ODCTimeoutError" in failure and "timed out after 3.0s" in failure and "rank(s) [1]" in failure, failure
+    assert elapsed < 100  # nothing waited for the launcher's own timeout
+    assert shm_files_of(read_pids(pid_dir)) == []
+
+
+def test_killed_rank_is_detected_before_the_timeout_and_files_are_removed(pid_dir):
+    spec = dict(mode="odc", plan=PLAN, timeout=300.0, kill_rank_at_step=(1, 1), pid_dir=str(pid_dir))
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(train, 2, spec, timeout=250)
+    elapsed = time.monotonic() - start
+    survivor = info.value.failures[0]
+    assert "ODCTimeoutError" in survivor and "rank 1 (pid" in survivor and "exited" in survivor, survivor
+    assert "without reporting" in info.value.failures[1]  # rank 1 really died
+    assert elapsed < 200, "a dead rank must be noticed long before the 300 s timeout"
+    pids = read_pids(pid_dir)
+    assert len(pids) == 2 and shm_files_of(pids) == []
+
+
+def test_files_are_private_and_removed_on_close_and_at_exit(pid_dir):
+    closed = launch(train, 2, dict(mode="odc", plan=PLAN[:1]), timeout=240)
+    for res in closed:
+        assert res["modes"] == ["0o600", "0o600"] and len(res["shm_files"]) == 2
+        assert res["shm_files_after_close"] == []
+    # no close() at all: the interpreter exit removes them
+    unclosed = launch(train, 2, dict(mode="odc", plan=PLAN[:1], skip_close=True, pid_dir=str(pid_dir)), timeout=240)
+    assert unclosed[0]["job_id"]
+    assert shm_files_of(read_pids(pid_dir)) == []
+
+
+def test_exception_in_engine_context_removes_files_and_restores_fsdp2():
+    for res in launch(context_exit_cleans_up, 2, timeout=240):
+        assert len(res["during"]) == 2 and res["after"] == []
+
+
+def test_next_start_removes_segments_of_dead_processes(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"odc_0123abcd_r0_p{dead.pid}.seg"
+    live = tmp_path / f"odc_0123abcd_r1_p{os.getpid()}.seg"
+    unrelated = tmp_path / "odc_notes.txt"
+    for path in (stale, live, unrelated):
+        path.write_bytes(b"x")
+    removed = cleanup_stale_segments(str(tmp_path))
+    assert removed == [str(stale)]
+    assert not stale.exists() and live.exists() and unrelated.exists()
+
+
+def test_concurrent_accumulation_loses_nothing():
+    world, adds, numel = 4, 3000, 4096
+    results = launch(stress_accumulate, world, adds, numel, timeout=300)
+    base = np.arange(numel, dtype=np.float64) % 13
+    for owner, res in enumerate(results):
+        expected = np.zeros(numel)
+        for rank in range(world):
+            count = sum(1 for i in range(adds) if (rank + i) % world == owner)
+            expected += count * (base + rank + 1)
+        np.testing.assert_array_equal(res["acc"], expected.astype(np.float32))
+        assert res["peer_pub"] == [r + 1 for r in range(world)]
+        assert res["modes"] == ["0o600", "0o600"]
+        assert not any(os.path.exists(p) for p in res["paths"])
+
+
+def test_loss_scale():
+    assert loss_scale(400, 4) == pytest.approx(0.01)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="global_num_tokens"):
+            loss_scale(bad, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        loss_scale(10, 0)
+
+
+def test_loss_scale_makes_rank_average_equal_the_global_token_mean():
+    # Independent check of the algebra: FSDP's mean over ranks of per-rank scaled sums == mean over tokens.
+    gen = torch.Generator().manual_seed(0)
+    token_losses = [torch.rand(n, generator=gen) for n in (3, 17, 40)]  # three ranks, unequal tokens
+    world, total = len(token_losses), sum(t.numel() for t in token_losses)
+    rank_avg = sum(t.sum() * loss_scale(total, world) for t in token_losses) / world
+    torch.testing.assert_close(rank_avg, torch.cat(token_losses).mean())
+
+
+def test_odc_timeout_error_is_exported():
+    err = ODCTimeoutError("x", [3])
+    assert err.ranks == [3] and isinstance(err, RuntimeError)
