@@ -48,9 +48,11 @@ def test_bf16_mixed_precision_bit_identical_to_fsdp2():
         np.testing.assert_array_equal(odc[0]["params"][name], ref, err_msg=name)
 
 
-def test_shard_dim1_and_custom_divide_factor_match_fsdp2():
-    # Shard(1) placements for 2-D weights, and a gradient divide factor that is not the world size.
-    spec = dict(plan=EQUAL, clip=0.5, shard_dim1=True, grad_divide_factor=3.0)
+def test_shard_dim1_divide_factor_no_sync_and_grad_carry_over_match_fsdp2():
+    # Shard(1) placements for 2-D weights, a gradient divide factor that is not the world size,
+    # accelerate-style no_sync on all but the last microbatch, and .grad carried into the next
+    # step (zero_grad every other step), where both must add into the existing .grad.
+    spec = dict(plan=EQUAL, clip=0.5, shard_dim1=True, grad_divide_factor=3.0, no_sync=True, zero_grad_every=2)
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
     assert rel_diff(odc[0]["params"], fsdp[0]["params"]) <= 1e-6
 

@@ -89,7 +89,10 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         if kill_at is not None and kill_at[0] == rank and kill_at[1] == step_index:
             os.kill(os.getpid(), signal.SIGKILL)
         with count_dist_calls() as calls:
-            for ids in step[rank]:
+            for i, ids in enumerate(step[rank]):
+                if spec.get("no_sync"):
+                    # accelerate's no_sync under FSDP2: reduce only after the last microbatch
+                    model.set_requires_gradient_sync(i == len(step[rank]) - 1)
                 loss, _ = token_loss_sum(model, ids)
                 (loss * scale).backward()
         counts.append(dict(calls))
@@ -109,7 +112,8 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optim.step()
-        optim.zero_grad()
+        if (step_index + 1) % spec.get("zero_grad_every", 1) == 0:
+            optim.zero_grad()
         if engine is not None:
             engine.post_optimizer_step()
     result = {"params": full_params(model), "counts": counts, "norms": norms, "grads": grads}
