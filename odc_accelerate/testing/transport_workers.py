@@ -61,6 +61,11 @@ def concurrent_adds(
     return out
 
 
+def barrier_cases(rank: int, world_size: int, cases: list[str]) -> dict[str, Any]:
+    """Run :func:`barrier_behaviour` for each case in turn (one process start for all)."""
+    return {case: barrier_behaviour(rank, world_size, case) for case in cases}
+
+
 def barrier_behaviour(rank: int, world_size: int, case: str) -> dict[str, Any]:
     """``late``: rank 1 arrives after rank 0's timeout. ``closed``: rank 1 closes instead of arriving.
     ``stray``: a connection with the wrong job id is refused and the transport keeps working."""

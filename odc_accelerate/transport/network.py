@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Message header: op, buffer index, a (bytes or counter), b (byte offset).
 _HEADER = struct.Struct("<BxHxxxxQQ")
-_HELLO, _READ, _ACC, _ARRIVE, _BYE = 1, 2, 3, 4, 5
+_HELLO, _READ, _ACC, _ARRIVE, _BYE, _ABORT = 1, 2, 3, 4, 5, 6
 _HELLO_OK = b"\x01"
 _JOB_BYTES = 16
 #: bytes received and added per lock hold; bounds the per-connection staging memory
@@ -335,6 +335,12 @@ class NetworkTransport(Transport):
                     with self._state:
                         self._arrived[peer] = max(self._arrived[peer], a)
                         self._state.notify_all()
+                elif op == _ABORT:
+                    # The sender saw rank ``a`` die and is giving up; remember the cause, so that when the sender's
+                    # own exit is noticed here the root cause is named too.
+                    with self._state:
+                        self._failed.setdefault(a, f"reported dead by rank {peer}")
+                        self._state.notify_all()
                 elif op == _BYE:
                     with self._state:
                         self._said_bye[peer] = True
@@ -371,13 +377,33 @@ class NetworkTransport(Transport):
 
     # ------------------------------------------------------------- client side
     def _fail(self, peer: int, what: str, err: BaseException) -> ODCTimeoutError:
+        """The error for a failed send/receive to ``peer``, naming every rank known to be dead."""
         with self._state:
+            if not isinstance(err, socket.timeout):
+                # Let the handler of the peer's own connection process what the peer sent last (an abort naming
+                # the root cause, or a goodbye) before composing the message.
+                self._state.wait_for(lambda: peer in self._failed or self._said_bye[peer], 1.0)
             self._failed.setdefault(peer, f"{what} failed ({err})")
+            culprits = sorted(self._failed)
+            causes = "; ".join(f"rank {p}: {self._failed[p]}" for p in culprits)
         if isinstance(err, socket.timeout):
             text = f"rank {self.rank}: {what} rank {peer} did not complete within {self.timeout:.1f}s"
         else:
             text = f"rank {self.rank}: {what} rank {peer} failed, the peer died or closed its transport ({err})"
-        return ODCTimeoutError(text + "; the optimizer step is lost", [peer])
+        self._abort(culprits)
+        return ODCTimeoutError(f"{text}. Known failures: {causes}; the optimizer step is lost", culprits)
+
+    def _abort(self, culprits: list[int]) -> None:
+        """Best effort: tell every live peer which ranks failed, before this rank gives up too."""
+        for peer, conn in self._peers.items():
+            if peer in culprits:
+                continue
+            for culprit in culprits:
+                try:
+                    with conn.lock:
+                        conn.sock.sendall(_HEADER.pack(_ABORT, 0, culprit, 0))
+                except OSError:
+                    break
 
     def _peer(self, peer: int) -> _Peer:
         if self._closed:
@@ -434,6 +460,9 @@ class NetworkTransport(Transport):
                 try:
                     conn.sock.sendall(_HEADER.pack(_ARRIVE, 0, target, 0))
                 except (OSError, ConnectionError) as err:
+                    with self._state:
+                        if self._arrived[peer] >= target:
+                            continue  # it arrived and then closed: it needs nothing more from us
                     raise self._fail(peer, f"barrier #{target}: signalling", err) from err
 
         with self._state:
@@ -442,14 +471,16 @@ class NetworkTransport(Transport):
                 # A missing peer that died or said goodbye can never arrive: fail now, not at the timeout.
                 gone = [p for p in waiting if p in self._failed or self._said_bye[p]]
                 if gone:
+                    gone = sorted(set(gone) | set(self._failed))
                     why = ", ".join(
                         f"rank {p} ({self._failed[p] if p in self._failed else 'closed its transport'})" for p in gone
                     )
-                    raise ODCTimeoutError(
+                    error = ODCTimeoutError(
                         f"ODC barrier on rank {self.rank}: {why} before reaching barrier #{target}; "
                         "the optimizer step is lost",
                         gone,
                     )
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ODCTimeoutError(
@@ -459,6 +490,10 @@ class NetworkTransport(Transport):
                     )
                 self._state.wait(left)
                 waiting = [p for p in waiting if self._arrived[p] < target]
+            else:
+                return
+        self._abort([p for p in gone if p in self._failed])
+        raise error
 
     def _wait(self, pending: Callable[[], list[int]], deadline: float) -> list[int]:
         """Wait (holding ``_state``) until ``pending()`` is empty or the deadline passes; return what is left."""
