@@ -5,6 +5,7 @@ from importlib import import_module
 
 BENCHMARKS = {
     "engine": "ODC engine vs FSDP2 on 2 CPU ranks (balanced / 4:1 imbalanced)",
+    "transport": "read / accumulate bandwidth and latency per transport (shm, network, hierarchical)",
     "balance": "step planners vs random / BatchRebalanceSampler on long-tailed lengths",
 }
 
