@@ -415,6 +415,20 @@ class ODCEngine:
         self.steps += 1
         self._state = _IN_STEP
 
+    @torch.no_grad()
+    def republish(self) -> None:
+        """Collective: publish the shards again after parameters changed outside an optimizer step.
+
+        Call it on every rank after loading a checkpoint (or any in-place change of the sharded
+        parameters) and before the next forward; peers would otherwise read the old values.
+        """
+        self._check_usable()
+        if self._state != _IN_STEP or any(g.touched for g in self._groups):
+            raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
+        for g in self._groups:
+            self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
+        self._barrier(count_wait=False)
+
     # ------------------------------------------------------------------ tear-down
     def close(self) -> None:
         """Restore FSDP2's own collectives and release the transport (shared memory is removed). Idempotent."""
