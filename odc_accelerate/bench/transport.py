@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..testing import launch
 
     parser = argparse.ArgumentParser(prog="python -m odc_accelerate.bench transport", description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (median reported)")
-    parser.add_argument("--iters", type=int, default=16, help="1 MiB operations per bandwidth sample")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats (median reported)")
+    parser.add_argument("--iters", type=int, default=32, help="1 MiB operations per bandwidth sample")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = launch(_rank_main, 2, args.repeats, args.iters, timeout=600)[0]
