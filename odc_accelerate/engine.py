@@ -204,7 +204,7 @@ class ODCEngine:
             self._groups.append(g)
             specs[f"p{index}"] = BufferSpec(g.gather_numel, g.gather_dtype)
             if rdtype is not None:
-                specs[f"g{index}"] = BufferSpec(g.reduce_numel, rdtype)
+                specs[f"g{index}"] = BufferSpec(g.reduce_numel, rdtype, accumulated=True)
         specs["touched"] = BufferSpec(len(self._groups), torch.uint8)
 
         self.transport = create_transport(

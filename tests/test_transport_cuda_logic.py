@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport, engine_accumulates
+from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
 from odc_accelerate.transport.cuda import ALIGN, StagedBuffers, StagingLayout, cuda_unavailable_reason, slot_index
 
 SPECS = {
     "p0": BufferSpec(10, torch.bfloat16),
-    "g0": BufferSpec(7, torch.float32),
+    "g0": BufferSpec(7, torch.float32, accumulated=True),
     "touched": BufferSpec(3, torch.uint8),
-    "g1": BufferSpec(300, torch.float32),
+    "g1": BufferSpec(300, torch.float32, accumulated=True),
 }
 
 
@@ -25,7 +25,7 @@ def test_slot_index_gives_each_sender_its_own_slot():
 
 def test_layout_regions_are_aligned_disjoint_and_only_for_staged_buffers():
     world = 4
-    layout = StagingLayout(SPECS, world, engine_accumulates)
+    layout = StagingLayout(SPECS, world)
     assert layout.staged_names == ["g0", "g1"]
     regions = [(layout.offsets[n], SPECS[n].nbytes) for n in SPECS]
     for name in layout.staged_names:
@@ -39,14 +39,10 @@ def test_layout_regions_are_aligned_disjoint_and_only_for_staged_buffers():
         layout.slot_offset("p0", 0, 1)
 
 
-def test_engine_accumulates_names():
-    assert [n for n in ("g0", "g12", "p0", "touched", "g", "gx") if engine_accumulates(n)] == ["g0", "g12"]
-
-
 def test_staged_adds_and_owner_reduction_are_exact_and_ordered():
     # Simulate 3 ranks' segments in one process (on GPUs these are symmetric-memory mappings).
     world = 3
-    layout = StagingLayout(SPECS, world, engine_accumulates)
+    layout = StagingLayout(SPECS, world)
     segments = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(world)]
     ranks = [StagedBuffers(layout, r, segments) for r in range(world)]
     for step in range(2):

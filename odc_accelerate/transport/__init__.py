@@ -103,15 +103,7 @@ def create_transport(
     elif name == "hierarchical":
         chosen = HierarchicalTransport(rank, world_size, **kwargs)
     else:
-        chosen = CudaTransport(rank, world_size, device=device, staged=engine_accumulates, **kwargs)
+        chosen = CudaTransport(rank, world_size, device=device, **kwargs)
     if reason:
         logger.info("ODC transport 'auto' chose %r (%s)", chosen.name, reason)
     return chosen
-
-
-def engine_accumulates(name: str) -> bool:
-    """Whether the engine ever ``accumulate``-s into buffer ``name`` (its gradient accumulators ``g<i>``).
-
-    Transports without remote atomics need staging memory per accumulated buffer; this keeps it off the shards.
-    """
-    return name[:1] == "g" and name[1:].isdigit()

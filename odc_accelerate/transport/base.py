@@ -34,25 +34,34 @@ class ODCTimeoutError(RuntimeError):
 
 
 class BufferSpec:
-    """Shape of one registered buffer: ``numel`` elements of ``dtype`` (1-D)."""
+    """One registered buffer: ``numel`` elements of ``dtype`` (1-D).
 
-    __slots__ = ("numel", "dtype")
+    ``accumulated`` marks buffers that peers ``accumulate`` into (gradient accumulators); transports
+    without remote atomics give only those staging memory.
+    """
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+    __slots__ = ("numel", "dtype", "accumulated")
+
+    def __init__(self, numel: int, dtype: torch.dtype, accumulated: bool = False) -> None:
         if numel < 0:
             raise ValueError(f"buffer numel must be >= 0, got {numel}")
         self.numel = int(numel)
         self.dtype = dtype
+        self.accumulated = accumulated
 
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BufferSpec) and (self.numel, self.dtype) == (other.numel, other.dtype)
+        return isinstance(other, BufferSpec) and (self.numel, self.dtype, self.accumulated) == (
+            other.numel,
+            other.dtype,
+            other.accumulated,
+        )
 
     def __repr__(self) -> str:
-        return f"BufferSpec(numel={self.numel}, dtype={self.dtype})"
+        return f"BufferSpec(numel={self.numel}, dtype={self.dtype}, accumulated={self.accumulated})"
 
 
 class Transport(abc.ABC):

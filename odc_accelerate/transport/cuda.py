@@ -30,7 +30,7 @@ landed) and then meets the peers on the host: one device sync per barrier, none 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,15 +83,16 @@ class StagingLayout:
     Args:
         specs: the registered buffers, in registration order.
         world_size: number of ranks.
-        staged: which buffers receive ``accumulate`` (and so get ``world_size - 1`` staging slots each).
+    Buffers registered with ``accumulated=True`` receive ``accumulate`` and so get ``world_size - 1`` staging
+    slots each.
     """
 
-    def __init__(self, specs: Mapping[str, BufferSpec], world_size: int, staged: Callable[[str], bool]) -> None:
+    def __init__(self, specs: Mapping[str, BufferSpec], world_size: int) -> None:
         self.specs = dict(specs)
         self.world_size = world_size
         self.offsets: dict[str, int] = {}
         self.slot_bases: dict[str, int] = {}
-        self.staged_names = [name for name in specs if staged(name)]
+        self.staged_names = [name for name, spec in specs.items() if spec.accumulated]
         offset = 0
         for name, spec in specs.items():
             self.offsets[name] = offset
@@ -187,8 +188,6 @@ class CudaTransport(Transport):
         timeout (`float`, *optional*, defaults to 600.0): seconds a barrier may wait.
         group (`torch.distributed.ProcessGroup`, *optional*): the ODC group, used inside ``register`` only.
         device (`torch.device`, *optional*): this rank's GPU; defaults to the current CUDA device.
-        staged (`Callable[[str], bool]`, *optional*): which buffers receive ``accumulate`` and so need staging
-            slots; defaults to all of them (memory: ``world_size - 1`` slots per staged buffer).
     """
 
     name = "cuda"
@@ -200,12 +199,10 @@ class CudaTransport(Transport):
         timeout: float = 600.0,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
-        staged: Callable[[str], bool] | None = None,
     ) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
         self._device = torch.device(device) if device is not None else None
-        self._staged = staged or (lambda name: True)
         self._control: ShmTransport | None = None
         self._data: StagedBuffers | None = None
         self._handle = None
@@ -226,7 +223,7 @@ class CudaTransport(Transport):
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}. Use transport='auto' or a CPU model")
         from torch.distributed import _symmetric_memory as symm
 
-        layout = StagingLayout(specs, self.world_size, self._staged)
+        layout = StagingLayout(specs, self.world_size)
         # Control plane first: it also checks that every rank is on this host (CUDA IPC cannot cross hosts).
         self._control = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
         ledger_spec = BufferSpec(self.world_size * len(layout.staged_names), torch.int64)

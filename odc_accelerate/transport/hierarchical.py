@@ -19,7 +19,6 @@ otherwise the host name and the kernel boot id.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
@@ -150,15 +149,9 @@ class HierarchicalTransport(Transport):
             if self._shm is None:
                 dst.add_(src)
                 return
-            # ShmTransport.accumulate adds whole buffers only; a network chunk needs a sub-range under the same
-            # record lock, so take it here (the one place outside shm.py that knows its lock layout).
-            shm = self._shm
-            fd, index = shm._lock_fds[shm.rank], shm._lock_index[name]
-            shm._lock(fd, index, self.rank, name)
-            try:
-                dst.add_(src)
-            finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, index)
+            # The record lock orders us against local peers; the thread lock above against our own service thread
+            # (record locks belong to the process, so they cannot tell our two threads apart).
+            self._shm.accumulate(self._shm.rank, name, src, offset=offset)
 
     # ------------------------------------------------------------- data path
     def read(self, peer: int, name: str, out: torch.Tensor) -> None:

@@ -250,8 +250,11 @@ class ShmTransport(Transport):
     def read(self, peer: int, name: str, out: torch.Tensor) -> None:
         out.copy_(self._views[peer][name])
 
-    def accumulate(self, owner: int, name: str, src: torch.Tensor) -> None:
+    def accumulate(self, owner: int, name: str, src: torch.Tensor, offset: int = 0) -> None:
+        """``owner.name[offset : offset + src.numel()] += src`` under the buffer's record lock."""
         dst = self._views[owner][name]
+        if offset or src.numel() != dst.numel():
+            dst = dst[offset : offset + src.numel()]
         fd, index = self._lock_fds[owner], self._lock_index[name]
         self._lock(fd, index, owner, name)
         try:
