@@ -84,6 +84,12 @@ def resolve_odc_options(args: Any) -> ODCOptions:
     found: dict[str, Any] = {}
     source = "off"
     fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if isinstance(fsdp_config, str):
+        # TrainingArguments only loads --fsdp_config when --fsdp is set; the ODC section counts either way.
+        import json
+
+        with open(fsdp_config, encoding="utf-8") as f:
+            fsdp_config = json.load(f)
     section = fsdp_config.get("odc") if isinstance(fsdp_config, dict) else None
     if isinstance(section, dict):
         found.update({k: v for k, v in section.items() if k != "enable"})

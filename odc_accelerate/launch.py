@@ -1,0 +1,116 @@
+"""``odc-accelerate launch``: ``accelerate launch`` that honours ODC keys in the accelerate config file.
+
+accelerate accepts unknown keys inside ``fsdp_config`` but never exports them to the worker processes. This
+launcher reads the ``odc*`` keys from the config file's ``fsdp_config``, exports them as ``ODC_*`` environment
+variables (the launcher copies its environment into every worker), then runs ``accelerate launch`` with exactly the
+arguments it was given. Inside the workers, `ODCPlugin` and the ODC trainers read those variables.
+
+Config keys (inside ``fsdp_config``)  ->  environment variable:
+
+=================================  ================================
+``odc: true``                       ``ODC_ENABLE=true``
+``odc_transport: shm``              ``ODC_TRANSPORT=shm``
+``odc_timeout: 600``                ``ODC_TIMEOUT=600``
+``odc_max_tokens_per_microbatch``   ``ODC_MAX_TOKENS_PER_MICROBATCH``
+``odc_balance: odc``                ``ODC_BALANCE=odc``
+``odc_samples_per_step``            ``ODC_SAMPLES_PER_STEP``
+=================================  ================================
+
+Usage::
+
+    odc-accelerate launch --config_file examples/sft/configs/odc_cpu.yaml examples/sft/train.py --max_steps 3
+    python -m odc_accelerate.launch launch --config_file cfg.yaml script.py ...
+
+Values already set in the environment win over the file (so a one-off ``ODC_ENABLE=false`` works).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+ODC_KEYS = {
+    "odc": "ODC_ENABLE",
+    "odc_transport": "ODC_TRANSPORT",
+    "odc_timeout": "ODC_TIMEOUT",
+    "odc_max_tokens_per_microbatch": "ODC_MAX_TOKENS_PER_MICROBATCH",
+    "odc_balance": "ODC_BALANCE",
+    "odc_samples_per_step": "ODC_SAMPLES_PER_STEP",
+}
+
+
+def _config_file(args: Sequence[str]) -> str | None:
+    for i, a in enumerate(args):
+        if a == "--config_file" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--config_file="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def odc_env_from_config(path: str) -> dict[str, str]:
+    """The ``ODC_*`` variables asked for by the ``odc*`` keys of ``fsdp_config`` in an accelerate config file.
+
+    Raises:
+        ValueError: an ``odc*`` key that is not known (with the known ones), or ``odc: true`` without
+            ``distributed_type: FSDP`` and ``fsdp_version: 2``.
+    """
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    fsdp = config.get("fsdp_config") or {}
+    env: dict[str, str] = {}
+    for key, value in fsdp.items():
+        if not key.startswith("odc"):
+            continue
+        if key not in ODC_KEYS:
+            raise ValueError(f"Unknown ODC key {key!r} in {path}'s fsdp_config; known keys: {', '.join(ODC_KEYS)}.")
+        env[ODC_KEYS[key]] = str(value).lower() if isinstance(value, bool) else str(value)
+    if env.get("ODC_ENABLE") == "true":
+        if config.get("distributed_type") != "FSDP" or int(fsdp.get("fsdp_version", 1)) != 2:
+            raise ValueError(
+                f"{path} asks for ODC (odc: true) but not FSDP2: set `distributed_type: FSDP` and, in fsdp_config, "
+                "`fsdp_version: 2`. ODC does not run on FSDP1 or DDP."
+            )
+        from .transport import TRANSPORTS
+
+        transport = env.get("ODC_TRANSPORT", "auto")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{path}: unknown odc_transport {transport!r}; choose one of {', '.join(TRANSPORTS)}.")
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``odc-accelerate``. Only the ``launch`` subcommand exists; it forwards to ``accelerate launch``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv[0] != "launch":
+        print(f"odc-accelerate: unknown command {argv[0]!r}; use `odc-accelerate launch ...`.", file=sys.stderr)
+        return 2
+    rest = argv[1:]
+    env = dict(os.environ)
+    config = _config_file(rest)
+    if config is not None:
+        try:
+            exported = odc_env_from_config(config)
+        except ValueError as err:
+            print(f"odc-accelerate: {err}", file=sys.stderr)
+            return 2
+        for name, value in exported.items():
+            env.setdefault(name, value)
+        if exported:
+            logger.info("Exported from %s: %s", config, ", ".join(f"{k}={env[k]}" for k in exported))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *rest]
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
