@@ -16,6 +16,7 @@ Two planning modes, named after the ODC paper ("Revisiting Parameter Server in L
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -572,8 +573,11 @@ def _plan_lockstep(costs: np.ndarray, tokens: np.ndarray, world: int, budget: in
         top = costs[remaining[0]]
         if top <= costs[rem].sum() / (world * k_min) or len(remaining) <= world:
             break
-        slot, remaining = _fill_slot(remaining, costs, tokens, world, budget, top)
+        slot, left = _fill_slot(remaining, costs, tokens, world, budget, top)
+        if len(left) == len(remaining):  # cannot happen (the costliest sample always fits an empty bin); no hang
+            break
         slots.append(slot)
+        remaining = left
 
     # Phase 2: the rest is fine-grained relative to the slot level: spread it over k * world bins of equal
     # cost (LPT under the token budget), then group bins of similar cost into slots.
@@ -605,48 +609,50 @@ def _fill_slot(
     remaining: list[int], costs: np.ndarray, tokens: np.ndarray, world: int, budget: int, level: float
 ) -> tuple[list[list[int]], list[int]]:
     """Fill ``world`` microbatches up to cost ``level`` with the costliest samples that fit (worst-fit decreasing)."""
+    cost_of = costs[remaining].tolist()
+    tok_of = tokens[remaining].tolist()
+    # suffix_min[p]: fewest tokens of any sample from position p on; a bin with less room than that is closed.
+    suffix_min = np.minimum.accumulate(np.asarray(tok_of)[::-1])[::-1].tolist() + [budget + 1]
+    smallest = min(cost_of)
     bins: list[list[int]] = [[] for _ in range(world)]
-    bcost = [0.0] * world
     btok = [0] * world
-    # Bins kept sorted by current cost (cheapest first) so the first one that fits is the least loaded.
+    # Open bins sorted by current cost (cheapest first), so the first one that fits is the least loaded.
     by_cost = [(0.0, j) for j in range(world)]
     left: list[int] = []
-    smallest = costs[remaining[-1]]
-    tol = level * 1e-12
+    limit = level * (1 + 1e-12)
+    max_room = math.inf  # an empty bin takes anything, even an oversize sample
     for pos, i in enumerate(remaining):
-        c = costs[i]
-        t = int(tokens[i])
-        if by_cost[0][0] + smallest > level + tol:
+        if not by_cost or by_cost[0][0] + smallest > limit:
             left.extend(remaining[pos:])  # every bin is full: nothing else can go in
             break
+        c, t = cost_of[pos], tok_of[pos]
+        if t > max_room:
+            left.append(i)  # no open bin has the tokens to spare
+            continue
         placed = False
-        for rank_in_list, (bc, j) in enumerate(by_cost):
-            if bc + c > level + tol:
+        k = 0
+        while k < len(by_cost):
+            bc, j = by_cost[k]
+            if bc + c > limit:
                 break  # sorted by cost: no later bin has more room
             if btok[j] + t <= budget or not bins[j]:
                 bins[j].append(i)
-                bcost[j] = bc + c
                 btok[j] += t
-                del by_cost[rank_in_list]
-                # An oversize sample closes its bin.
-                key = math.inf if t > budget else bcost[j]
-                _insort(by_cost, (key, j))
+                del by_cost[k]
+                # Keep the bin open only if it can still take a sample (an oversize sample closes it).
+                if t <= budget and budget - btok[j] >= suffix_min[pos + 1]:
+                    bisect.insort(by_cost, (bc + c, j))
                 placed = True
                 break
-        if not placed:
+            if budget - btok[j] < suffix_min[pos]:
+                del by_cost[k]  # too full for any remaining sample
+                continue
+            k += 1
+        if placed:
+            max_room = max((budget - btok[j] if bins[j] else math.inf for _, j in by_cost), default=-1)
+        else:
             left.append(i)
     return bins, left
-
-
-def _insort(items: list, item) -> None:
-    lo, hi = 0, len(items)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if items[mid] < item:
-            lo = mid + 1
-        else:
-            hi = mid
-    items.insert(lo, item)
 
 
 def _lpt_slots(
@@ -747,14 +753,14 @@ def _refine(
     stuck = np.zeros(n_slots, dtype=bool)
     slot_max = np.array([bcost[sb].max() for sb in slot_bins])
     iters = 0
+    bins_per_slot = np.bincount(bin_slot, minlength=n_slots)
     while iters < max_iters and not stuck.all():
         # Work on the slot whose maximum stands out most above its own mean: that is where the waste is.
-        cand = np.flatnonzero(~stuck)
-        s = (
-            int(cand[0])
-            if cand.size == 1
-            else int(cand[np.argmax([slot_max[c] - bcost[slot_bins[c]].mean() for c in cand])])
-        )
+        if n_slots == 1:
+            s = 0
+        else:
+            excess = slot_max - np.bincount(bin_slot, weights=bcost, minlength=n_slots) / bins_per_slot
+            s = int(np.argmax(np.where(stuck, -np.inf, excess)))
         sb = slot_bins[s]
         a = int(sb[np.argmax(bcost[sb])])
         ca = bcost[a]
@@ -781,8 +787,10 @@ def _refine(
                 if score.flat[flat] > 0:
                     best_gain = float(score.flat[flat])
                     best = ("move", int(xs[flat // n_bins]), flat % n_bins)
-        # Swaps x <-> y with cost(x) > cost(y).
-        ys_mask = bin_of != a
+        # Swaps x <-> y with cost(x) > cost(y). Pre-filter y with conditions that some x must meet (cheaper than
+        # the costliest x; the cost difference fits below y's slot maximum), so the matrix below stays small.
+        room = (limit - bcost)[bin_of]
+        ys_mask = (bin_of != a) & (costs < cx.max() - eps) & (costs > cx.min() - room)
         if ys_mask.any():
             ys = np.flatnonzero(ys_mask)
             by = bin_of[ys]

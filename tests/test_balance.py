@@ -164,6 +164,10 @@ def test_edge_cases():
     assert all(len(r) == 1 for r in lock) and sorted(len(r[0]) for r in lock) == [0, 0, 1, 1]
     # Zero-length samples are spread over ranks too.
     assert all(len(r) == 1 for r in plan_step([0, 0, 0, 0], 4))
+    # Several samples far over the budget while they dominate the step (lockstep fills slots level by level).
+    lengths = [20000, 5, 7, 100, 30000, 2]
+    for mode in ("odc", "lockstep"):
+        check_plan(plan_step(lengths, 2, 500, mode=mode), lengths, 2, 500, mode)
     # Float lengths that are whole numbers and numpy input are accepted.
     assert plan_step(np.array([3.0, 4.0]), 1) == [[[1, 0]]]
 

@@ -19,6 +19,7 @@ the table also shows the share of their microbatches over it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -222,6 +223,31 @@ def _cost_check() -> list[str]:
     return lines
 
 
+def _brute_force(instances: int, seed: int) -> dict[str, float]:
+    """ODC mode and plain LPT against the exhaustive optimum on small steps (n <= 9 samples, 2-3 ranks)."""
+    rng = np.random.default_rng(seed)
+    gaps, lpt_gaps = [], []
+    for _ in range(instances):
+        world = int(rng.integers(2, 4))
+        n = int(rng.integers(2, 10 if world == 2 else 9))
+        tokens = rng.integers(256, 65536, n)
+        costs = PUBLISHED_7B_COST(tokens)
+        assign = np.array(list(itertools.product(range(world), repeat=n)))
+        best = np.stack([((assign == r) * costs).sum(axis=1) for r in range(world)], axis=1).max(axis=1).min()
+        plan = plan_from_costs(costs, tokens, world, 65536, "odc")
+        gaps.append(max(costs[[i for mb in rank for i in mb]].sum() for rank in plan) / best - 1)
+        lpt = _lpt(costs, _desc_order(costs, tokens), world)
+        lpt_gaps.append(np.bincount(lpt, weights=costs, minlength=world).max() / best - 1)
+    return {
+        "instances": instances,
+        "odc_mean_gap_pct": 100 * float(np.mean(gaps)),
+        "odc_max_gap_pct": 100 * float(np.max(gaps)),
+        "odc_optimal_share": float(np.mean(np.array(gaps) < 1e-12)),
+        "lpt_mean_gap_pct": 100 * float(np.mean(lpt_gaps)),
+        "lpt_max_gap_pct": 100 * float(np.max(lpt_gaps)),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m odc_accelerate.bench balance", description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
@@ -229,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-per-rank", type=int, default=8, help="samples per optimizer step per rank")
     parser.add_argument("--steps", type=int, default=None, help="steps per (distribution, world); default by world")
     parser.add_argument("--timing-reps", type=int, default=30, help="planner timings at 512 sequences / 64 ranks")
+    parser.add_argument("--brute-force", type=int, default=200, help="small instances solved exhaustively")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -241,18 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     arms = ["random bs1", "brs bs1", "brs bs2", "lpt greedy", "plan lockstep", "plan odc"]
 
     print("Step planning benchmark: per-step ratios to the mean per-rank cost, averaged over steps.")
-    print(f"cost model: published 7B fit 4.348 x^2 + 8.768 x, x = L/32000; {args.samples_per_rank} samples/rank/step")
+    print(
+        f"cost model: published 7B fit 4.348 x^2 + 8.768 x, x = L/32000; {args.samples_per_rank} samples per rank "
+        "per step, the same samples for every arm"
+    )
     print("cost check (model-derived, causal attention, fwd+bwd):")
     print("\n".join(_cost_check()))
+    print("distributions:")
     for name in names:
         print(f"  {name:10s} {dists[name][0]}; budget {dists[name][1]} tokens/microbatch")
-    print()
-    print("columns: odc = max_r C_r / mean_r C_r; lockstep = sum_k max_r C_rk / mean_r C_r; bound = max(1, largest")
     print(
-        "sample / mean_r C_r); tight = pigeonhole lower bound (balance.lower_bound) / mean; gap % = mean over steps of"
+        "arms: random bs1 = shuffled samples, 1 per microbatch (Trainer default sampler, per_device_train_batch_size=1)"
     )
-    print("odc / bound - 1 and odc / tight - 1; mbs = microbatches on the busiest rank; over = share of multi-sample")
-    print("microbatches over the token budget; ms = median planning time per step (one rank's view for brs).")
+    print("      brs bsN = transformers BatchRebalanceSampler as the Trainer builds it, per_device_train_batch_size=N")
+    print("      lpt greedy = per-rank LPT + first-fit packing (no refinement); plan = odc_accelerate.plan_step")
+    print("columns: odc = max_r C_r / mean_r C_r; lockstep = sum_k max_r C_rk / mean_r C_r;")
+    print("  bound = max(1, largest sample / mean_r C_r); tight = balance.lower_bound / mean_r C_r (>= bound);")
+    print("  gap % / gapT % = mean over steps of odc / bound - 1 and odc / tight - 1; mbs = microbatches on the")
+    print("  busiest rank; over = multi-sample microbatches over the token budget; ms = median planning time per step")
     print()
     header = (
         f"{'dist':10s} {'W':>3s} {'arm':14s} {'odc':>7s} {'lockstep':>8s} {'bound':>7s} {'tight':>7s} "
@@ -264,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     plan_ms: dict[str, dict[str, float]] = {}
     rng = np.random.default_rng(args.seed)
-    checked = False
     for name in names:
         _, budget, draw = dists[name]
         results[name] = {}
@@ -273,9 +305,6 @@ def main(argv: list[str] | None = None) -> int:
             spr = args.samples_per_rank * world
             lengths = draw(rng, steps * spr)
             costs_all = cost_fn(lengths)
-            if not checked and world <= 8:
-                _check_brs_capture(lengths[: 4 * spr], world, 2 if args.samples_per_rank % 2 == 0 else 1, spr)
-                checked = True
             figures: dict[str, list] = {arm: [] for arm in arms}
             times: dict[str, list] = {arm: [] for arm in arms}
             brs = {}
@@ -305,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
                 gap = 100.0 * float(np.mean([f[0] / f[2] - 1.0 for f in figures[arm]]))
                 gap_t = 100.0 * float(np.mean([f[0] / f[3] - 1.0 for f in figures[arm]]))
                 ms = 1000 * statistics.median(times[arm]) if times[arm] else float("nan")
-                results[name][world][arm] = {"odc": odc, "lockstep": lock, "bound": bound, "odc_gap_pct": gap}
+                results[name][world][arm] = {
+                    "odc": round(odc, 4),
+                    "lockstep": round(lock, 4),
+                    "bound": round(bound, 4),
+                    "gap_pct": round(gap, 3),
+                    "tight_gap_pct": round(gap_t, 3),
+                }
                 print(
                     f"{name:10s} {world:3d} {arm:14s} {odc:7.4f} {lock:8.4f} {bound:7.4f} {tight:7.4f} {gap:6.2f} "
                     f"{gap_t:6.2f} {mbs:5.2f} {100 * over:5.1f}% {ms:7.2f}"
@@ -315,31 +350,51 @@ def main(argv: list[str] | None = None) -> int:
         # Planning time at 512 sequences over 64 ranks, modes interleaved, on this distribution.
         sample = draw(rng, 512)
         cst = cost_fn(sample)
-        reps = {"odc": [], "lockstep": []}
+        reps: dict[str, list[float]] = {"odc": [], "lockstep": []}
         for _ in range(args.timing_reps):
             for mode in ("odc", "lockstep"):
                 t0 = time.perf_counter()
                 plan_from_costs(cst, sample, 64, budget, mode)
                 reps[mode].append(1000 * (time.perf_counter() - t0))
-        plan_ms[name] = {mode: statistics.median(v) for mode, v in reps.items()}
+        plan_ms[name] = {mode: round(statistics.median(v), 2) for mode, v in reps.items()}
 
-    print(f"plan time, 512 sequences / 64 ranks (median of {args.timing_reps}, ms; target <= 50):")
+    print(f"plan time, 512 sequences / 64 ranks (median of {args.timing_reps} interleaved runs, ms; target <= 50):")
     for name, t in plan_ms.items():
         print(f"  {name:10s} odc {t['odc']:7.2f}   lockstep {t['lockstep']:7.2f}")
 
-    summary: dict = {"bench": "balance", "samples_per_rank": args.samples_per_rank, "plan_ms_512x64": plan_ms}
+    summary: dict = {
+        "bench": "balance",
+        "samples_per_rank": args.samples_per_rank,
+        "cost": "published 7B fit",
+        "plan_ms_512x64": plan_ms,
+    }
+    if args.brute_force:
+        bf = _brute_force(args.brute_force, args.seed)
+        print(
+            f"vs exhaustive optimum ({bf['instances']} steps of 2-9 samples on 2-3 ranks): plan odc mean gap "
+            f"{bf['odc_mean_gap_pct']:.3f}% (max {bf['odc_max_gap_pct']:.2f}%, optimal in "
+            f"{100 * bf['odc_optimal_share']:.0f}%), plain LPT mean gap {bf['lpt_mean_gap_pct']:.3f}% "
+            f"(max {bf['lpt_max_gap_pct']:.2f}%)"
+        )
+        summary["brute_force"] = {k: round(v, 4) for k, v in bf.items()}
     if 8 in args.worlds:
-        gaps = {n: results[n][8]["plan odc"]["odc_gap_pct"] for n in names}
-        summary["odc_gap_to_bound_pct_w8"] = gaps
-        summary["odc_gap_to_bound_pct_w8_mean"] = float(np.mean(list(gaps.values())))
-        summary["lpt_gap_to_bound_pct_w8"] = {n: results[n][8]["lpt greedy"]["odc_gap_pct"] for n in names}
+        w8 = {n: results[n][8] for n in names}
+        summary["w8_odc_gap_to_bound_pct"] = {n: w8[n]["plan odc"]["gap_pct"] for n in names}
+        summary["w8_odc_gap_to_tight_bound_pct"] = {n: w8[n]["plan odc"]["tight_gap_pct"] for n in names}
+        summary["w8_odc_gap_to_tight_bound_pct_mean"] = round(
+            float(np.mean([w8[n]["plan odc"]["tight_gap_pct"] for n in names])), 3
+        )
+        summary["w8_lpt_gap_to_tight_bound_pct"] = {n: w8[n]["lpt greedy"]["tight_gap_pct"] for n in names}
+        print(
+            "ODC mode at 8 ranks, mean gap to the lower bound: "
+            + ", ".join(
+                f"{n} {w8[n]['plan odc']['gap_pct']:.2f}% (tight {w8[n]['plan odc']['tight_gap_pct']:.2f}%)"
+                for n in names
+            )
+        )
     summary["lockstep_ratio"] = {
         n: {
-            str(w): {
-                arm: round(results[n][w][arm]["lockstep"], 4)
-                for arm in ("brs bs1", "brs bs2", "plan lockstep")
-                if arm in results[n][w]
-            }
+            str(w): {arm: v["lockstep"] for arm, v in results[n][w].items() if arm != "lpt greedy"}
             for w in args.worlds
         }
         for n in names
