@@ -96,26 +96,45 @@ def dataset_lengths(
 def _column_lengths(dataset: Any, column: str, columns: list[str]) -> np.ndarray:
     if columns and column not in columns:
         raise ValueError(f"Column {column!r} is not in the dataset; columns are {columns}. Pass `length_column=`.")
-    table = getattr(dataset, "data", None)
-    if table is not None and hasattr(table, "column") and getattr(dataset, "_indices", None) is None:
-        # Arrow fast path: no Python objects per row. (Datasets with an indices mapping, e.g. after .select or
-        # .shuffle, fall through to the generic path, which honours the mapping.)
+    arrow = _arrow_column(dataset, column)
+    if arrow is not None:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        arr = table.column(column)
-        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
-            arr = pc.list_value_length(arr)
-        if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
-            raise ValueError(f"Column {column!r} has type {arr.type}; it must hold lengths or lists of tokens.")
-        if arr.null_count:
-            raise ValueError(f"Column {column!r} has {arr.null_count} missing value(s); every row needs a length.")
-        return arr.to_numpy()
+        if (
+            pa.types.is_list(arrow.type)
+            or pa.types.is_large_list(arrow.type)
+            or pa.types.is_fixed_size_list(arrow.type)
+        ):
+            arrow = pc.list_value_length(arrow)
+        if not (pa.types.is_integer(arrow.type) or pa.types.is_floating(arrow.type)):
+            raise ValueError(f"Column {column!r} has type {arrow.type}; it must hold lengths or lists of tokens.")
+        if arrow.null_count:
+            raise ValueError(f"Column {column!r} has {arrow.null_count} missing value(s); every row needs a length.")
+        return arrow.to_numpy()
     values = dataset[column] if columns else [dataset[i][column] for i in range(len(dataset))]
-    out = []
-    for value in values:
-        out.append(len(value) if hasattr(value, "__len__") else int(value))
-    return np.asarray(out, dtype=np.int64)
+    return np.asarray([len(v) if hasattr(v, "__len__") else int(v) for v in values], dtype=np.int64)
+
+
+def _arrow_column(dataset: Any, column: str):
+    """The column as a pyarrow array in row order, read from `datasets.Dataset` internals; None if they differ.
+
+    `Dataset.data` is the backing table and `Dataset._indices` (None, or a one-column table) maps rows to it
+    after `.select` / `.shuffle` / `.train_test_split`. Reading them avoids a Python object per row; anything
+    unexpected falls back to the public (slower) path.
+    """
+    table = getattr(dataset, "data", None)
+    if table is None or not hasattr(table, "column") or not hasattr(dataset, "_indices"):
+        return None
+    try:
+        arr = table.column(column)
+        indices = dataset._indices
+        if indices is not None:
+            arr = arr.take(indices.column(0))
+        return arr
+    except Exception:  # noqa: BLE001 - internals changed: use the public path
+        logger.debug("Falling back to row-by-row lengths for column %r", column, exc_info=True)
+        return None
 
 
 class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
@@ -254,6 +273,11 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             kwargs:
                 Other arguments of `LengthBalancedBatchSampler`.
         """
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ValueError(
+                f"{type(dataset).__name__} has no length or no indexing: the sampler needs a map-style dataset "
+                "(e.g. datasets.Dataset, not an IterableDataset)."
+            )
         rows = len(dataset)
         if rows == 0:
             raise ValueError("The dataset is empty: there is nothing to sample. Check the dataset split and filters.")

@@ -235,6 +235,8 @@ def test_from_dataset_lengths_and_cache():
     np.testing.assert_array_equal(
         dataset_lengths(shuffled, "length"), np.array([len(r["input_ids"]) for r in shuffled])
     )
+    split = ds.train_test_split(test_size=0.25, seed=0)["train"]
+    np.testing.assert_array_equal(dataset_lengths(split, "input_ids"), np.array([len(r["input_ids"]) for r in split]))
     assert any(key[0] == ds._fingerprint for key in _LENGTH_CACHE)
 
 
@@ -253,3 +255,15 @@ def test_from_dataset_errors():
         dataset_lengths(ds, "text", len)
     s = LengthBalancedBatchSampler.from_dataset(ds, 2, 0, 2, length_fn=lambda row: len(row["text"]))
     np.testing.assert_array_equal(s.lengths, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="type string"):
+        dataset_lengths(ds, "text")
+    with pytest.raises(ValueError, match="map-style"):
+        LengthBalancedBatchSampler.from_dataset(ds.to_iterable_dataset(), 2, 0, 2, length_column="text")
+
+
+def test_from_plain_map_style_dataset():
+    rows = [{"input_ids": list(range(n))} for n in (3, 9, 1, 4, 4, 7)]
+    s = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_column="input_ids", mode="lockstep")
+    np.testing.assert_array_equal(s.lengths, [3, 9, 1, 4, 4, 7])
+    t = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_fn=lambda r: 2 * len(r["input_ids"]))
+    np.testing.assert_array_equal(t.lengths, [6, 18, 2, 8, 8, 14])
