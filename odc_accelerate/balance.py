@@ -425,7 +425,8 @@ def plan_from_costs(
     n = costs.size
     if n == 0:
         return [[] for _ in range(world_size)]
-    if mode == "odc":
+    if mode == "odc" or world_size == 1:
+        # On one rank nobody waits for anybody: both modes reduce to packing into as few microbatches as possible.
         return _plan_odc(costs, tokens, world_size, max_tokens_per_microbatch)
     return _plan_lockstep(costs, tokens, world_size, max_tokens_per_microbatch)
 
@@ -592,9 +593,8 @@ def _plan_lockstep(costs: np.ndarray, tokens: np.ndarray, world: int, budget: in
     bin_of = np.empty(n, dtype=np.int64)
     for b, items in enumerate(bin_items):
         bin_of[items] = b
-    if world > 1:
-        bin_of = _fill_empty_bins(costs, bin_of, bin_slot)
-        bin_of = _refine(costs, tokens, bin_of, bin_slot, capacity=budget)
+    bin_of = _fill_empty_bins(costs, bin_of, bin_slot)
+    bin_of = _refine(costs, tokens, bin_of, bin_slot, capacity=budget)
     return _assign_slots_to_ranks(costs, tokens, bin_of, n_slots, world)
 
 
