@@ -531,7 +531,7 @@ def _plan_odc(costs: np.ndarray, tokens: np.ndarray, world: int, budget: int) ->
     order = _desc_order(costs, tokens)
     rank_of = _lpt(costs, order, world)
     if world > 1:
-        rank_of = _refine(costs, tokens, rank_of, np.zeros(world, dtype=np.int64), capacity=None)
+        rank_of = _refine_totals(costs, rank_of, world)
     plan: Plan = []
     for r in range(world):
         members = np.flatnonzero(rank_of == r)
@@ -842,6 +842,65 @@ def _refine(
         # Bin a got cheaper, so it may now take work from slots that were stuck: look at all of them again.
         stuck[:] = False
     return bin_of
+
+
+def _refine_totals(costs: np.ndarray, rank_of: np.ndarray, world: int, max_iters: int | None = None) -> np.ndarray:
+    """`_refine` specialised to one slot without a token capacity (ODC's per-rank totals), with fewer array ops.
+
+    With one slot and no capacity the best receiver of a single move is always the least loaded rank, so moves
+    need no matrix; swaps are scored exactly as in `_refine`.
+    """
+    rank_of = rank_of.copy()
+    load = np.bincount(rank_of, weights=costs, minlength=world)
+    count = np.bincount(rank_of, minlength=world)
+    eps = 1e-12 * max(float(load.max()), 1e-300)
+    if max_iters is None:
+        max_iters = 4 * costs.size + 8
+    for _ in range(max_iters):
+        a = int(np.argmax(load))
+        ca = load[a]
+        load[a] = -np.inf
+        m2 = load.max()
+        lightest = int(np.argmin(load))
+        load[a] = ca
+        xs = np.flatnonzero(rank_of == a)
+        cx = costs[xs]
+        best_score, best = 0.0, None
+        if count[a] >= 2:
+            new_b = load[lightest] + cx
+            new_a = ca - cx
+            score = (ca - np.maximum(np.maximum(new_a, m2), new_b)) + 1e-6 * (ca - np.maximum(new_a, new_b))
+            score[new_b >= ca - eps] = -1.0
+            k = int(np.argmax(score))
+            if score[k] > best_score:
+                best_score, best = float(score[k]), (int(xs[k]), lightest, -1)
+        cb_all = load[rank_of]
+        ys = np.flatnonzero((rank_of != a) & (costs < cx.max() - eps) & (costs > cx.min() - (ca - cb_all)))
+        if ys.size:
+            d = cx[:, None] - costs[ys][None, :]
+            new_b = cb_all[ys][None, :] + d
+            new_a = ca - d
+            score = (ca - np.maximum(np.maximum(new_a, m2), new_b)) + 1e-6 * (ca - np.maximum(new_a, new_b))
+            score[(d <= eps) | (new_b >= ca - eps)] = -1.0
+            flat = int(np.argmax(score))
+            if score.flat[flat] > best_score:
+                y = int(ys[flat % ys.size])
+                best = (int(xs[flat // ys.size]), int(rank_of[y]), y)
+        if best is None:
+            break
+        x, b, y = best
+        if y < 0:
+            load[a] -= costs[x]
+            load[b] += costs[x]
+            count[a] -= 1
+            count[b] += 1
+            rank_of[x] = b
+        else:
+            delta = costs[x] - costs[y]
+            load[a] -= delta
+            load[b] += delta
+            rank_of[x], rank_of[y] = b, a
+    return rank_of
 
 
 def _assign_slots_to_ranks(
