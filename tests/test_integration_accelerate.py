@@ -1,0 +1,145 @@
+"""accelerate integration: FSDP2 on CPU, `ODCPlugin` in a custom loop, `odc-accelerate launch`, bad configs.
+
+Real ``accelerate launch`` jobs with 2 CPU processes (gloo) on `odc_accelerate/testing/accelerate_loop.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from integration_utils import CONFIGS, LOOP, ROOT, accelerate_launch, check_ok, reports, run, shm_leftovers
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _params(report: dict) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=np.float64) for k, v in report["params"].items()}
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-12)) for k in a)
+
+
+def test_odc_plugin_unequal_counts_match_single_process(tmp_path):
+    """Accelerator(fsdp_plugin=ODCPlugin()): ranks run 1 and 3 microbatches; weights equal one process's."""
+    before = shm_leftovers()
+    odc, single = tmp_path / "odc", tmp_path / "single"
+    check_ok(accelerate_launch(CONFIGS / "fsdp2_cpu.yaml", LOOP, "--out", odc, "--counts", "1,3", "--plugin", "odc"))
+    check_ok(run([sys.executable, LOOP, "--out", single, "--counts", "1,3", "--single"]))
+    ranks = reports(odc, "result_rank")
+    assert len(ranks) == 2
+    for r in ranks:  # asserted from inside each process
+        assert r["distributed_type"] == "DistributedType.FSDP"
+        assert r["plugin"] == "ODCPlugin" and r["fsdp_version"] == 2
+        assert r["engine"] == "ODCEngine" and r["transport"] == "ShmTransport"
+        assert r["device"].startswith("cpu")
+    ref = reports(single, "result_rank")[0]
+    assert ref["engine"] is None
+    # losses: each rank logs its share of the global token mean; their sum is the single-process loss
+    total = np.sum([r["losses"] for r in ranks], axis=0)
+    np.testing.assert_allclose(total, ref["losses"], rtol=1e-5)
+    assert _max_rel(_params(ranks[0]), _params(ref)) <= 1e-5
+    assert _max_rel(_params(ranks[0]), _params(ranks[1])) == 0.0
+    assert shm_leftovers() <= before, "shared memory left behind"
+
+
+def test_launcher_env_path_and_bf16_identical_to_fsdp2(tmp_path):
+    """`odc-accelerate launch` exports the config's odc keys; a plain Accelerator() then gets the ODC engine.
+
+    With equal microbatch counts and bf16 mixed precision, ODC and plain FSDP2 weights are bit-identical.
+    """
+    odc, plain = tmp_path / "odc", tmp_path / "plain"
+    check_ok(
+        accelerate_launch(
+            CONFIGS / "odc_cpu.yaml",
+            LOOP,
+            "--out",
+            odc,
+            "--counts",
+            "1,1",
+            "--plugin",
+            "env",
+            launcher="odc",
+            ACCELERATE_MIXED_PRECISION="bf16",
+        )
+    )
+    check_ok(
+        accelerate_launch(
+            CONFIGS / "fsdp2_cpu.yaml",
+            LOOP,
+            "--out",
+            plain,
+            "--counts",
+            "1,1",
+            "--plugin",
+            "env",
+            ACCELERATE_MIXED_PRECISION="bf16",
+        )
+    )
+    a, b = reports(odc, "result_rank"), reports(plain, "result_rank")
+    assert [r["engine"] for r in a] == ["ODCEngine", "ODCEngine"]
+    assert [r["plugin"] for r in a] == ["ODCPlugin", "ODCPlugin"]
+    assert [r["engine"] for r in b] == [None, None]
+    assert [r["distributed_type"] for r in a + b] == ["DistributedType.FSDP"] * 4
+    assert a[0]["losses"] == b[0]["losses"] and a[1]["losses"] == b[1]["losses"]
+    assert _max_rel(_params(a[0]), _params(b[0])) == 0.0
+
+
+def test_plugin_bad_input():
+    from odc_accelerate.integrations.accelerate import ODCPlugin
+    from odc_accelerate.transport import TRANSPORTS
+
+    with pytest.raises(ValueError, match="unknown ODC transport 'bogus'; choose one of " + ", ".join(TRANSPORTS)):
+        ODCPlugin(transport="bogus")
+    with pytest.raises(ValueError, match="ODC runs on FSDP2 only, got fsdp_version=1"):
+        ODCPlugin(fsdp_version=1)
+    with pytest.raises(ValueError, match="balance mode 'fast'"):
+        ODCPlugin(balance="fast")
+    with pytest.raises(ValueError, match="token budget per microbatch must be a positive integer"):
+        ODCPlugin(max_tokens_per_microbatch=0)
+    plugin = ODCPlugin()
+    assert plugin.fsdp_version == 2 and plugin.odc is True and plugin.transport == "auto"
+
+
+def test_plugin_env_fallbacks(monkeypatch):
+    from odc_accelerate.integrations.accelerate import ODCPlugin
+
+    monkeypatch.setenv("ODC_TRANSPORT", "shm")
+    monkeypatch.setenv("ODC_TIMEOUT", "12.5")
+    monkeypatch.setenv("ODC_MAX_TOKENS_PER_MICROBATCH", "2048")
+    monkeypatch.setenv("ODC_BALANCE", "lockstep")
+    p = ODCPlugin()
+    assert (p.transport, p.timeout, p.max_tokens_per_microbatch, p.balance) == ("shm", 12.5, 2048, "lockstep")
+    assert ODCPlugin(transport="network").transport == "network"  # explicit beats the environment
+
+
+def test_launcher_reads_config_keys_and_rejects_bad_ones(tmp_path):
+    from odc_accelerate.launch import odc_env_from_config
+
+    env = odc_env_from_config(str(CONFIGS / "odc_cpu.yaml"))
+    assert env == {"ODC_ENABLE": "true", "ODC_TRANSPORT": "auto", "ODC_BALANCE": "odc"}
+    assert odc_env_from_config(str(CONFIGS / "fsdp2_cpu.yaml")) == {}
+
+    text = (CONFIGS / "odc_cpu.yaml").read_text()
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text(text.replace("fsdp_version: 2", "fsdp_version: 1"))
+    proc = run(
+        [sys.executable, "-m", "odc_accelerate.launch", "launch", "--config_file", fsdp1, LOOP, "--out", tmp_path]
+    )
+    assert proc.returncode == 2
+    assert "asks for ODC (odc: true) but not FSDP2" in proc.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("odc_transport: auto", "odc_transport: carrier_pigeon"))
+    proc = run(
+        [sys.executable, "-m", "odc_accelerate.launch", "launch", "--config_file", bad, LOOP, "--out", tmp_path]
+    )
+    assert proc.returncode == 2 and "unknown odc_transport 'carrier_pigeon'" in proc.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(text.replace("odc_balance: odc", "odc_balanse: odc"))
+    with pytest.raises(ValueError, match="Unknown ODC key 'odc_balanse'"):
+        odc_env_from_config(str(typo))
+    assert os.path.isdir(ROOT)

@@ -1,0 +1,236 @@
+"""The SFT example (examples/sft/train.py) under real `accelerate launch`, 2 CPU processes, offline assets.
+
+One module-scoped set of runs serves several assertions:
+
+* ``odc``: ``--odc true`` (opt-in path 1), 5 samples per step so ranks run unequal microbatch counts; counts
+  torch.distributed calls during microbatches; saves a checkpoint each step.
+* ``single``: one plain process on the same global batches (the reference for exact loss normalisation).
+* ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by a TRL ``--config recipe.yaml``, opt-in
+  path 2) on the same equal-count microbatches.
+* ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from integration_utils import CONFIGS, TRAIN, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+
+COMMON = [
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--max_length",
+    "128",
+    "--odc_max_tokens_per_microbatch",
+    "128",
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "0.5",
+    "--seed",
+    "0",
+    "--dataloader_pin_memory",
+    "false",
+]
+UNEQUAL = ["--odc_samples_per_step", "5"]
+DUMP = {"ODC_DUMP_PARAMS": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    shm_before = shm_leftovers()
+    out = {name: root / name for name in ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed")}
+    procs = {}
+    procs["odc"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        *COMMON,
+        *UNEQUAL,
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--output_dir",
+        out["odc"],
+        ODC_COUNT_DIST_CALLS="1",
+        **DUMP,
+    )
+    procs["single"] = run(
+        [
+            sys.executable,
+            TRAIN,
+            "--odc_balance",
+            "odc",
+            *COMMON,
+            *UNEQUAL,
+            "--save_strategy",
+            "no",
+            "--output_dir",
+            out["single"],
+        ],
+        env=base_env(**DUMP),
+    )
+    lockstep = [*COMMON, "--per_device_train_batch_size", "2", "--save_strategy", "no"]
+    procs["plain_lockstep"] = accelerate_launch(
+        CONFIGS / "fsdp2_cpu.yaml",
+        TRAIN,
+        "--odc_balance",
+        "lockstep",
+        *lockstep,
+        "--output_dir",
+        out["plain_lockstep"],
+        **DUMP,
+    )
+    recipe = root / "recipe.yaml"
+    recipe.write_text("odc: true\nodc_balance: lockstep\n")
+    procs["odc_lockstep"] = accelerate_launch(
+        CONFIGS / "fsdp2_cpu.yaml",
+        TRAIN,
+        "--config",
+        recipe,
+        *lockstep,
+        "--output_dir",
+        out["odc_lockstep"],
+        **DUMP,
+    )
+    fsdp_json = root / "odc_fsdp.json"
+    fsdp_json.write_text(json.dumps({"odc": {"enable": True, "transport": "shm"}}))
+    if procs["odc"].returncode == 0:
+        procs["resumed"] = accelerate_launch(
+            CONFIGS / "fsdp2_cpu.yaml",
+            TRAIN,
+            "--fsdp_config",
+            fsdp_json,
+            *COMMON,
+            *UNEQUAL,
+            "--save_strategy",
+            "no",
+            "--resume_from_checkpoint",
+            out["odc"] / "checkpoint-1",
+            "--output_dir",
+            out["resumed"],
+            **DUMP,
+        )
+    return {"out": out, "procs": procs, "shm_before": shm_before}
+
+
+def _history(out) -> list[dict]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h for h in state["log_history"] if "loss" in h]
+
+
+def _params(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final_params.pt")
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
+
+
+def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
+    check_ok(runs["procs"]["odc"])
+    out = runs["out"]["odc"]
+    history = _history(out)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        for key in ("loss", "odc/tokens_per_s", "odc/microbatches_min", "odc/microbatches_max", "odc/bubble_pct"):
+            assert key in h, key
+        for r in range(2):
+            assert h[f"odc/busy_s_rank{r}"] > 0 and h[f"odc/wait_s_rank{r}"] >= 0
+    # 5 samples per step over 2 ranks: the ranks run different numbers of microbatches
+    assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in history)
+    ranks = reports(out, "odc_run_rank")
+    assert len(ranks) == 2
+    for r in ranks:  # recorded inside each process
+        assert r["engine"] == "ODCEngine" and r["fsdp_plugin"] == "ODCPlugin" and r["fsdp_version"] == 2
+        assert r["distributed_type"] == "DistributedType.FSDP"
+        assert r["odc_options"]["source"] == "args"
+        assert r["gradient_accumulation_steps"] == 1
+        calls = r["microbatch_dist_calls"]
+        assert len(calls) >= 2 and all(c == {} for c in calls), calls
+    assert sum(len(r["microbatch_dist_calls"]) for r in ranks) == sum(
+        h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history
+    )
+    assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
+
+
+def test_unequal_counts_match_single_process(runs):
+    check_ok(runs["procs"]["odc"])
+    check_ok(runs["procs"]["single"])
+    odc, single = runs["out"]["odc"], runs["out"]["single"]
+    single_report = reports(single, "odc_run_rank")[0]
+    assert single_report["world_size"] == 1 and single_report["engine"] is None
+    h_odc, h_single = _history(odc), _history(single)
+    for a, b in zip(h_odc, h_single, strict=True):
+        # the exact per-token mean over the global batch, and the TRL metrics of the whole step
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+        assert a["mean_token_accuracy"] == pytest.approx(b["mean_token_accuracy"], abs=1e-6)
+        assert a["num_tokens"] == b["num_tokens"]
+    assert _max_rel(_params(odc), _params(single)) <= 1e-5
+
+
+def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
+    check_ok(runs["procs"]["plain_lockstep"])
+    check_ok(runs["procs"]["odc_lockstep"])
+    plain, odc = runs["out"]["plain_lockstep"], runs["out"]["odc_lockstep"]
+    assert [r["engine"] for r in reports(plain, "odc_run_rank")] == [None, None]
+    odc_reports = reports(odc, "odc_run_rank")
+    assert [r["engine"] for r in odc_reports] == ["ODCEngine", "ODCEngine"]  # switched on by the TRL recipe yaml
+    assert all(r["odc_options"]["balance"] == "lockstep" for r in odc_reports)
+    h_plain, h_odc = _history(plain), _history(odc)
+    for a, b in zip(h_odc, h_plain, strict=True):
+        assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert _max_rel(_params(odc), _params(plain)) <= 1e-6
+
+
+def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
+    check_ok(runs["procs"]["odc"])
+    check_ok(runs["procs"]["resumed"])
+    resumed = runs["out"]["resumed"]
+    for r in reports(resumed, "odc_run_rank"):
+        assert r["engine"] == "ODCEngine" and r["odc_options"]["source"] == "fsdp_config"
+        assert r["odc_options"]["transport"] == "shm"
+    assert [h["step"] for h in _history(resumed)][-1] == 2
+    assert _history(resumed)[-1]["loss"] == pytest.approx(_history(runs["out"]["odc"])[-1]["loss"], rel=1e-6)
+    assert _max_rel(_params(resumed), _params(runs["out"]["odc"])) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--odc", "true"], {}, "ODC needs FSDP2, but this run does not use FSDP"),
+        (["--odc", "true", "--odc_transport", "bogus"], {}, "unknown ODC transport 'bogus'; choose one of auto"),
+        (
+            ["--odc", "true"],
+            {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"},
+            "ODC needs FSDP2, but the FSDP config asks for FSDP1",
+        ),
+        (
+            ["--odc_balance", "odc", "--max_length", "None", "--odc_max_tokens_per_microbatch", "32"],
+            {},
+            "is smaller than the longest sample",
+        ),
+    ],
+    ids=["no-fsdp", "unknown-transport", "fsdp1", "budget-too-small"],
+)
+def test_bad_config_fails_before_training(tmp_path, args, env, message):
+    proc = run(
+        [sys.executable, TRAIN, *args, "--max_steps", "1", "--report_to", "none", "--output_dir", tmp_path],
+        env=base_env(**env),
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "trainer_state.json").exists()
