@@ -15,13 +15,35 @@ _LAZY = {
     "loss_scale": "odc_accelerate.loss",
     "LengthBalancedBatchSampler": "odc_accelerate.sampler",
     "plan_step": "odc_accelerate.balance",
+    # Hugging Face integrations (importing them lets accelerate run FSDP2 on CPU; GPU runs are untouched)
+    "ODCPlugin": "odc_accelerate.integrations.accelerate",
+    "get_engine": "odc_accelerate.integrations.accelerate",
+    "ODCTrainerMixin": "odc_accelerate.integrations.trainer",
+    "ODCCallback": "odc_accelerate.integrations.trainer",
+    "ODCSFTConfig": "odc_accelerate.integrations.trl",
+    "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
 
-__all__ = ["LengthBalancedBatchSampler", "ODCEngine", "ODCTimeoutError", "loss_scale", "plan_step"]
+__all__ = [
+    "LengthBalancedBatchSampler",
+    "ODCCallback",
+    "ODCEngine",
+    "ODCPlugin",
+    "ODCSFTConfig",
+    "ODCSFTTrainer",
+    "ODCTimeoutError",
+    "ODCTrainerMixin",
+    "get_engine",
+    "loss_scale",
+    "plan_step",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .balance import plan_step
     from .engine import ODCEngine
+    from .integrations.accelerate import ODCPlugin, get_engine
+    from .integrations.trainer import ODCCallback, ODCTrainerMixin
+    from .integrations.trl import ODCSFTConfig, ODCSFTTrainer
     from .loss import loss_scale
     from .sampler import LengthBalancedBatchSampler
     from .transport.base import ODCTimeoutError
