@@ -72,27 +72,35 @@ def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
     return tokenizer
 
 
-def offline_texts(max_words: int = 600) -> list[str]:
+def offline_texts(max_words: int = 600, min_words: int = 30, seed: int = 0) -> list[str]:
     """Real English text with long-tailed lengths from Python's ``pydoc_data.topics``.
 
-    Each of the 79 help topics (sorted by name) is cut at paragraph boundaries (blank lines) into consecutive chunks
-    of at most ``max_words`` words; a single paragraph longer than that forms its own chunk. Most topics are short and
-    stay whole, so the lengths keep the long tail of the source (a few tens to ``max_words`` words).
+    The 79 help topics (sorted by name) are split at paragraph boundaries (blank lines) and the paragraphs of each
+    topic are grouped, in order, into chunks. Each chunk gets a target size drawn log-uniformly from
+    ``[min_words, max_words]`` words (``random.Random(seed)``, one draw per chunk) and takes whole paragraphs until
+    it reaches the target; a topic's last chunk may be shorter, and a single paragraph longer than the target stays
+    whole. Log-uniform targets give many short samples and a few long ones (a long tail, as in post-training data).
     """
+    import math
+    import random
     from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+
+    def target() -> int:
+        return int(math.exp(rng.uniform(math.log(min_words), math.log(max_words))))
 
     out: list[str] = []
     for name in sorted(topics):
         paragraphs = [p.strip() for p in re.split(r"\n\s*\n", topics[name]) if p.strip()]
         chunk: list[str] = []
-        words = 0
+        words, goal = 0, target()
         for paragraph in paragraphs:
-            n = len(paragraph.split())
-            if chunk and words + n > max_words:
-                out.append("\n\n".join(chunk))
-                chunk, words = [], 0
             chunk.append(paragraph)
-            words += n
+            words += len(paragraph.split())
+            if words >= goal:
+                out.append("\n\n".join(chunk))
+                chunk, words, goal = [], 0, target()
         if chunk:
             out.append("\n\n".join(chunk))
     return out
