@@ -178,7 +178,13 @@ def test_unequal_counts_match_single_process(runs):
         assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
         assert a["mean_token_accuracy"] == pytest.approx(b["mean_token_accuracy"], abs=1e-6)
         assert a["num_tokens"] == b["num_tokens"]
-    assert _max_rel(_params(odc), _params(single)) <= 1e-5
+    # Same weights up to fp32 summation order (different microbatch shapes and reduction order): the difference is
+    # a tiny fraction of the training update itself. A per-microbatch mean loss would be off by percents here.
+    a, b, init = _params(odc), _params(single), torch.load(single / "initial_params.pt")
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    assert _max_rel(a, b) <= 1e-4
 
 
 def test_odc_matches_plain_fsdp2_on_equal_counts(runs):

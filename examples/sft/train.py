@@ -107,6 +107,14 @@ def main(script_args, training_args, model_args, dataset_args):
     # Test hook: count torch.distributed calls made during microbatches (they must be zero under ODC).
     trainer.odc_record_dist_calls = os.environ.get("ODC_COUNT_DIST_CALLS", "0") == "1"
 
+    if os.environ.get("ODC_DUMP_PARAMS", "0") == "1" and trainer.accelerator.is_main_process:
+        # Test hook: the initial weights (before FSDP2 shards them), to measure updates in the parity tests.
+        initial = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+        os.makedirs(training_args.output_dir, exist_ok=True)
+        import torch
+
+        torch.save(initial, os.path.join(training_args.output_dir, "initial_params.pt"))
+
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("✅ Training completed.")
     trainer.save_state()  # OUT/trainer_state.json: log_history holds the per-step ODC metrics
