@@ -11,7 +11,10 @@ Tested against transformers 5.23.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRANSFORMERS = ((5, 23),)
 
@@ -52,8 +55,17 @@ def _missing(what: str) -> str:
 
 def check() -> None:
     """Raise `TransformersCompatError` if a Trainer internal the ODC mixin overrides is missing or changed shape."""
+    import transformers
     from transformers import Trainer
 
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) not in TESTED_TRANSFORMERS:
+        logger.warning(
+            "odc_accelerate was tested with transformers %s, found %s; the Trainer internals it overrides are checked "
+            "but their behaviour may differ.",
+            TESTED_TRANSFORMERS,
+            transformers.__version__,
+        )
     for name, params in _METHODS.items():
         fn = getattr(Trainer, name, None)
         if fn is None:

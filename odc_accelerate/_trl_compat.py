@@ -10,7 +10,10 @@ Tested against TRL 1.16.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRL = ((1, 16),)
 
@@ -30,8 +33,20 @@ def _version() -> tuple[int, int]:
 
 
 def check_sft(trainer: Any) -> None:
-    """Raise `TRLCompatError` if the SFT trainer lacks the metric attributes the ODC deferral rewrites."""
+    """Raise `TRLCompatError` if the SFT trainer lacks the metric attributes the ODC deferral rewrites.
+
+    The order of TRL's gathers cannot be checked from outside; on an untested TRL version a warning says so.
+    """
     import trl
+
+    if _version() not in TESTED_TRL:
+        logger.warning(
+            "odc_accelerate reads TRL %s's SFT metric gathers in the order of TRL %s (%s); if TRL changed them, the "
+            "logged entropy / mean_token_accuracy / num_tokens may be wrong (the loss and training are unaffected).",
+            trl.__version__,
+            TESTED_TRL,
+            ", ".join(SFT_TRAIN_GATHERS),
+        )
 
     for attr in ("_metrics", "_total_train_tokens"):
         if not hasattr(trainer, attr):
