@@ -5,8 +5,8 @@ One module-scoped set of runs serves several assertions:
 * ``odc``: ``--odc true`` (opt-in path 1), 5 samples per step so ranks run unequal microbatch counts; counts
   torch.distributed calls during microbatches; saves a checkpoint each step.
 * ``single``: one plain process on the same global batches (the reference for exact loss normalisation).
-* ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by a TRL ``--config recipe.yaml``, opt-in
-  path 2) on the same equal-count microbatches.
+* ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
+  file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
 * ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint.
 """
 
@@ -91,17 +91,13 @@ def runs(tmp_path_factory):
         out["plain_lockstep"],
         **DUMP,
     )
-    recipe = root / "recipe.yaml"
-    recipe.write_text("odc: true\nodc_balance: lockstep\n")
+    # ODC switched on by keys in the accelerate config file, through `odc-accelerate launch` (no --odc flag)
+    odc_lockstep_cfg = root / "odc_lockstep.yaml"
+    odc_lockstep_cfg.write_text(
+        (CONFIGS / "odc_cpu.yaml").read_text().replace("odc_balance: odc", "odc_balance: lockstep")
+    )
     procs["odc_lockstep"] = accelerate_launch(
-        CONFIGS / "fsdp2_cpu.yaml",
-        TRAIN,
-        "--config",
-        recipe,
-        *lockstep,
-        "--output_dir",
-        out["odc_lockstep"],
-        **DUMP,
+        odc_lockstep_cfg, TRAIN, *lockstep, "--output_dir", out["odc_lockstep"], launcher="odc", **DUMP
     )
     fsdp_json = root / "odc_fsdp.json"
     fsdp_json.write_text(json.dumps({"odc": {"enable": True, "transport": "shm"}}))
@@ -193,8 +189,9 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
     plain, odc = runs["out"]["plain_lockstep"], runs["out"]["odc_lockstep"]
     assert [r["engine"] for r in reports(plain, "odc_run_rank")] == [None, None]
     odc_reports = reports(odc, "odc_run_rank")
-    assert [r["engine"] for r in odc_reports] == ["ODCEngine", "ODCEngine"]  # switched on by the TRL recipe yaml
-    assert all(r["odc_options"]["balance"] == "lockstep" for r in odc_reports)
+    assert [r["engine"] for r in odc_reports] == ["ODCEngine", "ODCEngine"]
+    # switched on by the accelerate config's odc keys, exported by `odc-accelerate launch`
+    assert all(r["odc_options"]["source"] == "env" and r["odc_options"]["balance"] == "lockstep" for r in odc_reports)
     h_plain, h_odc = _history(plain), _history(odc)
     for a, b in zip(h_odc, h_plain, strict=True):
         assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
@@ -240,3 +237,32 @@ def test_bad_config_fails_before_training(tmp_path, args, env, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "trainer_state.json").exists()
+
+
+def test_trl_recipe_yaml_and_cli_switch_odc_on(tmp_path):
+    """Opt-in through a TRL ``--config recipe.yaml`` and through command-line flags, as train.py parses them."""
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        from train import make_parser
+    finally:
+        sys.path.pop(0)
+    from odc_accelerate.integrations.trainer import resolve_odc_options
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("odc: true\nodc_balance: lockstep\nodc_transport: shm\nodc_max_tokens_per_microbatch: 4096\n")
+    _, args, _, _ = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(tmp_path)])
+    opts = resolve_odc_options(args)
+    assert (opts.odc, opts.source, opts.balance, opts.transport, opts.max_tokens_per_microbatch) == (
+        True,
+        "args",
+        "lockstep",
+        "shm",
+        4096,
+    )
+    _, args, _, _ = make_parser().parse_args_and_config(
+        ["--odc", "true", "--odc_timeout", "30", "--output_dir", str(tmp_path)]
+    )
+    opts = resolve_odc_options(args)
+    assert (opts.odc, opts.source, opts.timeout, opts.balance) == (True, "args", 30.0, "odc")
+    _, args, _, _ = make_parser().parse_args_and_config(["--output_dir", str(tmp_path)])
+    assert resolve_odc_options(args).odc is False
