@@ -98,6 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[1:]
     env = dict(os.environ)
     config = _config_file(rest)
+    if config is None:
+        # Like accelerate launch: fall back to the default config written by `accelerate config`.
+        try:
+            from accelerate.commands.config import default_config_file
+        except ImportError:  # pragma: no cover - accelerate always has it in supported versions
+            default_config_file = None
+        if default_config_file and os.path.isfile(default_config_file):
+            config = default_config_file
     if config is not None:
         try:
             exported = odc_env_from_config(config)
