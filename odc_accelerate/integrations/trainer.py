@@ -131,7 +131,7 @@ def resolve_odc_options(args: Any) -> ODCOptions:
         balanced=odc or found.get("balance") is not None,
         balance=str(found.get("balance") or "odc"),
         transport=str(found.get("transport") or "auto"),
-        timeout=float(found.get("timeout") or 600.0),
+        timeout=float(found["timeout"]) if found.get("timeout") is not None else 600.0,
         max_tokens_per_microbatch=int(found["max_tokens_per_microbatch"])
         if found.get("max_tokens_per_microbatch") is not None
         else None,
