@@ -67,7 +67,8 @@ def version_warning() -> str | None:
     return None
 
 
-def _env_true(name: str) -> bool:
+def env_true(name: str) -> bool:
+    """Whether an environment variable holds a true value (accelerate's convention: true/1/yes/on)."""
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -106,7 +107,7 @@ def enable_fsdp2_on_cpu() -> None:
         if (
             distributed_type == DistributedType.NO
             and _launched_multiprocess()
-            and _env_true("ACCELERATE_USE_FSDP")
+            and env_true("ACCELERATE_USE_FSDP")
             and backend in (None, "gloo")
         ):
             # A launcher started several processes for FSDP, but there is no GPU: without this every process would
@@ -121,7 +122,7 @@ def enable_fsdp2_on_cpu() -> None:
         if getattr(self, "distributed_type", None) != DistributedType.MULTI_CPU:
             return
         plugin = kwargs.get("fsdp_plugin")
-        if plugin is None and _env_true("ACCELERATE_USE_FSDP"):
+        if plugin is None and env_true("ACCELERATE_USE_FSDP"):
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             plugin = FullyShardedDataParallelPlugin()
@@ -216,7 +217,7 @@ def default_fsdp_plugin(factory: Callable[[], Any]) -> None:
 
         @functools.wraps(current)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            if kwargs.get("fsdp_plugin") is None and not args and _env_true("ACCELERATE_USE_FSDP"):
+            if kwargs.get("fsdp_plugin") is None and not args and env_true("ACCELERATE_USE_FSDP"):
                 for make in _PLUGIN_FACTORIES:
                     plugin = make()
                     if plugin is not None:

@@ -147,7 +147,7 @@ def odc_plugin_from_env() -> ODCPlugin | None:
     """The plugin `odc-accelerate launch` asks for through `ODC_ENABLE=true`, else `None`."""
     if not _parse_bool(os.environ.get("ODC_ENABLE", "false"), "ODC_ENABLE"):
         return None
-    version = os.environ.get("FSDP_VERSION", "2") if compat._env_true("ACCELERATE_USE_FSDP") else None
+    version = os.environ.get("FSDP_VERSION", "2") if compat.env_true("ACCELERATE_USE_FSDP") else None
     if version is None:
         raise ValueError(
             "ODC_ENABLE=true but the launch is not FSDP: ODC needs `distributed_type: FSDP` and `fsdp_version: 2` in "

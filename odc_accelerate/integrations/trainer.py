@@ -176,7 +176,7 @@ class _DeferredGather:
             if self.current is not None and input_data.numel() == 1:
                 self.current.append(float(input_data.detach().float().sum()))
             return input_data.reshape(1) if input_data.dim() == 0 else input_data
-        return input_data if use_gather_object else input_data
+        return input_data  # objects: this rank's own, like a one-process gather
 
 
 class ODCTrainerMixin:
@@ -202,7 +202,6 @@ class ODCTrainerMixin:
         self._odc_sampler = None
         self._odc_pending: list[dict[str, float]] = []
         self._odc_step: dict[str, float] = {}
-        self._odc_deferred: _DeferredGather | None = None
         self.odc_microbatch_dist_calls: list[dict[str, int]] = []
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))
@@ -245,7 +244,7 @@ class ODCTrainerMixin:
             from .. import _accelerate_compat as acompat
 
             plugin_args = dict(getattr(self.args, "fsdp_plugin_args", None) or {})
-            launched_fsdp = acompat._env_true("ACCELERATE_USE_FSDP")
+            launched_fsdp = acompat.env_true("ACCELERATE_USE_FSDP")
             if not plugin_args and not launched_fsdp:
                 raise ValueError(
                     "ODC needs FSDP2, but this run does not use FSDP (plain DDP or a single process). Launch with an "
