@@ -1,6 +1,7 @@
 """``python -m odc_accelerate.bench engine``: ODC vs FSDP2 step time and memory on 2 CPU ranks.
 
-Arms (each a fresh pair of processes, one thread per rank, interleaved over repeats):
+Arms (one thread per rank; all four live in the same pair of processes and run interleaved step by
+step, rotating the order, so that machine noise hits every arm alike):
 
 * ``fsdp``: FSDP2 with its gloo all-gather / reduce-scatter;
 * ``odc``: the same model through :class:`~odc_accelerate.ODCEngine` (shared-memory transport);
@@ -13,9 +14,10 @@ Workloads, same sequences per rank and step in both, so per-rank totals are iden
 * balanced: both ranks run ``[long, short]`` (every microbatch slot matched);
 * imbalanced: rank 0 runs ``[long, short]``, rank 1 ``[short, long]`` (4:1 per slot at the default).
 
-Step time = first microbatch to end of the optimizer step, between two barriers; medians over
-measured steps of all repeats (warm-up steps dropped). Peak memory = max over ranks of the process
-peak RSS (shared-memory pages a rank maps count in its RSS).
+Step time = first microbatch to end of the optimizer step, between two barriers; medians over the
+measured steps (warm-up steps dropped). Peak memory comes from separate process pairs that run one
+arm each (peak RSS cannot be split between arms of one process): max over ranks of the process peak
+RSS, where shared-memory pages a rank maps count in its RSS.
 """
 
 from __future__ import annotations
@@ -37,57 +39,97 @@ def _rank_plan(workload: str, rank: int, long: int, short: int) -> list[int]:
     return [short, long]
 
 
-def _worker(rank: int, world_size: int, arm: str, cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+class _Arm:
+    """One arm's model, optimizer and engine inside a worker process."""
+
+    def __init__(self, arm: str, cfg: dict[str, Any]) -> None:
+        import torch
+
+        from ..engine import ODCEngine
+        from ..testing.models import ToyConfig, build_model, shard_model
+
+        self.model = build_model(ToyConfig(**cfg), seed=0)
+        self.engine = None
+        if arm != "limit":
+            self.model = shard_model(self.model)
+            if arm.startswith("odc"):
+                self.engine = ODCEngine(self.model, sync_every_hook=arm == "odc_layersync", timeout=600)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, batches: list, n_global: int, world_size: int) -> tuple[float, float]:
+        """One optimizer step between two barriers; returns (seconds, seconds blocked in ODC barriers)."""
+        import torch.distributed as dist
+
+        from ..loss import loss_scale
+        from ..testing.models import token_loss_sum
+
+        dist.barrier()
+        start = time.perf_counter()
+        for ids in batches:
+            loss, _ = token_loss_sum(self.model, ids)
+            (loss * loss_scale(n_global, world_size)).backward()
+        if self.engine is not None:
+            self.engine.pre_optimizer_step()
+        self.optim.step()
+        self.optim.zero_grad()
+        if self.engine is not None:
+            self.engine.post_optimizer_step()
+        elapsed = time.perf_counter() - start
+        dist.barrier()
+        wait = self.engine.last_step_stats.wait_s if self.engine is not None else 0.0
+        return elapsed, wait
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _batches(workload: str, rank: int, opts: dict[str, Any], vocab: int, gen) -> tuple[list, int]:
     import torch
-    import torch.distributed as dist
 
-    from ..engine import ODCEngine
-    from ..loss import loss_scale
-    from ..testing.models import ToyConfig, build_model, shard_model, token_loss_sum
+    lengths = _rank_plan(workload, rank, opts["long"], opts["short"])
+    batches = [torch.randint(0, vocab, (1, n + 1), generator=gen) for n in lengths]
+    return batches, 2 * sum(lengths)  # both ranks hold the same lengths in total
 
-    model = build_model(ToyConfig(**cfg), seed=0)
-    engine = None
-    if arm != "limit":
-        model = shard_model(model)
-        if arm.startswith("odc"):
-            engine = ODCEngine(model, sync_every_hook=arm == "odc_layersync", timeout=600)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+def _timing_worker(rank: int, world_size: int, cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """Every arm in the same process pair, interleaved step by step, so machine noise hits all arms alike."""
+    import torch
+
+    arms = {arm: _Arm(arm, cfg) for arm in ARMS}
     gen = torch.Generator().manual_seed(1234 + rank)
-    times: dict[str, list[float]] = {w: [] for w in WORKLOADS}
-    waits: dict[str, list[float]] = {w: [] for w in WORKLOADS}
-    total_steps = opts["warmup"] + opts["steps"]
-    for step in range(total_steps):
-        for workload in WORKLOADS:  # interleave the two workloads step by step
-            lengths = _rank_plan(workload, rank, opts["long"], opts["short"])
-            batches = [torch.randint(0, cfg["vocab"], (1, n + 1), generator=gen) for n in lengths]
-            n_global = 2 * sum(lengths)  # both ranks hold the same lengths in total
-            dist.barrier()
-            start = time.perf_counter()
-            for ids in batches:
-                loss, _ = token_loss_sum(model, ids)
-                (loss * loss_scale(n_global, world_size)).backward()
-            if engine is not None:
-                engine.pre_optimizer_step()
-            optim.step()
-            optim.zero_grad()
-            if engine is not None:
-                engine.post_optimizer_step()
-            elapsed = time.perf_counter() - start
-            dist.barrier()
-            if step >= opts["warmup"]:
-                times[workload].append(elapsed)
-                if engine is not None and engine.last_step_stats is not None:
-                    waits[workload].append(engine.last_step_stats.wait_s)
-    if engine is not None:
-        engine.close()
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "waits": waits, "peak_rss_mb": peak_rss_mb}
+    times = {a: {w: [] for w in WORKLOADS} for a in ARMS}
+    waits = {a: {w: [] for w in WORKLOADS} for a in ARMS}
+    for step in range(opts["warmup"] + opts["steps"]):
+        order = ARMS[step % len(ARMS) :] + ARMS[: step % len(ARMS)]  # rotate: no arm always runs first
+        for arm in order:
+            for workload in WORKLOADS if step % 2 else WORKLOADS[::-1]:
+                batches, n_global = _batches(workload, rank, opts, cfg["vocab"], gen)
+                elapsed, wait = arms[arm].step(batches, n_global, world_size)
+                if step >= opts["warmup"]:
+                    times[arm][workload].append(elapsed)
+                    waits[arm][workload].append(wait)
+    for a in arms.values():
+        a.close()
+    return {"times": times, "waits": waits}
+
+
+def _memory_worker(rank: int, world_size: int, arm: str, cfg: dict[str, Any], opts: dict[str, Any]) -> float:
+    """Peak RSS (MB) of a process that runs only ``arm`` (peak RSS cannot be split between arms of one process)."""
+    import torch
+
+    model = _Arm(arm, cfg)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for _ in range(2):
+        for workload in WORKLOADS:
+            model.step(*_batches(workload, rank, opts, cfg["vocab"], gen), world_size)
+    model.close()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m odc_accelerate.bench engine", description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every arm")
-    p.add_argument("--steps", type=int, default=6, help="measured steps per workload and repeat")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per arm and workload")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
@@ -98,7 +140,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny smoke run (for tests)")
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.warmup, args.layers, args.dim, args.long, args.short = 1, 2, 1, 2, 64, 64, 16
+        args.steps, args.warmup, args.layers, args.dim, args.long, args.short = 2, 1, 2, 64, 64, 16
         args.vocab = 256
     return args
 
@@ -108,21 +150,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = dict(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, mlp_ratio=4)
     opts = dict(warmup=args.warmup, steps=args.steps, long=args.long, short=args.short)
-    samples: dict[str, dict[str, list[float]]] = {a: {w: [] for w in WORKLOADS} for a in ARMS}
-    waits: dict[str, dict[str, list[float]]] = {a: {w: [] for w in WORKLOADS} for a in ARMS}
-    rss: dict[str, list[float]] = {a: [] for a in ARMS}
-    for rep in range(args.repeats):
-        order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]  # rotate so no arm always runs first
-        for arm in order:
-            results = launch(_worker, 2, arm, cfg, opts, timeout=1800, threads=1)
-            for w in WORKLOADS:
-                # the step ends with a barrier, so both ranks see the same step; take the slower
-                samples[arm][w] += [
-                    max(a, b) for a, b in zip(results[0]["times"][w], results[1]["times"][w], strict=True)
-                ]
-                waits[arm][w] += [x for r in results for x in r["waits"][w]]
-            rss[arm].append(max(r["peak_rss_mb"] for r in results))
+    results = launch(_timing_worker, 2, cfg, opts, timeout=3600, threads=1)
+    # Each step ends with a barrier, so both ranks time the same step; take the slower rank's view.
+    samples = {
+        a: {
+            w: [max(t) for t in zip(results[0]["times"][a][w], results[1]["times"][a][w], strict=True)]
+            for w in WORKLOADS
+        }
+        for a in ARMS
+    }
+    rss = {a: max(launch(_memory_worker, 2, a, cfg, opts, timeout=1800, threads=1)) for a in ("fsdp", "odc")}
     med = {a: {w: statistics.median(samples[a][w]) * 1e3 for w in WORKLOADS} for a in ARMS}
+    odc_waits = [x for r in results for x in r["waits"]["odc"]["imbalanced"]]
     summary = {
         "fsdp_balanced_ms": med["fsdp"]["balanced"],
         "fsdp_imbalanced_ms": med["fsdp"]["imbalanced"],
@@ -132,15 +171,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "odc_layersync_imbalanced_ms": med["odc_layersync"]["imbalanced"],
         "limit_balanced_ms": med["limit"]["balanced"],
         "limit_imbalanced_ms": med["limit"]["imbalanced"],
-        "fsdp_peak_rss_mb": statistics.median(rss["fsdp"]),
-        "odc_peak_rss_mb": statistics.median(rss["odc"]),
-        "odc_wait_imbalanced_ms": statistics.median(waits["odc"]["imbalanced"]) * 1e3,
+        "fsdp_peak_rss_mb": rss["fsdp"],
+        "odc_peak_rss_mb": rss["odc"],
+        "odc_wait_imbalanced_ms": statistics.median(odc_waits) * 1e3,
     }
     summary["ratio_odc_imbalanced_over_balanced"] = summary["odc_imbalanced_ms"] / summary["odc_balanced_ms"]
     summary["ratio_fsdp_over_odc_imbalanced"] = summary["fsdp_imbalanced_ms"] / summary["odc_imbalanced_ms"]
     summary["ratio_odc_over_fsdp_balanced"] = summary["odc_balanced_ms"] / summary["fsdp_balanced_ms"]
     summary["ratio_odc_over_fsdp_rss"] = summary["odc_peak_rss_mb"] / summary["fsdp_peak_rss_mb"]
-    summary["config"] = dict(cfg, **opts, repeats=args.repeats, samples_per_cell=len(samples["odc"]["balanced"]))
+    summary["config"] = dict(cfg, **opts, samples_per_cell=len(samples["odc"]["balanced"]))
     return summary
 
 
@@ -176,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     c = summary["config"]
     print(
         f"ODC engine benchmark: 2 CPU ranks x 1 thread, {c['layers']} blocks, dim {c['dim']}, "
-        f"microbatches long={c['long']} short={c['short']} tokens, {c['repeats']} interleaved repeats, "
-        f"{c['samples_per_cell']} steps per cell (medians)"
+        f"microbatches long={c['long']} short={c['short']} tokens, arms interleaved step by step, "
+        f"{c['samples_per_cell']} measured steps per cell (medians)"
     )
     print(_table(summary))
     print(json.dumps(summary))
