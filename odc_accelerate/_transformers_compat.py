@@ -121,3 +121,34 @@ def passthrough_skip_first_batches(attr: str = "_odc_skips_itself") -> None:
 
     trainer_mod.skip_first_batches = skip_first_batches
     _SKIP_PATCHED = True
+
+
+def batch_rebalance_global_plans(
+    lengths: list[int], effective_batch_size: int, dp_size: int, grad_accum: int
+) -> list[list[list[list[int]]]]:
+    """Every rank's microbatches from transformers' ``BatchRebalanceSampler``, step by step (for benchmarks).
+
+    The sampler computes the whole step's assignment on every rank (``_assign``) and yields its own row
+    (``_yield_global_batch``); capturing the row list once gives all ranks' plans without building one sampler per
+    rank. ``shuffle=False``: the caller passes lengths already in its step order.
+    """
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    for attr in ("_assign", "_yield_global_batch"):
+        if not hasattr(BatchRebalanceSampler, attr):
+            raise TransformersCompatError(_missing(f"BatchRebalanceSampler.{attr}"))
+
+    class _Capture(BatchRebalanceSampler):
+        def _yield_global_batch(self, batch_indices):
+            yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
+
+    sampler = _Capture(
+        lengths=list(lengths),
+        effective_batch_size=effective_batch_size,
+        dp_size=dp_size,
+        grad_accum=grad_accum,
+        shuffle=False,
+        rank=0,
+        drop_last=True,
+    )
+    return list(sampler)

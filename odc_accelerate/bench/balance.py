@@ -141,30 +141,16 @@ def _random_plan(n: int, world: int, per_device: int) -> list[list[list[int]]]:
 
 def _brs_plans(lengths: np.ndarray, world: int, per_device: int, samples_per_step: int) -> tuple[list, float]:
     """Plans of transformers' BatchRebalanceSampler for consecutive steps of ``lengths``, as the Trainer builds it."""
-    from transformers.trainer_pt_utils import BatchRebalanceSampler
+    from .._transformers_compat import batch_rebalance_global_plans
 
     grad_accum = samples_per_step // (world * per_device)
-
-    class _Capture(BatchRebalanceSampler):
-        # Every rank runs the same `_assign` on the same inputs and yields its own row; capturing the whole
-        # `rank_mbs` once gives all ranks' microbatches without building one sampler per rank.
-        def _yield_global_batch(self, batch_indices):
-            yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
-
     # The Trainer passes effective_batch_size = per_device * grad_accum * world, dp_size, grad_accum, rank and
-    # drop_last; shuffle=False here only because `lengths` is already in our shuffled step order, so that step s
+    # drop_last; no shuffling here only because `lengths` is already in our shuffled step order, so that step s
     # holds the same samples for every arm.
-    sampler = _Capture(
-        lengths=lengths.tolist(),
-        effective_batch_size=per_device * grad_accum * world,
-        dp_size=world,
-        grad_accum=grad_accum,
-        shuffle=False,
-        rank=0,
-        drop_last=True,
-    )
     start = time.perf_counter()
-    plans = list(sampler)
+    plans = batch_rebalance_global_plans(
+        lengths.tolist(), effective_batch_size=per_device * grad_accum * world, dp_size=world, grad_accum=grad_accum
+    )
     per_step_s = (time.perf_counter() - start) / max(1, len(plans))
     offset = [s * samples_per_step for s in range(len(plans))]
     local = [
