@@ -16,9 +16,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .base import BufferSpec, ODCTimeoutError, Transport
+from .base import HOST_ID_ENV, BufferSpec, ODCTimeoutError, Transport, host_id
 from .cuda import CudaTransport, cuda_unavailable_reason
-from .hierarchical import HOST_ID_ENV, HierarchicalTransport, gather_hosts, host_id, host_layout
+from .hierarchical import HierarchicalTransport, gather_hosts, host_layout
 from .network import NetworkTransport
 from .shm import ShmTransport
 

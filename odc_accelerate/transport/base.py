@@ -16,9 +16,29 @@ Every wait honours the transport's ``timeout``; a peer that never arrives or die
 from __future__ import annotations
 
 import abc
+import os
+import socket
 from collections.abc import Mapping, Sequence
 
 import torch
+
+HOST_ID_ENV = "ODC_HOST_ID"
+
+
+def host_id() -> str:
+    """Identity of the host this process runs on: ``$ODC_HOST_ID`` if set, else ``hostname/boot_id``.
+
+    Ranks with equal identities must be able to share ``/dev/shm``.
+    """
+    override = os.environ.get(HOST_ID_ENV)
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
 
 
 class ODCTimeoutError(RuntimeError):

@@ -20,40 +20,20 @@ otherwise the host name and the kernel boot id.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .base import BufferSpec, Transport
+from .base import BufferSpec, Transport, host_id
 from .network import NetworkTransport
 from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
+
 #: environment variable that overrides :func:`host_id`
-HOST_ID_ENV = "ODC_HOST_ID"
-
-
-def host_id() -> str:
-    """Identity of the host this process runs on: ``$ODC_HOST_ID`` if set, else ``hostname/boot_id``.
-
-    Ranks with equal identities must be able to share ``/dev/shm``.
-    """
-    override = os.environ.get(HOST_ID_ENV)
-    if override:
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
 def gather_hosts(group: dist.ProcessGroup | None, world_size: int) -> list[str]:
     """Collective: every rank's :func:`host_id`, indexed by rank in ``group``."""
     hosts: list[str] = [""] * world_size

@@ -26,7 +26,6 @@ import fcntl
 import logging
 import os
 import re
-import socket
 import time
 import uuid
 import weakref
@@ -35,7 +34,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from .base import BufferSpec, ODCTimeoutError, Transport
+from .base import BufferSpec, ODCTimeoutError, Transport, host_id
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +65,6 @@ def _proc_start_time(pid: int) -> int | None:
 def _pid_matches(pid: int, start_time: int) -> bool:
     """True while the process that created a segment still runs (pid reuse is told apart)."""
     return _proc_start_time(pid) == start_time
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _unlink_quietly(paths: list[str]) -> None:
@@ -179,7 +169,7 @@ class ShmTransport(Transport):
         spec_list = [(name, spec.numel, str(spec.dtype)) for name, spec in specs.items()]
         info = {
             "job": uuid.uuid4().hex[:16] if self.rank == 0 else None,
-            "host": _host_id(),
+            "host": host_id(),
             "pid": my_pid,
             "start": my_start,
             "specs": spec_list,
