@@ -18,6 +18,7 @@ from odc_accelerate.testing.transport_workers import barrier_cases, concurrent_a
 # plan[step][rank] = sequence lengths, one sequence per microbatch
 EQUAL2 = [[[12, 8], [10, 9]], [[7, 11], [13, 5]], [[9, 9], [6, 14]]]
 UNEQUAL2 = [[[12], [10, 9, 8]], [[7], [11, 13, 5]], [[9], [9, 6, 14]]]  # 1 vs 3 microbatches
+EQUAL4 = [[[12, 8], [10, 9], [7, 11], [13, 5]], [[9, 9], [6, 14], [8, 12], [11, 7]]]
 UNEQUAL4 = [[[12], [10, 9, 8], [], [7, 11]], [[13, 5, 9], [9], [6, 14], []]]  # 1/3/0/2 then 3/1/2/0
 
 NETNS = netns_unavailable_reason()
@@ -81,6 +82,14 @@ def test_netns_two_hosts_two_ranks_each(hosts):
     assert jobs[0] == jobs[1] != jobs[2] == jobs[3]
 
 
+def test_netns_two_hosts_two_ranks_each_match_fsdp2(hosts):
+    # equal work over 2 hosts x 2 ranks (shm inside a host, TCP across) matches 4-rank FSDP2
+    results = hosts.run([2, 2], train, dict(plan=EQUAL4, clip=0.5, mode="odc"), timeout=240)
+    odc = check_run(results, "hierarchical")
+    fsdp = launch(train, 4, dict(plan=EQUAL4, clip=0.5, mode="fsdp"), timeout=240)[0]["params"]
+    assert rel_diff(odc[0]["params"], fsdp) <= 1e-6
+
+
 # ------------------------------------------------------------------------ parity, distinct host ids (loopback)
 def test_host_ids_two_hosts_two_ranks_each_unequal_work():
     spec = dict(plan=UNEQUAL4, clip=0.5, mode="odc")
@@ -94,6 +103,13 @@ def test_host_ids_two_hosts_two_ranks_each_unequal_work():
 def test_host_ids_one_rank_each_match_fsdp2():
     odc = check_run(launch(train_as_host, 2, dict(plan=EQUAL2, clip=0.5, mode="odc"), ["A", "B"]), "network")
     assert rel_diff(odc[0]["params"], fsdp2(2, "EQUAL2")) <= 1e-6
+
+
+def test_host_ids_bf16_bit_identical_to_fsdp2():
+    spec = dict(plan=EQUAL2, clip=0.5, mode="odc", precision="bf16")
+    odc = check_run(launch(train_as_host, 2, spec, ["A", "B"], timeout=240), "network")
+    for name, expected in fsdp2(2, "EQUAL2", "bf16").items():
+        np.testing.assert_array_equal(odc[0]["params"][name], expected, err_msg=name)
 
 
 # ------------------------------------------------------------------------------------------------- dead peers
