@@ -266,3 +266,23 @@ def test_trl_recipe_yaml_and_cli_switch_odc_on(tmp_path):
     assert (opts.odc, opts.source, opts.timeout, opts.balance) == (True, "args", 30.0, "odc")
     _, args, _, _ = make_parser().parse_args_and_config(["--output_dir", str(tmp_path)])
     assert resolve_odc_options(args).odc is False
+
+
+def test_bf16_odc_bit_identical_to_plain_fsdp2(tmp_path):
+    # bf16 mixed precision (fp32 reduce), one sample per rank per step: ODC's whole-step sum equals FSDP2's
+    # reduce-scatter exactly, so losses and weights must match bit for bit.
+    args = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_balance", "lockstep"]
+    args += ["--save_strategy", "no"]
+    plain = accelerate_launch(CONFIGS / "fsdp2_cpu.yaml", TRAIN, *args, "--output_dir", tmp_path / "plain", **DUMP)
+    odc = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *args, "--output_dir", tmp_path / "odc", **DUMP
+    )
+    check_ok(plain)
+    check_ok(odc)
+    assert [r["engine"] for r in reports(tmp_path / "odc", "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
+    assert [r["engine"] for r in reports(tmp_path / "plain", "odc_run_rank")] == [None, None]
+    assert [h["loss"] for h in _history(tmp_path / "odc")] == [h["loss"] for h in _history(tmp_path / "plain")]
+    p_odc, p_plain = _params(tmp_path / "odc"), _params(tmp_path / "plain")
+    assert p_odc.keys() == p_plain.keys()
+    for name, expected in p_plain.items():
+        assert p_odc[name].dtype == expected.dtype and torch.equal(p_odc[name], expected), name
