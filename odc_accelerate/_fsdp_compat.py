@@ -131,6 +131,11 @@ def all_states(root: nn.Module) -> Iterator[Any]:
                 yield module, state
 
 
+def param_groups(state: Any) -> list[Any]:
+    """The FSDPParamGroups of one FSDP state (several only with per-param meshes)."""
+    return list(state._fsdp_param_groups)
+
+
 def lazy_init(root: nn.Module) -> None:
     """Run FSDP2's root lazy init now (it normally runs at the first forward); idempotent."""
     state = fsdp_state(root)

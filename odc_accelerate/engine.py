@@ -179,11 +179,13 @@ class ODCEngine:
         self.last_step_stats: StepStats | None = None
         self.steps = 0
 
-        entries = self._inspect(model)
-        self._pg = compat.shard_group(entries[0][1])
-        self.rank, self.world_size = self._pg.rank(), self._pg.size()
+        entries, problem = self._inspect(model)
+        # Agree across ranks before raising: a rank that raised alone would leave its peers waiting in the
+        # next collective.
+        self._pg = compat.shard_group(entries[0][1]) if entries else None
+        self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
+        self._check_same_model_everywhere(entries, problem)
         self._device = entries[0][1].device
-        self._check_same_model_everywhere(entries)
 
         specs: dict[str, BufferSpec] = {}
         for index, (module, group) in enumerate(entries):
@@ -226,6 +228,7 @@ class ODCEngine:
                 module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
             self._state = _IN_OPTIM  # so that the initial publish is the normal post-step path
             self.post_optimizer_step()
+            self.steps = 0
         except BaseException:
             self._state = _BROKEN
             self.close()
@@ -239,10 +242,17 @@ class ODCEngine:
         )
 
     # ------------------------------------------------------------------ set-up checks
-    def _inspect(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    def _inspect(self, model: nn.Module) -> tuple[list[tuple[nn.Module, Any]], str | None]:
+        """The (module, param group) pairs the engine serves, and the first reason to refuse the model, if any."""
+        try:
+            return self._entries(model), None
+        except ValueError as err:
+            return [], str(err)
+
+    def _entries(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
         entries: list[tuple[nn.Module, Any]] = []
         for module, state in compat.all_states(model):
-            groups = state._fsdp_param_groups
+            groups = compat.param_groups(state)
             if len(groups) > 1:
                 raise ValueError(
                     f"ODC supports one param group per fully_shard call, but {type(module).__name__} has "
@@ -272,8 +282,11 @@ class ODCEngine:
             raise ValueError("ODC needs every fully_shard call to use the same mesh / process group")
         return entries
 
-    def _check_same_model_everywhere(self, entries: list[tuple[nn.Module, Any]]) -> None:
-        """All ranks must build the same groups in the same order, or reads would mix layers."""
+    def _check_same_model_everywhere(self, entries: list[tuple[nn.Module, Any]], problem: str | None) -> None:
+        """All ranks must build the same groups in the same order, or reads would mix layers.
+
+        Also the one place where a set-up error found on some ranks only is raised on every rank.
+        """
         signature = [
             (
                 compat.group_fqn(g),
@@ -282,8 +295,13 @@ class ODCEngine:
             )
             for _, g in entries
         ]
-        signatures: list[Any] = [None] * self.world_size
-        dist.all_gather_object(signatures, signature, group=self._pg)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (signature, problem), group=self._pg)
+        problems = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
+        if problems:
+            rank, text = problems[0]
+            raise ValueError(text if rank == self.rank else f"rank {rank} refused the model: {text}")
+        signatures = [s for s, _ in gathered]
         different = [r for r, s in enumerate(signatures) if s != signatures[0]]
         if different:
             first = signatures[different[0]]

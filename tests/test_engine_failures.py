@@ -28,6 +28,7 @@ CASES = {
     "hsdp": ("ValueError", ["1-D", "HSDP"]),
     "several_param_groups": ("ValueError", ["one param group"]),
     "different_models": ("ValueError", ["same FSDP2 model", "rank(s) [1]"]),
+    "offload_on_rank1_only": ("ValueError", ["CPUOffloadPolicy"]),
     "unknown_transport": ("ValueError", ["carrier-pigeon", "shm"]),
     "bad_timeout": ("ValueError", ["timeout"]),
     "nested_module": ("ValueError", ["ROOT"]),

@@ -55,6 +55,15 @@ def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[
         elif case == "different_models":
             model = shard_model(build_model(ToyConfig(layers=2 + rank)))
             out[case] = _outcome(lambda m=model: ODCEngine(m))
+        elif case == "offload_on_rank1_only":  # refused on one rank: every rank must raise, none may hang
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+            model = build_model(cfg)
+            policy = CPUOffloadPolicy(pin_memory=False) if rank == 1 else OffloadPolicy()
+            for block in model.blocks:
+                fully_shard(block, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            out[case] = _outcome(lambda m=model: ODCEngine(m))
         elif case == "unknown_transport":
             model = shard_model(build_model(cfg))
             out[case] = _outcome(lambda m=model: ODCEngine(m, transport="carrier-pigeon"))
