@@ -67,7 +67,7 @@ def barrier_cases(rank: int, world_size: int, cases: list[str]) -> dict[str, Any
 
 
 def barrier_behaviour(rank: int, world_size: int, case: str) -> dict[str, Any]:
-    """``late``: rank 1 arrives after rank 0's timeout. ``closed``: rank 1 closes instead of arriving.
+    """``late``: rank 1 arrives after rank 0's timeout (both fail, each naming the other's part). ``closed``: rank 1 closes instead of arriving.
     ``stray``: a connection with the wrong job id is refused and the transport keeps working."""
     transport = NetworkTransport(rank, world_size, timeout=1.5)
     buffers = transport.register({"x": BufferSpec(8, torch.float32)})

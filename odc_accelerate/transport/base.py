@@ -124,6 +124,9 @@ class Transport(abc.ABC):
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier`` as often as this one.
 
+        On return, every ``accumulate`` that any rank issued before its call has been applied to this rank's own
+        buffers, and everything peers wrote into their own buffers before their call is visible to ``read``.
+
         Raises:
             ODCTimeoutError: a rank did not arrive within ``timeout`` or died; names the rank(s).
         """

@@ -452,9 +452,17 @@ class NetworkTransport(Transport):
     def barrier(self) -> None:
         if self._closed:
             raise RuntimeError("the NetworkTransport is closed")
+        # Two rounds. After round one, a rank's OWN buffers hold every add sent to it before the barrier (each
+        # peer's adds precede its arrival on the same ordered connection), but a third rank may return from round
+        # one before that owner has applied them. A round-two arrival is sent only once its sender's buffers are
+        # complete, so after round two any rank may read any peer's buffer.
+        deadline = time.monotonic() + self.timeout
+        self._barrier_round(deadline)
+        self._barrier_round(deadline)
+
+    def _barrier_round(self, deadline: float) -> None:
         self._counter += 1
         target = self._counter
-        deadline = time.monotonic() + self.timeout
         for peer, conn in self._peers.items():
             with conn.lock:
                 try:
