@@ -323,12 +323,17 @@ class ODCEngine:
         if self._state in (_CLOSED, _BROKEN):
             raise RuntimeError(f"the ODCEngine is {self._state}; FSDP2 hooks cannot run through it any more")
 
-    def _gather(self, index: int, output: torch.Tensor) -> None:
+    def _enter_hook(self) -> float:
+        """Common start of both hooks: refuse a closed engine, optionally sync (benchmark arm), start the clock."""
         self._check_usable()
-        g = self._groups[index]
         start = time.perf_counter()
         if self.sync_every_hook:
             self._barrier(count_wait=False)
+        return start
+
+    def _gather(self, index: int, output: torch.Tensor) -> None:
+        start = self._enter_hook()
+        g = self._groups[index]
         rows = output.view(self.world_size, -1)
         if rows.shape[1] != g.gather_numel or output.dtype != g.gather_dtype:
             raise RuntimeError(
@@ -345,7 +350,6 @@ class ODCEngine:
 
     def _scatter_accumulate(self, index: int, inp: torch.Tensor, out: torch.Tensor, op: Any) -> None:
         self._check_usable()
-        g = self._groups[index]
         if self._state != _IN_STEP:
             raise RuntimeError(
                 "a backward ran after engine.pre_optimizer_step() and before engine.post_optimizer_step(); "
@@ -353,9 +357,8 @@ class ODCEngine:
             )
         if op != dist.ReduceOp.SUM:
             raise RuntimeError(f"ODC expects sum reductions (the engine owns the divisor), FSDP2 passed {op}")
-        start = time.perf_counter()
-        if self.sync_every_hook:
-            self._barrier(count_wait=False)
+        start = self._enter_hook()
+        g = self._groups[index]
         rows = inp.view(self.world_size, -1)
         if rows.shape[1] != g.reduce_numel or inp.dtype != g.reduce_dtype:
             raise RuntimeError(

@@ -253,24 +253,18 @@ class ShmTransport(Transport):
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, index)
 
     def _lock(self, fd: int, index: int, owner: int, name: str) -> None:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, index)
-            return
-        except OSError as err:
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-        # Contended: poll with backoff. The kernel drops a dead holder's lock, so only a holder that
-        # hangs while adding can exhaust the timeout.
+        # Non-blocking tries with backoff when contended (a blocking lock could not honour the timeout). The
+        # kernel drops a dead holder's lock, so only a holder that hangs while adding can exhaust the timeout.
         deadline = time.monotonic() + self.timeout
         pause = 2e-5
         while True:
-            time.sleep(pause)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, index)
                 return
             except OSError as err:
                 if err.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
+            time.sleep(pause)
             if time.monotonic() > deadline:
                 raise ODCTimeoutError(
                     f"rank {self.rank} waited {self.timeout:.0f}s for the lock on rank {owner}'s buffer {name!r}",
