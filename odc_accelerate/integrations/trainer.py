@@ -24,6 +24,8 @@ What the mixin changes, and why:
   (non-padding input tokens of all ranks per second of wall time), ``odc/microbatches_min|max``, per-rank
   ``odc/busy_s_rank<r>`` and ``odc/wait_s_rank<r>`` (wait = time in ODC's step-boundary barriers; busy = step time
   - wait), ``odc/bubble_pct`` = 100 x (1 - mean busy / step time). Values are per logging interval (sums of seconds).
+  Plain FSDP2 runs through this mixin log the same keys (wait = 0 unless ``ODC_TIME_COLLECTIVES=1`` times FSDP2's
+  collectives, see `odc_accelerate.telemetry`), so that the end-to-end benchmark compares like with like.
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
   sampler is deterministic (seed, epoch, step), so skipping the trained steps resumes the exact data order.
 """
@@ -202,6 +204,7 @@ class ODCTrainerMixin:
         self._odc_sampler = None
         self._odc_pending: list[dict[str, float]] = []
         self._odc_step: dict[str, float] = {}
+        self._odc_timer: Any = None  # telemetry.CollectiveTimer on timed plain-FSDP2 runs
         self.odc_microbatch_dist_calls: list[dict[str, int]] = []
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))
@@ -347,9 +350,13 @@ class ODCTrainerMixin:
 
     # ------------------------------------------------------------------ step
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        if not self.odc_options.balanced:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
         self._odc_step = {"start": time.perf_counter()}
+        if not self.odc_options.balanced:
+            # The Trainer's own microbatching: timed the same way, so plain runs log comparable step figures.
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self._odc_step.update(microbatches=len(batches), tokens=sum(_input_tokens(b) for b in batches))
+            self._odc_start_collective_timer()
+            return batches, num_items
         batch_samples = []
         for _ in range(num_batches):
             try:
@@ -359,15 +366,33 @@ class ODCTrainerMixin:
         if not batch_samples:
             return batch_samples, None
         microbatches = [mb for item in batch_samples for mb in item]
-        local = sum(tcompat.count_label_tokens(self, mb) for mb in microbatches)
+        local = self._odc_num_items(microbatches)
         tokens = sum(_input_tokens(mb) for mb in microbatches)
-        counts = torch.tensor([local, tokens], dtype=torch.float64, device=device)
+        counts = torch.tensor([local], dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
-            # The one collective of the step before its microbatches: the global label-token count.
+            # The one collective of the step before its microbatches: the global count of loss items.
             counts = self.accelerator.reduce(counts, reduction="sum")
-        self._odc_step.update(microbatches=len(microbatches), global_input_tokens=float(counts[1]))
+        self._odc_step.update(microbatches=len(microbatches), tokens=tokens)
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items
+
+    def _odc_num_items(self, microbatches: list[Any]) -> int:
+        """What this rank's loss of the step is normalised over: label tokens (a token-mean loss). The DPO trainer
+        counts pairs instead."""
+        return sum(tcompat.count_label_tokens(self, mb) for mb in microbatches)
+
+    def _odc_start_collective_timer(self) -> None:
+        """On plain FSDP2 runs with ``ODC_TIME_COLLECTIVES=1`` (the end-to-end benchmark), time FSDP2's collectives so
+        that per-rank wait is reported as it is for ODC (see `odc_accelerate.telemetry`)."""
+        if self._odc_timer is not None or self.odc_engine is not None:
+            return
+        if os.environ.get("ODC_TIME_COLLECTIVES", "0") != "1":
+            return
+        from .. import _fsdp_compat
+        from ..telemetry import CollectiveTimer
+
+        if _fsdp_compat.is_fsdp2(self.model):
+            self._odc_timer = CollectiveTimer(self.model)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if not isinstance(inputs, list):
@@ -435,15 +460,18 @@ class ODCTrainerMixin:
             return
         end = time.perf_counter()
         step_s = end - self._odc_step["start"]
-        stats = engine.last_step_stats if engine is not None else None
-        wait = float(stats.wait_s) if stats is not None else 0.0
+        if engine is not None:
+            stats = engine.last_step_stats
+            wait = float(stats.wait_s) if stats is not None else 0.0
+        else:
+            wait = self._odc_timer.take() if self._odc_timer is not None else 0.0
         self._odc_pending.append(
             {
                 "step_s": step_s,
                 "wait_s": wait,
                 "busy_s": step_s - wait,
                 "microbatches": float(self._odc_step.get("microbatches", 0)),
-                "tokens": float(self._odc_step.get("global_input_tokens", 0.0)),
+                "tokens": float(self._odc_step.get("tokens", 0.0)),
             }
         )
         self._odc_step = {}
@@ -458,13 +486,14 @@ class ODCTrainerMixin:
         keys = ("step_s", "busy_s", "wait_s")
         local = [sum(p[k] for p in pending) for k in keys]
         mbs = [p["microbatches"] for p in pending]
-        row = torch.tensor(local + [min(mbs), max(mbs)], dtype=torch.float64, device=self.args.device)
+        tokens = sum(p["tokens"] for p in pending)
+        row = torch.tensor(local + [min(mbs), max(mbs), tokens], dtype=torch.float64, device=self.args.device)
         rows = row[None]
         if self.accelerator.num_processes > 1:
             rows = self.accelerator.gather(row[None])  # step boundary: one gather per logged interval
         rows = rows.reshape(-1, row.numel()).cpu()
         step_s = float(rows[:, 0].max())
-        tokens = sum(p["tokens"] for p in pending)
+        tokens = float(rows[:, 5].sum())  # input tokens of every rank
         out: dict[str, float] = {
             "odc/tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else 0.0,
             "odc/step_s": round(step_s / len(pending), 4),
