@@ -123,6 +123,11 @@ class ODCEngine:
         sync_every_hook (`bool`, *optional*, defaults to `False`):
             Benchmark-only: add a barrier inside every hook (per-layer sync like FSDP2, same data path),
             to isolate what once-per-step sync buys. Requires equal microbatch counts on every rank.
+        frozen (`bool`, *optional*, defaults to `False`):
+            Gather-only mode for a model that is never trained, e.g. DPO's reference model: no parameter may
+            require grad, no accumulator is allocated, the shards are published once here, and forwards read
+            them with no synchronisation at all (there is no optimizer step to call). After changing the
+            weights (e.g. syncing a reference model), call `republish` on every rank.
 
     Example:
 
@@ -154,6 +159,7 @@ class ODCEngine:
         timeout: float = 600.0,
         *,
         sync_every_hook: bool = False,
+        frozen: bool = False,
     ) -> None:
         self._state = _CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[_Group] = []
@@ -175,6 +181,15 @@ class ODCEngine:
         self.model = model
         self.timeout = float(timeout)
         self.sync_every_hook = sync_every_hook
+        self.frozen = bool(frozen)
+        if self.frozen:
+            trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+            if trainable:
+                raise ValueError(
+                    f"ODCEngine(frozen=True) serves models that are never trained, but {len(trainable)} parameter(s) "
+                    f"require grad (first: {trainable[0]}). Call model.requires_grad_(False) before fully_shard, or "
+                    "use frozen=False for a trained model."
+                )
         self.stats = StepStats()
         self.last_step_stats: StepStats | None = None
         self.steps = 0
@@ -205,7 +220,7 @@ class ODCEngine:
             )
             self._groups.append(g)
             specs[f"p{index}"] = BufferSpec(g.gather_numel, g.gather_dtype)
-            if rdtype is not None:
+            if rdtype is not None and not self.frozen:
                 specs[f"g{index}"] = BufferSpec(g.reduce_numel, rdtype, accumulated=True)
         specs["touched"] = BufferSpec(len(self._groups), torch.uint8)
 
@@ -225,19 +240,21 @@ class ODCEngine:
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_reduce_scatter_unused_params(True, recurse=False)
                 module.set_custom_all_gather(_ODCAllGather(self, g.index))
-                module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
+                if not self.frozen:
+                    module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
             self._state = _IN_OPTIM  # so that the initial publish is the normal post-step path
-            self.post_optimizer_step()
+            self._publish()
             self.steps = 0
         except BaseException:
             self._state = _BROKEN
             self.close()
             raise
         logger.info(
-            "ODC engine on rank %d/%d: %d param groups, transport %s",
+            "ODC engine on rank %d/%d: %d param groups%s, transport %s",
             self.rank,
             self.world_size,
             len(self._groups),
+            " (frozen, gather-only)" if self.frozen else "",
             self.transport.name,
         )
 
@@ -394,7 +411,7 @@ class ODCEngine:
         After this call ``.grad`` equals what FSDP2 would hold for the same total work. Call it once
         per optimizer step, after the last backward and before clipping / ``optimizer.step()``.
         """
-        self._check_usable()
+        self._check_trainable("pre_optimizer_step")
         if self._state != _IN_STEP:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
         touched = self._buffers["touched"]
@@ -422,7 +439,19 @@ class ODCEngine:
     @torch.no_grad()
     def post_optimizer_step(self) -> None:
         """Publish the new shards; peers may read them once every rank has returned from this call."""
+        self._check_trainable("post_optimizer_step")
+        self._publish()
+
+    def _check_trainable(self, what: str) -> None:
         self._check_usable()
+        if self.frozen:
+            raise RuntimeError(
+                f"{what}() on a frozen (gather-only) ODCEngine: it has no optimizer step. Call republish() on every "
+                "rank if its weights changed."
+            )
+
+    @torch.no_grad()
+    def _publish(self) -> None:
         if self._state != _IN_OPTIM:
             raise RuntimeError("post_optimizer_step() called without pre_optimizer_step() before it")
         start = time.perf_counter()

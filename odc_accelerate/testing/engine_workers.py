@@ -151,3 +151,49 @@ def reference(spec: dict[str, Any]) -> dict[str, np.ndarray]:
         optim.step()
         optim.zero_grad()
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+
+
+def frozen_forward(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Forward a frozen FSDP2 model served by a gather-only ODC engine: per-sequence summed token losses.
+
+    ``spec["plan"][rank]`` lists this rank's sequence lengths (counts may differ per rank, including zero); the
+    model is never trained. Returns the losses, the torch.distributed calls made during the forwards, the transport's
+    buffer names and the errors the engine raised for misuse.
+    """
+    cfg = ToyConfig(**spec.get("cfg", {}))
+    model = build_model(cfg, seed=spec.get("seed", 0))
+    model.requires_grad_(False)
+    model = shard_model(model, mp_policy=_mp_policy(spec.get("precision", "fp32")))
+    engine = ODCEngine(model, timeout=60.0, frozen=True)
+    steps = make_steps([spec["plan"]], cfg.vocab, seed=spec.get("data_seed", 1))
+    losses = []
+    with count_dist_calls() as calls, torch.no_grad():
+        for ids in steps[0][rank]:
+            loss, _ = token_loss_sum(model, ids)
+            losses.append(float(loss))
+    errors = {}
+    for name in ("pre_optimizer_step", "post_optimizer_step"):
+        try:
+            getattr(engine, name)()
+        except RuntimeError as err:
+            errors[name] = str(err)
+    result = {
+        "losses": losses,
+        "counts": dict(calls),
+        "buffers": sorted(engine._buffers),
+        "errors": errors,
+        "gathers": engine.stats.gathers,
+    }
+    engine.close()
+    dist.barrier()
+    return result
+
+
+def frozen_refuses_trainable(rank: int, world_size: int, spec: dict[str, Any]) -> str:
+    """``ODCEngine(frozen=True)`` on a model with trainable parameters: the error message."""
+    model = shard_model(build_model(ToyConfig(), seed=0))
+    try:
+        ODCEngine(model, timeout=60.0, frozen=True)
+    except ValueError as err:
+        return str(err)
+    return "no error"
