@@ -160,8 +160,11 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
     used once.
 
     Args:
-        lengths (`Sequence[int]` or `np.ndarray`):
-            Token count of every dataset row (see `from_dataset` to compute them from a `datasets.Dataset`).
+        lengths (`Sequence[int]`, `np.ndarray` or 2-D array of shape ``(rows, k)``):
+            Token count of every dataset row (see `from_dataset` to compute them from a `datasets.Dataset`). A row made
+            of ``k`` sequences that always travel together (a DPO pair: chosen and rejected) is given as ``k``
+            lengths: its tokens are their sum and its cost the sum of their costs, since each sequence is its own
+            row of the batch (attention does not span them).
         world_size (`int`):
             Number of data-parallel ranks.
         rank (`int`):
@@ -202,7 +205,17 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         model_config: Any = None,
         allow_oversize: bool = True,
     ):
-        lengths = _as_lengths(lengths)
+        parts = np.asarray(lengths)
+        if parts.ndim == 2:
+            if parts.shape[1] < 1:
+                raise ValueError(
+                    f"2-D `lengths` must have at least one column (sequences per row), got {parts.shape}."
+                )
+            parts = _as_lengths(parts.reshape(-1)).reshape(parts.shape)
+            lengths = parts.sum(axis=1)
+        else:
+            lengths = _as_lengths(lengths)
+            parts = lengths[:, None]
         if lengths.size == 0:
             raise ValueError("The dataset is empty (no lengths): there is nothing to sample.")
         _check_plan_args(world_size, max_tokens_per_microbatch, mode)
@@ -236,7 +249,8 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         # Costs of the whole dataset, once: a user callable is then called once per distinct length.
-        self.costs = _check_costs(resolve_cost(cost, model_config)(lengths))
+        per_sequence = resolve_cost(cost, model_config)(parts.reshape(-1)).reshape(parts.shape)
+        self.costs = _check_costs(np.asarray(per_sequence, dtype=np.float64).sum(axis=1))
         self.costs.setflags(write=False)
         self.epoch = 0
         self._resume_step = 0  # where the next __iter__ starts within `epoch` (set by load_state_dict)
@@ -284,10 +298,12 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         if lengths is not None:
             if length_column is not None or length_fn is not None:
                 raise ValueError("Pass precomputed `lengths` or a way to compute them (`length_column`/`length_fn`).")
-            lengths = _as_lengths(lengths)
-            if lengths.size != rows:
+            lengths = np.asarray(lengths)
+            if lengths.ndim != 2:
+                lengths = _as_lengths(lengths)
+            if lengths.shape[0] != rows:
                 raise ValueError(
-                    f"`lengths` has {lengths.size} entries but the dataset has {rows} rows; recompute the lengths "
+                    f"`lengths` has {lengths.shape[0]} entries but the dataset has {rows} rows; recompute the lengths "
                     "for this dataset (e.g. after filtering or selecting rows)."
                 )
         else:

@@ -267,3 +267,32 @@ def test_from_plain_map_style_dataset():
     np.testing.assert_array_equal(s.lengths, [3, 9, 1, 4, 4, 7])
     t = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_fn=lambda r: 2 * len(r["input_ids"]))
     np.testing.assert_array_equal(t.lengths, [6, 18, 2, 8, 8, 14])
+
+
+def test_pair_lengths_count_tokens_and_costs_of_both_sequences():
+    # DPO pairs: tokens = chosen + rejected, cost = cost(chosen) + cost(rejected) (not cost of the sum).
+    rng = np.random.default_rng(3)
+    pairs = rng.integers(5, 400, size=(40, 2))
+
+    def cost(n: int) -> float:
+        return n + n * n / 100.0
+
+    sampler = LengthBalancedBatchSampler(
+        pairs, world_size=2, rank=0, samples_per_step=8, max_tokens_per_microbatch=900, cost=cost
+    )
+    np.testing.assert_array_equal(sampler.lengths, pairs.sum(axis=1))
+    expected = np.array([cost(int(a)) + cost(int(b)) for a, b in pairs])
+    np.testing.assert_allclose(sampler.costs, expected)
+    # every microbatch of every step respects the budget in pair tokens; every pair is used once per epoch
+    seen = []
+    for rank in range(2):
+        r = LengthBalancedBatchSampler(
+            pairs, world_size=2, rank=rank, samples_per_step=8, max_tokens_per_microbatch=900, cost=cost
+        )
+        for step in r:
+            for mb in step:
+                assert len(mb) == 1 or pairs[mb].sum() <= 900
+                seen.extend(mb)
+    assert sorted(seen) == list(range(40))
+    with pytest.raises(ValueError, match="at least one column"):
+        LengthBalancedBatchSampler(np.zeros((4, 0), dtype=int), world_size=2, rank=0, samples_per_step=2)
