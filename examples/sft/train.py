@@ -17,12 +17,12 @@ was switched on) and the per-step microbatch counts.
 
 from __future__ import annotations
 
-import json
 import os
 
 # Import first: it lets accelerate run FSDP2 on CPU (gloo) before the training arguments create the process group.
 from odc_accelerate.integrations import accelerate as _odc_accelerate  # noqa: F401
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
+from odc_accelerate.testing.run_report import dump_initial_params, write_run_report
 
 _TRL_DEFAULT_MAX_LENGTH = 1024
 _TRL_DEFAULT_BATCH = 8
@@ -107,18 +107,12 @@ def main(script_args, training_args, model_args, dataset_args):
     # Test hook: count torch.distributed calls made during microbatches (they must be zero under ODC).
     trainer.odc_record_dist_calls = os.environ.get("ODC_COUNT_DIST_CALLS", "0") == "1"
 
-    if os.environ.get("ODC_DUMP_PARAMS", "0") == "1" and trainer.accelerator.is_main_process:
-        # Test hook: the initial weights (before FSDP2 shards them), to measure updates in the parity tests.
-        initial = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
-        os.makedirs(training_args.output_dir, exist_ok=True)
-        import torch
-
-        torch.save(initial, os.path.join(training_args.output_dir, "initial_params.pt"))
+    dump_initial_params(trainer)  # test hook (ODC_DUMP_PARAMS=1): weights before FSDP2 shards them
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("✅ Training completed.")
     trainer.save_state()  # OUT/trainer_state.json: log_history holds the per-step ODC metrics
-    _write_run_report(trainer)
+    write_run_report(trainer)
 
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"💾 Model saved to {training_args.output_dir}.")
@@ -132,40 +126,6 @@ def main(script_args, training_args, model_args, dataset_args):
         trainer.end()
     else:
         trainer.accelerator.end_training()
-
-
-def _write_run_report(trainer) -> None:
-    """What this process actually ran with, for users and for the tests (asserted from inside the run)."""
-    import dataclasses
-
-    import torch
-
-    state = trainer.accelerator.state
-    plugin = getattr(state, "fsdp_plugin", None)
-    engine = trainer.odc_engine
-    report = {
-        "rank": trainer.accelerator.process_index,
-        "world_size": trainer.accelerator.num_processes,
-        "distributed_type": str(state.distributed_type),
-        "fsdp_plugin": type(plugin).__name__ if plugin is not None else None,
-        "fsdp_version": getattr(plugin, "fsdp_version", None),
-        "engine": type(engine).__name__ if engine is not None else None,
-        "transport": type(engine.transport).__name__ if engine is not None and engine.transport is not None else None,
-        "odc_options": dataclasses.asdict(trainer.odc_options),
-        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
-        "microbatch_dist_calls": trainer.odc_microbatch_dist_calls,
-    }
-    if os.environ.get("ODC_DUMP_PARAMS", "0") == "1":
-        # Full (unsharded) parameters, for the parity tests.
-        params = {}
-        for name, p in trainer.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            params[name] = full.detach().to(torch.float32).cpu()
-        if trainer.accelerator.is_main_process:
-            torch.save(params, os.path.join(trainer.args.output_dir, "final_params.pt"))
-    os.makedirs(trainer.args.output_dir, exist_ok=True)
-    with open(os.path.join(trainer.args.output_dir, f"odc_run_rank{report['rank']}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
 
 
 def make_parser():

@@ -17,7 +17,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_offline_tokenizer", "offline_sft_dataset", "tiny_qwen2_config", "offline_texts"]
+__all__ = [
+    "load_offline_tokenizer",
+    "offline_dpo_dataset",
+    "offline_preference_pairs",
+    "offline_sft_dataset",
+    "offline_texts",
+    "tiny_qwen2_config",
+]
 
 QWEN_VOCAB_SIZE = 151936  # Qwen2's embedding rows: 151,643 BPE ranks + special tokens, padded
 
@@ -111,6 +118,40 @@ def offline_sft_dataset(max_words: int = 600) -> Any:
     from datasets import Dataset
 
     return Dataset.from_dict({"text": offline_texts(max_words)})
+
+
+def offline_preference_pairs(max_words: int = 600, prompt_fraction: float = 0.25) -> list[dict[str, str]]:
+    """Preference pairs built from real text (`offline_texts`): the true continuation is preferred over a foreign one.
+
+    For each text chunk, the prompt is its opening (about ``prompt_fraction`` of its words, 8 to 64, cut at a space
+    between two words so the original spacing is kept), ``chosen`` is the rest of the same chunk (what the document really says
+    next) and ``rejected`` is the continuation of the chunk half the corpus away (fluent text from another help topic
+    that does not follow the prompt). Chosen and rejected lengths are independent draws of the same long-tailed
+    distribution, so pairs range from a few dozen to over a thousand tokens.
+    """
+    texts = offline_texts(max_words)
+    cuts = []
+    for text in texts:
+        # Cut only at a single space between two letters or digits: prompt and completion then tokenize the same
+        # alone as joined (BPE merges punctuation with the whitespace after it).
+        spaces = [m.start() for m in re.finditer(r"(?<=[A-Za-z0-9]) (?=[A-Za-z0-9])", text)]
+        n = min(64, max(8, int(len(text.split()) * prompt_fraction)))
+        cut = spaces[min(n, len(spaces) - 1)] if spaces else len(text) // 2
+        cuts.append((text[:cut], text[cut:]))
+    half = len(texts) // 2
+    return [
+        {"prompt": prompt, "chosen": rest, "rejected": cuts[(i + half) % len(cuts)][1]}
+        for i, (prompt, rest) in enumerate(cuts)
+        if rest.strip() and cuts[(i + half) % len(cuts)][1].strip()
+    ]
+
+
+def offline_dpo_dataset(max_words: int = 600) -> Any:
+    """`datasets.Dataset` with ``prompt`` / ``chosen`` / ``rejected`` columns of `offline_preference_pairs`."""
+    from datasets import Dataset
+
+    pairs = offline_preference_pairs(max_words)
+    return Dataset.from_dict({key: [p[key] for p in pairs] for key in ("prompt", "chosen", "rejected")})
 
 
 def tiny_qwen2_config(

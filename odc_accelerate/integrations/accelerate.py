@@ -38,7 +38,15 @@ from .. import _accelerate_compat as compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCPlugin", "get_engine", "odc_plugin_from_env", "BALANCE_MODES"]
+__all__ = [
+    "BALANCE_MODES",
+    "ODCPlugin",
+    "get_engine",
+    "get_frozen_engines",
+    "odc_plugin_from_env",
+    "prepare_frozen_model",
+    "release_frozen_model",
+]
 
 BALANCE_MODES = ("odc", "lockstep")
 _TRUE = ("1", "true", "yes", "on")
@@ -182,6 +190,48 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
     logger.info("ODC engine attached (transport=%s, %d param groups).", plugin.transport, len(engine.param_groups))
 
 
+_FROZEN_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_frozen_model(accelerator: Any, model: Any) -> Any:
+    """Shard a model that is never trained (e.g. DPO's reference model) per layer, like accelerate shards the policy.
+
+    The parameters are frozen (``requires_grad_(False)``) and the model is put in eval mode. Under ODC (an `ODCPlugin`
+    with ``odc=True``) the model is served by a gather-only `ODCEngine` (``frozen=True``): a forward reads the peers'
+    shards and makes no collective. Under plain FSDP2 it keeps FSDP2's per-layer all-gathers (no reduce-scatter ever
+    runs). Collective: every rank calls it with the same model. The engine is closed by
+    ``accelerator.end_training()`` or by `release_frozen_model`.
+    """
+    from accelerate.utils import fsdp2_prepare_model
+
+    model.requires_grad_(False)
+    model = fsdp2_prepare_model(
+        accelerator, model
+    )  # accelerate's own per-layer wrapping, not our engine-attaching hook
+    model.eval()
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if isinstance(plugin, ODCPlugin) and plugin.odc:
+        from ..engine import ODCEngine
+
+        engine = ODCEngine(model, transport=plugin.transport, timeout=plugin.timeout, frozen=True)
+        _FROZEN_ENGINES.setdefault(accelerator, []).append(engine)
+        logger.info("ODC gather-only engine attached to a frozen %s.", type(model).__name__)
+    return model
+
+
+def get_frozen_engines(accelerator: Any) -> list[Any]:
+    """The gather-only engines of the frozen models `prepare_frozen_model` prepared for ``accelerator``."""
+    return [e for e in _FROZEN_ENGINES.get(accelerator, []) if e.transport is not None]
+
+
+def release_frozen_model(accelerator: Any, model: Any) -> None:
+    """Close the gather-only engine serving ``model`` (its shared memory is freed). Collective."""
+    engines = _FROZEN_ENGINES.get(accelerator, [])
+    for engine in [e for e in engines if e.model is model]:
+        engine.close()
+        engines.remove(engine)
+
+
 def _close_engine(accelerator: Any) -> None:
     engine = _ENGINES.pop(accelerator, None)
     if engine is not None:
@@ -189,6 +239,8 @@ def _close_engine(accelerator: Any) -> None:
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
         if isinstance(plugin, ODCPlugin):
             plugin.engine = None
+    for frozen in _FROZEN_ENGINES.pop(accelerator, []):
+        frozen.close()
 
 
 compat.enable_fsdp2_on_cpu()

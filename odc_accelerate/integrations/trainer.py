@@ -158,26 +158,28 @@ class ODCCallback(TrainerCallback):
 
 
 class _DeferredGather:
-    """Stands in for ``accelerator.gather_for_metrics`` during microbatches: answers with the local value.
+    """Stands in for ``accelerator.gather`` / ``gather_for_metrics`` during microbatches: answers with the local value.
 
     A gather of a tensor returns ``[world * n, ...]`` rows; answering with this rank's rows only keeps shapes valid for
-    sums and ratios. Every scalar that went through is recorded per call position, so that one all-reduce at the step
-    boundary gives the global sums.
+    sums, means and ratios. For every tensor that goes through, the sum and the element count are recorded per call
+    position, so that one all-reduce at the step boundary gives global sums and means over the whole step.
     """
 
     def __init__(self) -> None:
-        self.calls: list[list[float]] = []  # one list of recorded scalars per microbatch
-        self.current: list[float] | None = None
+        self.calls: list[list[tuple[float, float]]] = []  # per microbatch: (sum, count) of each gathered tensor
+        self.current: list[tuple[float, float]] | None = None
 
     def start_microbatch(self) -> None:
         self.current = []
         self.calls.append(self.current)
 
-    def __call__(self, input_data: Any, use_gather_object: bool = False) -> Any:
+    def __call__(self, input_data: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(input_data, torch.Tensor):
-            if self.current is not None and input_data.numel() == 1:
-                self.current.append(float(input_data.detach().float().sum()))
+            if self.current is not None:
+                self.current.append((float(input_data.detach().double().sum()), float(input_data.numel())))
             return input_data.reshape(1) if input_data.dim() == 0 else input_data
+        if isinstance(input_data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in input_data):
+            return type(input_data)(self(t) for t in input_data)
         return input_data  # objects: this rank's own, like a one-process gather
 
 
@@ -205,6 +207,8 @@ class ODCTrainerMixin:
         self._odc_pending: list[dict[str, float]] = []
         self._odc_step: dict[str, float] = {}
         self._odc_timer: Any = None  # telemetry.CollectiveTimer on timed plain-FSDP2 runs
+        self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
+        self._odc_gathers_per_microbatch = 0  # agreed over ranks at the last step boundary
         self.odc_microbatch_dist_calls: list[dict[str, int]] = []
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))
@@ -399,9 +403,11 @@ class ODCTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         engine = self.odc_engine
         deferred = _DeferredGather()
-        real_gather = self.accelerator.gather_for_metrics
+        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather
         total = torch.zeros((), device=self.args.device)
         self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
+        self.accelerator.gather = deferred  # type: ignore[method-assign]
+        self._odc_looping = True
         try:
             for mb in inputs:
                 deferred.start_microbatch()
@@ -414,42 +420,66 @@ class ODCTrainerMixin:
                 else:
                     total += super().training_step(model, mb, num_items_in_batch)
         finally:
-            self.accelerator.gather_for_metrics = real_gather  # type: ignore[method-assign]
+            self._odc_looping = False
+            self.accelerator.gather_for_metrics, self.accelerator.gather = real_gathers  # type: ignore[method-assign]
         self._odc_step["compute_end"] = time.perf_counter()
         self._odc_reduce_metrics(deferred)
         if engine is not None:
             engine.pre_optimizer_step()  # before the Trainer's grad-norm / clipping
         return total
 
+    _ODC_MAX_GATHERS = 32  # per microbatch; fixed, since a rank with no microbatch must join the same all-reduce
+
     def _odc_reduce_metrics(self, deferred: _DeferredGather) -> None:
-        slots = 16  # fixed size: a rank with no microbatch must join the same all-reduce
+        slots = self._ODC_MAX_GATHERS
         width = max((len(c) for c in deferred.calls), default=0)
-        if width > slots - 1:
-            raise RuntimeError(f"ODC defers at most {slots - 1} metric gathers per microbatch, got {width}.")
+        if width > slots:
+            raise RuntimeError(f"ODC defers at most {slots} metric gathers per microbatch, got {width}.")
         uneven = any(len(c) != width for c in deferred.calls)
-        local = torch.zeros(slots, dtype=torch.float64, device=self.args.device)
+        # [sums per call position | element counts per call position | microbatches | uneven | width | width^2 |
+        #  has work]: equal widths on all ranks with work iff (sum w)^2 == n * sum w^2, decided alike on every rank
+        local = torch.zeros(2 * slots + 5, dtype=torch.float64)
         if not uneven:
             for c in deferred.calls:
-                local[:width] += torch.tensor(c, dtype=torch.float64, device=self.args.device)
-        local[slots - 1] = len(deferred.calls)
-        total = local.clone()
+                local[:width] += torch.tensor([v for v, _ in c], dtype=torch.float64)
+                local[slots : slots + width] += torch.tensor([n for _, n in c], dtype=torch.float64)
+        local[2 * slots] = len(deferred.calls)
+        local[2 * slots + 1] = float(uneven)
+        local[2 * slots + 2] = float(width)
+        local[2 * slots + 3] = float(width * width)
+        local[2 * slots + 4] = float(bool(deferred.calls))
+        total = local.to(self.args.device)
         if self.accelerator.num_processes > 1:
             total = self.accelerator.reduce(total, reduction="sum")
-        if uneven:
+        total = total.cpu()
+        width_sum, width_sq, ranks_with_work = (float(v) for v in total[2 * slots + 2 :])
+        if float(total[2 * slots + 1]) > 0 or width_sum * width_sum != ranks_with_work * width_sq:
             logger.warning("ODC: microbatches made different numbers of metric gathers; their metrics are local.")
             return
+        self._odc_gathers_per_microbatch = round(width_sum / ranks_with_work) if ranks_with_work else 0
         self._odc_finalize_metrics(
-            local[: slots - 1].tolist(), total[: slots - 1].tolist(), len(deferred.calls), int(total[slots - 1])
+            local[:slots].tolist(),
+            total[:slots].tolist(),
+            len(deferred.calls),
+            int(total[2 * slots]),
+            global_counts=total[slots : 2 * slots].tolist(),
         )
 
     def _odc_finalize_metrics(
-        self, local_sums: list[float], global_sums: list[float], local_microbatches: int, global_microbatches: int
+        self,
+        local_sums: list[float],
+        global_sums: list[float],
+        local_microbatches: int,
+        global_microbatches: int,
+        global_counts: list[float] | None = None,
     ) -> None:
         """Replace what the trainer recorded from locally answered metric gathers with global values.
 
-        ``local_sums[i]`` / ``global_sums[i]`` are the sums over this rank's / all ranks' microbatches of the scalar
-        passed to the i-th ``gather_for_metrics`` call of a microbatch. Trainer subclasses know what their gathers
-        mean (see the TRL SFT trainer); the base Trainer makes none during microbatches.
+        ``local_sums[i]`` / ``global_sums[i]`` are the sums over this rank's / all ranks' microbatches of the tensor
+        passed to the i-th ``gather`` / ``gather_for_metrics`` call of a microbatch, ``global_counts[i]`` its number
+        of elements over all ranks (so that ``global_sums[i] / global_counts[i]`` is a mean over the whole step).
+        Trainer subclasses know what their gathers mean (see the TRL trainers); the base Trainer makes none during
+        microbatches.
         """
 
     def _odc_after_optimizer_step(self) -> None:

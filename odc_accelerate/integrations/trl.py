@@ -1,4 +1,4 @@
-"""ODC for TRL: `ODCSFTConfig` (``--odc true`` and friends) and `ODCSFTTrainer`.
+"""ODC for TRL: `ODCSFTConfig` / `ODCSFTTrainer` and `ODCDPOConfig` / `ODCDPOTrainer` (``--odc true`` and friends).
 
 ```python
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl import SFTConfig, SFTTrainer
+import numpy as np
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from .. import _trl_compat
+from .accelerate import get_frozen_engines, prepare_frozen_model, release_frozen_model
 from .trainer import ODCTrainerMixin
 
-__all__ = ["ODCSFTConfig", "ODCSFTTrainer", "ODCConfigMixin"]
+__all__ = ["ODCConfigMixin", "ODCDPOConfig", "ODCDPOTrainer", "ODCSFTConfig", "ODCSFTTrainer"]
 
 
 @dataclass
@@ -62,21 +64,36 @@ class ODCConfigMixin:
     )
 
 
+def _cpu_precision_defaults(args: Any) -> None:
+    """On a machine without a bf16-capable GPU, TRL's default ``bf16=True`` would stop the run ("Your setup doesn't
+    support bf16/gpu"): the default becomes fp32 there, and an explicit ``--bf16 true`` sets ``use_cpu`` so that bf16
+    mixed precision runs on CPU (FSDP2's MixedPrecisionPolicy). GPU runs keep TRL's defaults."""
+    if not _gpu_bf16_available():
+        if args.bf16 is None and not args.fp16:
+            args.bf16 = False
+        elif args.bf16:
+            args.use_cpu = True
+
+
 @dataclass
 class ODCSFTConfig(ODCConfigMixin, SFTConfig):
     """`trl.SFTConfig` plus the ODC fields of `ODCConfigMixin`.
 
-    On a machine without a bf16-capable GPU, TRL's default ``bf16=True`` would stop the run ("Your setup doesn't
-    support bf16/gpu"); here the default becomes fp32 there, and an explicit ``--bf16 true`` sets ``use_cpu`` so that
-    bf16 mixed precision runs on CPU (FSDP2's MixedPrecisionPolicy). GPU runs keep TRL's defaults.
+    On a machine without a bf16-capable GPU the precision defaults to fp32, and ``--bf16 true`` runs bf16 mixed
+    precision on CPU; GPU runs keep TRL's defaults.
     """
 
     def __post_init__(self) -> None:
-        if not _gpu_bf16_available():
-            if self.bf16 is None and not self.fp16:
-                self.bf16 = False
-            elif self.bf16:
-                self.use_cpu = True
+        _cpu_precision_defaults(self)
+        super().__post_init__()
+
+
+@dataclass
+class ODCDPOConfig(ODCConfigMixin, DPOConfig):
+    """`trl.DPOConfig` plus the ODC fields of `ODCConfigMixin` (same CPU precision defaults as `ODCSFTConfig`)."""
+
+    def __post_init__(self) -> None:
+        _cpu_precision_defaults(self)
         super().__post_init__()
 
 
@@ -95,6 +112,131 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
         _trl_compat.check_sft(self)
 
     def _odc_finalize_metrics(
-        self, local_sums: list[float], global_sums: list[float], local_microbatches: int, global_microbatches: int
+        self,
+        local_sums: list[float],
+        global_sums: list[float],
+        local_microbatches: int,
+        global_microbatches: int,
+        global_counts: list[float] | None = None,
     ) -> None:
         _trl_compat.finalize_sft_metrics(self, local_sums, global_sums, local_microbatches)
+
+
+class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
+    """`trl.DPOTrainer` with ODC.
+
+    * **Reference model.** Sharded per layer like the policy (TRL shards only its root, so each reference forward is
+      one whole-model all-gather) and, under ODC, served by a gather-only `ODCEngine`: a reference forward reads the
+      peers' shards and makes no collective. With ``precompute_ref_log_probs=True`` the reference log-probs are computed
+      once before training (TRL's path) and a reference model TRL drops afterwards is released.
+    * **Planning.** A pair is one sample of the length-balanced sampler with two sequences: its tokens are prompt +
+      chosen plus prompt + rejected (each truncated to ``max_length``) and its cost the sum of the two sequences' costs.
+    * **Exact loss.** TRL averages the loss over the pairs of each microbatch; here each microbatch's mean is
+      reweighted by ``pairs in the microbatch x world size / pairs of the whole step``, so the step's gradient is that
+      of the mean over every pair of the global batch, whatever the per-rank split.
+    * **Metrics.** TRL's ~15 gathers per microbatch are answered locally and reduced once per step: one value per step
+      of loss, rewards/chosen|rejected|accuracies|margins, logps, logits, entropy, token accuracy, plus the ODC
+      step metrics (tokens/s, bubble %, per-rank busy/wait).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._odc_explicit_ref = kwargs.get("ref_model") is not None or len(args) > 1
+        with _trl_compat.dpo_reference_preparer(self._odc_prepare_reference):
+            super().__init__(*args, **kwargs)
+        _trl_compat.check_dpo(self)
+        if self.ref_model is None:
+            # TRL dropped the reference after precomputing its log-probs: free what served it.
+            for engine in get_frozen_engines(self.accelerator):
+                release_frozen_model(self.accelerator, engine.model)
+
+    # ------------------------------------------------------------------ set-up
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # Refuse what ODC cannot do exactly before any model is sharded or any log-prob precomputed.
+        args, opts = self.args, self.odc_options
+        if opts.odc and getattr(args, "sync_ref_model", False):
+            raise ValueError(
+                "sync_ref_model=True is not supported with ODC yet: the reference model is served by a gather-only ODC "
+                "engine whose published shards would go stale when TRL overwrites the reference weights. Set "
+                "--sync_ref_model false, or run without --odc."
+            )
+        if opts.balanced and "sft" in list(getattr(args, "loss_type", None) or []):
+            raise ValueError(
+                "loss_type 'sft' averages its NLL over the chosen tokens of each microbatch, which cannot be made exact "
+                "when ranks run different microbatches. Drop 'sft' from --loss_type (and its --loss_weights entry), or "
+                "run without --odc / --odc_balance."
+            )
+
+    def _odc_prepare_reference(self, model: Any, accelerator: Any, trl_prepare: Any) -> Any:
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if plugin is None or int(getattr(plugin, "fsdp_version", 1) or 1) != 2:
+            return trl_prepare(model, accelerator)
+        return prepare_frozen_model(accelerator, model)
+
+    @property
+    def odc_reference_engine(self) -> Any:
+        """The gather-only `ODCEngine` serving the reference model, or `None`."""
+        ref = getattr(self, "ref_model", None)
+        accelerator = getattr(self, "accelerator", None)
+        if ref is None or accelerator is None:
+            return None
+        return next((e for e in get_frozen_engines(accelerator) if e.model is ref), None)
+
+    # ------------------------------------------------------------------ planning
+    def _odc_lengths(self, dataset: Any) -> Any:
+        from ..sampler import dataset_lengths
+
+        prompt = dataset_lengths(dataset, length_column="prompt_ids")
+        chosen = prompt + dataset_lengths(dataset, length_column="chosen_ids")
+        rejected = prompt + dataset_lengths(dataset, length_column="rejected_ids")
+        max_length = getattr(self.args, "max_length", None)
+        if max_length:  # the collator truncates each sequence to max_length
+            chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
+        return np.stack([chosen, rejected], axis=1)
+
+    def _odc_budget(self, lengths: Any) -> int:
+        pair_tokens = np.asarray(lengths).sum(axis=1)
+        budget = self.odc_options.max_tokens_per_microbatch
+        max_length = getattr(self.args, "max_length", None)
+        if budget is None:
+            budget = 2 * int(max_length) if max_length else int(pair_tokens.max())
+        if int(pair_tokens.max()) > budget:
+            raise ValueError(
+                f"The ODC token budget per microbatch ({budget}) is smaller than the longest pair "
+                f"({int(pair_tokens.max())} tokens, prompt + chosen plus prompt + rejected). Raise "
+                f"--odc_max_tokens_per_microbatch to at least {int(pair_tokens.max())}, or lower --max_length."
+            )
+        return int(budget)
+
+    def _odc_num_items(self, microbatches: list[Any]) -> int:
+        return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
+
+    # ------------------------------------------------------------------ loss and metrics
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not (self._odc_looping and num_items_in_batch is not None):
+            return out
+        pairs = int(inputs["input_ids"].shape[0]) // 2
+        weight = pairs * self.accelerator.num_processes / float(num_items_in_batch)
+        if return_outputs:
+            return (out[0] * weight, *out[1:])
+        return out * weight
+
+    def _odc_finalize_metrics(
+        self,
+        local_sums: list[float],
+        global_sums: list[float],
+        local_microbatches: int,
+        global_microbatches: int,
+        global_counts: list[float] | None = None,
+    ) -> None:
+        expected = len(_trl_compat.dpo_gathers(self))
+        if self._odc_gathers_per_microbatch != expected or global_counts is None:
+            _trl_compat.logger.warning(
+                "ODC: DPO made %d metric gathers per microbatch, expected %d (TRL %s); metrics of this step are local.",
+                self._odc_gathers_per_microbatch,
+                expected,
+                _trl_compat.TESTED_TRL,
+            )
+            return
+        _trl_compat.finalize_dpo_metrics(self, local_sums, global_sums, global_counts, local_microbatches)
