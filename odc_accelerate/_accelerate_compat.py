@@ -11,6 +11,8 @@ Two things need accelerate's internals:
 * **Engine creation.** The ODC engine must attach right after accelerate ``fully_shard``-s the model, i.e. after
   ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, which ``Accelerator._prepare_fsdp2`` calls through the name it
   imported into ``accelerate.accelerator``. :func:`on_fsdp2_prepared` wraps that name.
+* **PEFT models.** :func:`find_final_norm_through_peft` makes the FSDP2 wrapping group a PEFT model's LM head with
+  its final norm, as accelerate does for plain models (otherwise TRL's fused LM head all-gathers it per microbatch).
 
 Tested against accelerate 1.15.
 """
@@ -157,6 +159,31 @@ def enable_fsdp2_on_cpu() -> None:
 
 
 _PREPARE_HOOKS: list[Callable[[Any, Any], None]] = []
+
+
+def find_final_norm_through_peft() -> None:
+    """Let accelerate's FSDP2 wrapping find the final norm of a PEFT-wrapped model. Idempotent.
+
+    ``fsdp2_prepare_model`` puts ``[final_norm, lm_head]`` in one FSDP2 group, so that the norm's forward unshards the
+    LM head before TRL's fused LM head reads ``lm_head.weight`` directly. ``_find_final_norm`` only looks at
+    ``model.<base_model_prefix>``'s children, which on a ``PeftModel`` is the ``*ForCausalLM`` (no norm there): the
+    head then sits alone in a group no forward ever unshards, and every fused-head forward all-gathers it with
+    ``DTensor.full_tensor()`` (a collective per microbatch; with ODC's unequal microbatch counts, a hang). This looks
+    through ``get_base_model()`` first.
+    """
+    from accelerate.utils import fsdp_utils
+
+    current = _require(fsdp_utils, "_find_final_norm", "accelerate.utils.fsdp_utils")
+    if getattr(current, "_odc_wrapped", False):
+        return
+
+    @functools.wraps(current)
+    def _find_final_norm(model: Any) -> Any:
+        unwrap = getattr(model, "get_base_model", None)
+        return current(unwrap() if callable(unwrap) else model)
+
+    _find_final_norm._odc_wrapped = True  # type: ignore[attr-defined]
+    fsdp_utils._find_final_norm = _find_final_norm
 
 
 def on_fsdp2_prepared(hook: Callable[[Any, Any], None]) -> None:

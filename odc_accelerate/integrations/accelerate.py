@@ -244,6 +244,7 @@ def _close_engine(accelerator: Any) -> None:
 
 
 compat.enable_fsdp2_on_cpu()
+compat.find_final_norm_through_peft()
 compat.on_fsdp2_prepared(_attach_engine)
 compat.on_end_training(_close_engine)
 compat.default_fsdp_plugin(odc_plugin_from_env)

@@ -140,7 +140,11 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._odc_explicit_ref = kwargs.get("ref_model") is not None or len(args) > 1
+        training_args = kwargs.get("args")
+        if training_args is not None and getattr(training_args, "precompute_ref_log_probs", False):
+            for key in ("train_dataset", "eval_dataset"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = _shared_on_disk(kwargs[key], training_args, key)
         with _trl_compat.dpo_reference_preparer(self._odc_prepare_reference):
             super().__init__(*args, **kwargs)
         _trl_compat.check_dpo(self)
@@ -240,3 +244,26 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
             )
             return
         _trl_compat.finalize_dpo_metrics(self, local_sums, global_sums, global_counts, local_microbatches)
+
+
+def _shared_on_disk(dataset: Any, args: Any, name: str) -> Any:
+    """An in-memory `datasets.Dataset` saved under ``output_dir`` and memory-mapped back, on every rank.
+
+    TRL's ``precompute_ref_log_probs`` has rank 0 write the log-probs next to the dataset's cache files and every rank
+    read them back; an in-memory dataset (``Dataset.from_dict``) has no cache files, so each process would look in
+    its own temporary folder and the other ranks fail with FileNotFoundError. Datasets loaded from files are returned
+    unchanged.
+    """
+    import os
+
+    from accelerate import PartialState
+    from datasets import Dataset, load_from_disk
+
+    if not isinstance(dataset, Dataset) or dataset.cache_files or int(getattr(args, "world_size", 1)) <= 1:
+        return dataset
+    path = os.path.join(args.output_dir, ".odc_datasets", f"{name}-{dataset._fingerprint}")
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process and not os.path.isdir(path):
+            dataset.save_to_disk(path)
+    return load_from_disk(path)

@@ -1,0 +1,244 @@
+"""The DPO example (examples/dpo/train.py) under real `accelerate launch`, 2 CPU processes, offline assets.
+
+Module-scoped runs (2 optimizer steps each, fp32 unless named):
+
+* ``odc``: ``--odc true``, 5 pairs per step so the ranks run different numbers of microbatches; reference model
+  served by the gather-only engine; torch.distributed calls counted during microbatches.
+* ``single``: one plain process on the same global batches (the ground truth for the exact pair-mean loss).
+* ``odc_pre``: as ``odc`` with ``--precompute_ref_log_probs true``.
+* ``plain_bf16`` / ``odc_bf16``: plain FSDP2 vs ODC, bf16, one pair per rank per step (lockstep plan).
+* ``plain_fp32`` / ``odc_fp32``: plain FSDP2 vs ODC, fp32, two pairs per rank per step; the plain run uses
+  precomputed reference log-probs, the ODC run the on-the-fly reference model (both paths under both backends
+  are covered between this pair and the ones above).
+* ``odc_peft``: ``--odc true --use_peft`` (LoRA; the reference is the policy with its adapters disabled).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from integration_utils import ROOT, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+
+CONFIGS = ROOT / "examples" / "dpo" / "configs"
+TRAIN = ROOT / "examples" / "dpo" / "train.py"
+
+COMMON = [
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--max_length",
+    "64",
+    "--odc_max_tokens_per_microbatch",
+    "128",
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "0.2",
+    "--seed",
+    "0",
+    "--dataloader_pin_memory",
+    "false",
+    "--save_strategy",
+    "no",
+]
+UNEQUAL = ["--odc_samples_per_step", "5"]
+DUMP = {"ODC_DUMP_PARAMS": "1"}
+COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    shm_before = shm_leftovers()
+    names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
+    out = {name: root / name for name in names}
+    procs = {}
+    odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
+    plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
+    procs["odc"] = accelerate_launch(*odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], **COUNT, **DUMP)
+    procs["single"] = run(
+        [sys.executable, TRAIN, "--odc_balance", "odc", *COMMON, *UNEQUAL, "--output_dir", out["single"]],
+        env=base_env(**DUMP),
+    )
+    pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
+    procs["odc_pre"] = accelerate_launch(
+        *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
+    )
+    bf16 = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_balance", "lockstep"]
+    procs["plain_bf16"] = accelerate_launch(*plain, *bf16, "--output_dir", out["plain_bf16"], **COUNT, **DUMP)
+    procs["odc_bf16"] = accelerate_launch(*odc, *bf16, "--output_dir", out["odc_bf16"], **COUNT, **DUMP)
+    fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_balance", "lockstep"]
+    procs["plain_fp32"] = accelerate_launch(*plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
+    procs["odc_fp32"] = accelerate_launch(*odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
+    peft = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
+    procs["odc_peft"] = accelerate_launch(
+        *odc, *COMMON, *UNEQUAL, *peft, "--output_dir", out["odc_peft"], **COUNT, **DUMP
+    )
+    return {"out": out, "procs": procs, "shm_before": shm_before}
+
+
+def _history(out) -> list[dict]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h for h in state["log_history"] if "loss" in h]
+
+
+def _params(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final_params.pt")
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
+
+
+def _update(out) -> float:
+    a, init = _params(out), torch.load(out / "initial_params.pt")
+    return sum(float((a[k] - init[k]).norm() ** 2) for k in a) ** 0.5
+
+
+def test_odc_dpo_runs_with_zero_collectives_and_step_metrics(runs):
+    check_ok(runs["procs"]["odc"])
+    out = runs["out"]["odc"]
+    history = _history(out)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        for key in ("loss", *DPO_METRICS, "odc/tokens_per_s", "odc/bubble_pct", "odc/busy_s_rank1"):
+            assert key in h, key
+    assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in history)
+    ranks = reports(out, "odc_run_rank")
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["engine"] == "ODCEngine" and r["fsdp_plugin"] == "ODCPlugin"
+        # the reference model is served by its own gather-only engine and was used in the forwards
+        assert r["reference_engine"] == "ODCEngine" and r["reference_frozen"] is True
+        assert r["reference_gathers"] > 0
+        calls = r["microbatch_dist_calls"]
+        assert len(calls) >= 2 and all(c == {} for c in calls), calls
+    assert sum(len(r["microbatch_dist_calls"]) for r in ranks) == sum(
+        h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history
+    )
+    assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
+
+
+def test_plain_fsdp2_reference_forwards_are_collectives(runs):
+    # Positive control for the counter: plain FSDP2 all-gathers the policy AND the reference per layer.
+    check_ok(runs["procs"]["plain_bf16"])
+    for r in reports(runs["out"]["plain_bf16"], "odc_run_rank"):
+        assert r["engine"] is None and r["reference_engine"] is None
+        assert all(sum(c.values()) > 0 for c in r["microbatch_dist_calls"])
+
+
+def test_unequal_counts_match_single_process(runs):
+    check_ok(runs["procs"]["odc"])
+    check_ok(runs["procs"]["single"])
+    odc, single = runs["out"]["odc"], runs["out"]["single"]
+    assert reports(single, "odc_run_rank")[0]["world_size"] == 1
+    for a, b in zip(_history(odc), _history(single), strict=True):
+        # the mean over every pair of the global batch, and DPO's metrics of the whole step
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        for key in DPO_METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["num_tokens"] == b["num_tokens"]
+    # rewards moved in step 2 (a check that cannot pass with all-zero metrics)
+    assert _history(single)[1]["rewards/margins"] != 0.0
+    a, b = _params(odc), _params(single)
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = _update(single)
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+
+
+def test_precomputed_reference_log_probs_match_on_the_fly_reference(runs):
+    check_ok(runs["procs"]["odc_pre"])
+    check_ok(runs["procs"]["odc"])
+    pre, live = runs["out"]["odc_pre"], runs["out"]["odc"]
+    for r in reports(pre, "odc_run_rank"):
+        assert r["precompute_ref_log_probs"] is True
+        assert all(c == {} for c in r["microbatch_dist_calls"])
+    for a, b in zip(_history(pre), _history(live), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-3, abs=1e-6)
+    a, b = _params(pre), _params(live)
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    assert diff / _update(live) <= 1e-4
+
+
+def test_bf16_odc_bit_identical_to_plain_fsdp2(runs):
+    check_ok(runs["procs"]["plain_bf16"])
+    check_ok(runs["procs"]["odc_bf16"])
+    plain, odc = runs["out"]["plain_bf16"], runs["out"]["odc_bf16"]
+    assert [r["reference_engine"] for r in reports(odc, "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
+    for r in reports(odc, "odc_run_rank"):
+        assert all(c == {} for c in r["microbatch_dist_calls"])
+    assert [h["loss"] for h in _history(odc)] == [h["loss"] for h in _history(plain)]
+    p_odc, p_plain = _params(odc), _params(plain)
+    assert p_odc.keys() == p_plain.keys()
+    for name, expected in p_plain.items():
+        assert torch.equal(p_odc[name], expected), name
+    assert _update(plain) > 0
+
+
+def test_fp32_odc_matches_plain_fsdp2(runs):
+    check_ok(runs["procs"]["plain_fp32"])
+    check_ok(runs["procs"]["odc_fp32"])
+    plain, odc = runs["out"]["plain_fp32"], runs["out"]["odc_fp32"]
+    for a, b in zip(_history(odc), _history(plain), strict=True):
+        assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert _max_rel(_params(odc), _params(plain)) <= 1e-6
+    assert _update(plain) > 0
+
+
+def test_peft_lora_policy_trains_adapters_only_without_collectives(runs):
+    check_ok(runs["procs"]["odc_peft"])
+    out = runs["out"]["odc_peft"]
+    for r in reports(out, "odc_run_rank"):
+        assert r["engine"] == "ODCEngine"
+        assert r["reference_engine"] is None  # no separate reference model: adapters disabled on the policy
+        assert len(r["microbatch_dist_calls"]) >= 2 and all(c == {} for c in r["microbatch_dist_calls"])
+    history = _history(out)
+    # step 1: policy == reference (adapters start at zero), step 2: the trained adapters moved the policy away from
+    # the adapters-disabled reference
+    assert history[0]["rewards/margins"] == 0.0 and history[0]["loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert history[1]["rewards/chosen"] != 0.0 and history[1]["rewards/rejected"] != 0.0
+    final, init = _params(out), torch.load(out / "initial_params.pt")
+    assert final.keys() == init.keys()
+    lora = [k for k in final if "lora_" in k]
+    assert lora and any(not torch.equal(final[k], init[k]) for k in lora)
+    for k in final:
+        if "lora_" not in k:
+            assert torch.equal(final[k], init[k]), f"frozen base weight {k} changed"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sync_ref_model", "true"], "sync_ref_model=True is not supported with ODC"),
+        (["--loss_type", "sft"], "loss_type 'sft' averages its NLL"),
+        (["--max_length", "64", "--odc_max_tokens_per_microbatch", "40"], "smaller than the longest pair"),
+    ],
+    ids=["sync-ref-model", "sft-loss", "budget-too-small"],
+)
+def test_bad_dpo_config_fails_before_training(tmp_path, args, message):
+    proc = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        *args,
+        "--max_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--output_dir",
+        tmp_path,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "trainer_state.json").exists()
