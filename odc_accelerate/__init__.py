@@ -20,6 +20,8 @@ _LAZY = {
     "get_engine": "odc_accelerate.integrations.accelerate",
     "ODCTrainerMixin": "odc_accelerate.integrations.trainer",
     "ODCCallback": "odc_accelerate.integrations.trainer",
+    "ODCDPOConfig": "odc_accelerate.integrations.trl",
+    "ODCDPOTrainer": "odc_accelerate.integrations.trl",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -29,6 +31,8 @@ __all__ = [
     "ODCCallback",
     "ODCEngine",
     "ODCPlugin",
+    "ODCDPOConfig",
+    "ODCDPOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
@@ -43,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import ODCEngine
     from .integrations.accelerate import ODCPlugin, get_engine
     from .integrations.trainer import ODCCallback, ODCTrainerMixin
-    from .integrations.trl import ODCSFTConfig, ODCSFTTrainer
+    from .integrations.trl import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
     from .loss import loss_scale
     from .sampler import LengthBalancedBatchSampler
     from .transport.base import ODCTimeoutError
