@@ -164,7 +164,8 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
                 "engine whose published shards would go stale when TRL overwrites the reference weights. Set "
                 "--sync_ref_model false, or run without --odc."
             )
-        if opts.balanced and "sft" in list(getattr(args, "loss_type", None) or []):
+        loss_types = getattr(args, "loss_type", None) or []
+        if opts.balanced and "sft" in ([loss_types] if isinstance(loss_types, str) else list(loss_types)):
             raise ValueError(
                 "loss_type 'sft' averages its NLL over the chosen tokens of each microbatch, which cannot be made exact "
                 "when ranks run different microbatches. Drop 'sft' from --loss_type (and its --loss_weights entry), or "
