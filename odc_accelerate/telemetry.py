@@ -1,26 +1,62 @@
-"""Time spent in plain FSDP2's collectives, for comparing FSDP2 with ODC on the same per-rank busy/wait footing.
+"""Time blocked in collectives, for comparing FSDP2 with ODC on the same per-rank busy/wait footing.
 
 ODC's engine times its own step-boundary waits (`ODCEngine.last_step_stats`). Plain FSDP2 waits inside its per-layer
 all-gathers and reduce-scatters, which run asynchronously and are waited on deep inside FSDP2; the only public place
 to see them is FSDP2's custom-comm API. `CollectiveTimer` installs, on every FSDP2 module, a wrapper around the comm
 FSDP2 already uses that runs it synchronously (``async_op=False``) and adds the time spent to a counter.
 
+A training step also blocks in collectives outside FSDP2: the Trainer's global token count, TRL's per-microbatch
+``gather_for_metrics``, ODC's once-per-step metric all-reduce. A rank that finished its compute early waits in the
+first of them it reaches, so leaving them out would book idle time as busy. The timer therefore also wraps the
+blocking ``torch.distributed`` API functions (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``, ...) while
+it is open (``dist_api=True``); a call made from inside an FSDP2 comm is counted once. Not seen: functional
+collectives (DTensor's own reductions, e.g. inside ``clip_grad_norm_``), which bypass the Python API, and the wait of
+an ``async_op=True`` call other than FSDP2's (only the call itself is timed).
+
 Measurement, not training: running the collectives synchronously removes FSDP2's overlap of the next layer's
 all-gather with the current layer's compute. On CPU (gloo, one compute thread per rank) there is little such overlap
 to lose, which is why the end-to-end benchmark (`python -m odc_accelerate.bench sft`) enables the timer on every
-FSDP2 arm (``ODC_TIME_COLLECTIVES=1``); on GPUs the timed run is slower than an untimed one.
+FSDP2 arm (``ODC_TIME_COLLECTIVES=1``); on GPUs the timed run is slower than an untimed one. With ODC the engine owns
+the comms: use ``fsdp_comms=False`` there to time only the ``torch.distributed`` calls.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
 from . import _fsdp_compat as compat
 
-__all__ = ["CollectiveTimer"]
+__all__ = ["CollectiveTimer", "TIMED_DIST_FUNCTIONS"]
+
+# Blocking torch.distributed API functions a training step may wait in (those this torch has are wrapped).
+TIMED_DIST_FUNCTIONS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+)
 
 
 class _TimedComm:
@@ -34,20 +70,25 @@ class _TimedComm:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["async_op"] = False
-        start = time.perf_counter()
-        work = self.inner(*args, **kwargs)
-        if work is not None:  # a backend may still hand back a Work object
-            work.wait()
-        self.timer.seconds += time.perf_counter() - start
-        self.timer.calls += 1
+
+        def call() -> None:
+            work = self.inner(*args, **kwargs)
+            if work is not None:  # a backend may still hand back a Work object
+                work.wait()
+
+        self.timer._timed(call)
         return None
 
 
 class CollectiveTimer:
-    """Counts the seconds this rank spends in FSDP2's all-gathers and reduce-scatters.
+    """Counts the seconds this rank spends blocked in collectives: FSDP2's all-gathers and reduce-scatters and the
+    blocking ``torch.distributed`` API calls.
 
     Args:
-        model (`torch.nn.Module`): the ROOT module returned by ``fully_shard``.
+        model (`torch.nn.Module`, *optional*): the ROOT module returned by ``fully_shard``; needed with ``fsdp_comms``.
+        fsdp_comms (`bool`, *optional*, defaults to `True`): run FSDP2's comms synchronously and time them.
+        dist_api (`bool`, *optional*, defaults to `True`): time the functions in `TIMED_DIST_FUNCTIONS` (patched on
+            ``torch.distributed`` and ``torch.distributed.distributed_c10d`` while the timer is open).
 
     Example:
 
@@ -55,21 +96,55 @@ class CollectiveTimer:
     timer = CollectiveTimer(model)
     ...  # one optimizer step
     waited = timer.take()  # seconds since the last take()
-    timer.close()  # FSDP2's own comms again
+    timer.close()  # FSDP2's own comms and torch.distributed's functions again
     ```
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        if not compat.is_fsdp2(model):
+    def __init__(self, model: nn.Module | None = None, *, fsdp_comms: bool = True, dist_api: bool = True) -> None:
+        if fsdp_comms and (model is None or not compat.is_fsdp2(model)):
             raise TypeError(f"CollectiveTimer needs an FSDP2 model (fully_shard), got {type(model).__name__}")
         self.seconds = 0.0
         self.calls = 0
+        self._local = threading.local()  # nesting depth: a dist call inside a timed FSDP2 comm counts once
         self._saved: list[tuple[Any, tuple[Any, Any]]] = []
-        for _module, state in compat.all_states(model):
-            for group in compat.param_groups(state):
-                all_gather, reduce_scatter = compat.get_comms(group)
-                self._saved.append((group, (all_gather, reduce_scatter)))
-                compat.set_comms(group, _TimedComm(all_gather, self), _TimedComm(reduce_scatter, self))
+        self._patched: list[tuple[Any, str, Callable, Callable]] = []
+        if fsdp_comms:
+            for _module, state in compat.all_states(model):
+                for group in compat.param_groups(state):
+                    all_gather, reduce_scatter = compat.get_comms(group)
+                    self._saved.append((group, (all_gather, reduce_scatter)))
+                    compat.set_comms(group, _TimedComm(all_gather, self), _TimedComm(reduce_scatter, self))
+        if dist_api:
+            wrapped: dict[int, Callable] = {}
+            for name in TIMED_DIST_FUNCTIONS:
+                for module in (dist, c10d):
+                    original = getattr(module, name, None)
+                    if original is None:
+                        continue
+                    if id(original) not in wrapped:
+                        wrapped[id(original)] = self._wrap(original)
+                    setattr(module, name, wrapped[id(original)])
+                    self._patched.append((module, name, original, wrapped[id(original)]))
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        depth = getattr(self._local, "depth", 0)
+        if depth:
+            return fn()
+        self._local.depth = 1
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            self._local.depth = 0
+
+    def _wrap(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            return self._timed(lambda: original(*args, **kwargs))
+
+        return timed
 
     def take(self) -> float:
         """Seconds spent in collectives since the previous call (or since construction)."""
@@ -77,7 +152,11 @@ class CollectiveTimer:
         return seconds
 
     def close(self) -> None:
-        """Put FSDP2's original comm objects back. Idempotent."""
+        """Put FSDP2's original comm objects and torch.distributed's functions back. Idempotent."""
         for group, comms in self._saved:
             compat.set_comms(group, *comms)
         self._saved = []
+        for module, name, original, wrapper in reversed(self._patched):
+            if getattr(module, name, None) is wrapper:  # leave a later patch (e.g. a call counter) alone
+                setattr(module, name, original)
+        self._patched = []

@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m odc_accelerate.bench <engine|balance>``. They print figures, never assert times."""
+"""Benchmarks: ``python -m odc_accelerate.bench <engine|transport|balance|sft|dpo>``. They print figures, never
+assert times."""

