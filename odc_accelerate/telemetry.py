@@ -23,6 +23,8 @@ the comms: use ``fsdp_comms=False`` there to time only the ``torch.distributed``
 from __future__ import annotations
 
 import functools
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ import torch.nn as nn
 
 from . import _fsdp_compat as compat
 
-__all__ = ["CollectiveTimer", "TIMED_DIST_FUNCTIONS"]
+__all__ = ["CollectiveTimer", "StepTrace", "TIMED_DIST_FUNCTIONS", "microbatch_shape"]
 
 # Blocking torch.distributed API functions a training step may wait in (those this torch has are wrapped).
 TIMED_DIST_FUNCTIONS = (
@@ -160,3 +162,54 @@ class CollectiveTimer:
             if getattr(module, name, None) is wrapper:  # leave a later patch (e.g. a call counter) alone
                 setattr(module, name, original)
         self._patched = []
+
+
+def microbatch_shape(batch: Any) -> dict[str, Any]:
+    """What a microbatch costs to compute: ``rows`` x ``width`` (the padded shape the model runs on) and the real
+    (non-padding) tokens of each row.
+
+    Padding-free batches (one row of packed sequences with ``position_ids``) give the packed sequences' lengths as
+    ``segments`` (attention cost is per sequence, not per row).
+    """
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if ids is None or ids.dim() != 2:
+        return {"rows": 0, "width": 0, "row_tokens": []}
+    rows, width = int(ids.shape[0]), int(ids.shape[1])
+    mask = batch.get("attention_mask")
+    row_tokens = mask.sum(dim=1).tolist() if mask is not None and mask.dim() == 2 else [width] * rows
+    out: dict[str, Any] = {"rows": rows, "width": width, "row_tokens": [int(t) for t in row_tokens]}
+    positions = batch.get("position_ids")
+    if mask is None and positions is not None and positions.dim() == 2 and rows == 1:
+        starts = (positions[0] == 0).nonzero().flatten().tolist() + [width]
+        out["segments"] = [int(b - a) for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
+    return out
+
+
+class StepTrace:
+    """Per-rank record of every optimizer step: its microbatches' shapes and the step's time, busy and wait.
+
+    One JSON line per step in ``<directory>/trace_rank<RANK>.jsonl``: ``{"step", "step_s", "busy_s", "wait_s",
+    "microbatches": [microbatch_shape(...), ...]}``. The Trainer integration writes it when ``ODC_TRACE_DIR`` is set
+    (the end-to-end benchmark does, for ``python -m odc_accelerate.sim validate-e2e``, which replays the steps).
+
+    Args:
+        directory (`str`): created if missing.
+        rank (`int`): this process's rank (the file name).
+    """
+
+    def __init__(self, directory: str, rank: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"trace_rank{rank}.jsonl")
+        self.steps = 0
+        open(self.path, "w").close()  # a rerun into the same folder starts a new trace
+
+    @classmethod
+    def from_env(cls, rank: int) -> StepTrace | None:
+        directory = os.environ.get("ODC_TRACE_DIR")
+        return cls(directory, rank) if directory else None
+
+    def record(self, microbatches: list[dict[str, Any]], step_s: float, busy_s: float, wait_s: float) -> None:
+        self.steps += 1
+        row = {"step": self.steps, "step_s": step_s, "busy_s": busy_s, "wait_s": wait_s, "microbatches": microbatches}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")

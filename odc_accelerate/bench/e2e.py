@@ -224,7 +224,7 @@ def _run_processes(procs: list[dict], run_dir: Path, timeout: float) -> float:
         log = open(run_dir / f"log{i}.txt", "w")  # closed once the process has ended
         log.write(shlex.join(p["cmd"]) + "\n\n")
         log.flush()
-        penv = dict(env, ODC_BENCH_RSS_DIR=str(p["rss"]))
+        penv = dict(env, ODC_BENCH_RSS_DIR=str(p["rss"]), ODC_TRACE_DIR=str(p["out"] / "trace"))
         child = subprocess.Popen(
             p["cmd"], cwd=REPO, env=penv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -360,7 +360,16 @@ def run_arm(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int, 
         rss = _read_rss(procs[0]["rss"])
     record = make_record(arm, per_process, rss, opts.warmup, world)
     record.update(command=shlex.join(procs[0]["cmd"]), wall_s=wall, load_1min=[load_before, load_after])
+    # per process, per rank: the steps' microbatch shapes and times (telemetry.StepTrace), replayed by
+    # `python -m odc_accelerate.sim validate-e2e`
+    record["trace"] = [read_trace(p["out"] / "trace") for p in procs]
     return record
+
+
+def read_trace(directory: Path) -> list[list[dict]]:
+    """``[rank][step]`` rows of the `odc_accelerate.telemetry.StepTrace` files in ``directory`` (empty if none)."""
+    files = sorted(directory.glob("trace_rank*.jsonl"), key=lambda f: int(f.stem[len("trace_rank") :]))
+    return [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in files]
 
 
 def make_record(arm: Arm, per_process: list[list[dict]], rss: list[float], warmup: int, world: int) -> dict:

@@ -207,6 +207,7 @@ class ODCTrainerMixin:
         self._odc_pending: list[dict[str, float]] = []
         self._odc_step: dict[str, float] = {}
         self._odc_timer: Any = None  # telemetry.CollectiveTimer on timed plain-FSDP2 runs
+        self._odc_trace: Any = None  # telemetry.StepTrace when ODC_TRACE_DIR is set
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
         self._odc_gathers_per_microbatch = 0  # agreed over ranks at the last step boundary
         self.odc_microbatch_dist_calls: list[dict[str, int]] = []
@@ -360,6 +361,7 @@ class ODCTrainerMixin:
             batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
             self._odc_step.update(microbatches=len(batches), tokens=sum(_input_tokens(b) for b in batches))
             self._odc_start_collective_timer()
+            self._odc_trace_shapes(batches)
             return batches, num_items
         batch_samples = []
         for _ in range(num_batches):
@@ -377,6 +379,7 @@ class ODCTrainerMixin:
             # The one collective of the step before its microbatches: the global count of loss items.
             counts = self.accelerator.reduce(counts, reduction="sum")
         self._odc_step.update(microbatches=len(microbatches), tokens=tokens)
+        self._odc_trace_shapes(microbatches)
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items
 
@@ -397,6 +400,17 @@ class ODCTrainerMixin:
 
         if _fsdp_compat.is_fsdp2(self.model):
             self._odc_timer = CollectiveTimer(self.model)
+
+    def _odc_trace_shapes(self, microbatches: list[Any]) -> None:
+        """With ``ODC_TRACE_DIR`` set, remember the step's microbatch shapes for `telemetry.StepTrace`."""
+        if self._odc_trace is None:
+            from ..telemetry import StepTrace
+
+            self._odc_trace = StepTrace.from_env(self.accelerator.process_index) or False
+        if self._odc_trace:
+            from ..telemetry import microbatch_shape
+
+            self._odc_step["shapes"] = [microbatch_shape(mb) for mb in microbatches]
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if not isinstance(inputs, list):
@@ -504,6 +518,8 @@ class ODCTrainerMixin:
                 "tokens": float(self._odc_step.get("tokens", 0.0)),
             }
         )
+        if self._odc_trace:
+            self._odc_trace.record(self._odc_step.get("shapes", []), step_s, step_s - wait, wait)
         self._odc_step = {}
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

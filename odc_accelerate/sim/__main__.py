@@ -1,4 +1,4 @@
-"""``python -m odc_accelerate.sim [scale|validate] [args]``: predicted step times for FSDP2 and ODC.
+"""``python -m odc_accelerate.sim [scale|validate|validate-e2e] [args]``: predicted step times for FSDP2 and ODC.
 
 ``scale`` (default): for each model (Qwen2.5-1.5B / 7B configs) and world size (8, 64, 256, 1024 GPUs, 8 per node,
 H100-like figures), plans the SAME steps of long-tailed lengths (LongAlign-like by default, or ``--lengths-file``)
@@ -10,6 +10,9 @@ calibrations that do not use the predicted figures: compute FLOP/s from the benc
 arm (balanced), gloo collective cost from a live micro-benchmark (`calibrate.measure_gloo`), shared-memory read /
 accumulate bandwidth and latency from the transport benchmark table, and one per-group hook overhead fitted on ODC
 balanced; predicts FSDP2 balanced / imbalanced, ODC imbalanced and limit imbalanced, and prints % errors.
+
+``validate-e2e``: replays the steps recorded by the end-to-end benchmark (``python -m odc_accelerate.bench sft``) and
+predicts each FSDP2 / ODC arm's step time (see `odc_accelerate.sim.e2e`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -255,9 +259,56 @@ def run_validate(args: argparse.Namespace) -> dict:
     return {"rows": out, "gloo": gloo, "flops": flops, "fixed_per_group_s": fixed, "max_abs_error_pct": worst}
 
 
+def run_validate_e2e(args: argparse.Namespace) -> dict:
+    from .calibrate import measure_gloo, measure_microbatch_comm
+    from .e2e import load_result, validate_e2e
+
+    result = load_result(args.e2e_json)
+    if args.model_config:
+        with open(args.model_config) as f:
+            config: Any = json.load(f)
+    else:
+        from ..data import tiny_qwen2_config
+
+        config = tiny_qwen2_config().to_dict()  # what the examples build offline
+    model = ModelSpec.from_config(config, param_bytes=args.param_bytes, grad_bytes=args.param_bytes)
+    _, _, params = model.group_costs()
+    sizes = sorted({int(p * args.param_bytes) for p in params} | {2**18, 2**23})
+    gloo = measure_gloo(sizes, repeats=args.repeats)
+    comm = measure_microbatch_comm(config)
+    res = validate_e2e(result, model, gloo, README_SHM, comm)
+    c = result["config"]
+    print(
+        f"Validation against the end-to-end benchmark ({args.e2e_json}: {c['workload']}, {c['world_size']} ranks, "
+        f"{c['repeats']} repeats, {c['max_steps']} steps of which {c['warmup']} dropped)"
+    )
+    print(
+        f"calibrated: compute {res['flops'] / 1e9:.2f} GFLOP/s from the limit arm; gloo all-gather "
+        f"{gloo['ag_fit'][1] / 1e6:.0f} MB/s + {gloo['ag_fit'][0] * 1e6:.0f} us, reduce-scatter "
+        f"{gloo['rs_fit'][1] / 1e6:.0f} MB/s + {gloo['rs_fit'][0] * 1e6:.0f} us (live, sizes {sizes} B); "
+        f"shm {README_SHM} (README transport table); one microbatch's communication, measured live: FSDP2 "
+        f"{comm['fsdp2_comm'] * 1e3:.1f} ms, ODC {comm['odc_comm'] * 1e3:.1f} ms (-> per group and pass "
+        f"{res['fixed_per_group_s']['fsdp2'] * 1e3:.2f} / {res['fixed_per_group_s']['odc'] * 1e3:.2f} ms beyond the "
+        "bandwidth figures); nothing fitted on the predicted arms"
+    )
+    print(
+        f"{'arm':18s} {'pred step s':>11s} {'meas step s':>11s} {'error %':>8s} {'pred tok/s':>10s} {'meas tok/s':>10s}"
+    )
+    for name, r in res["rows"].items():
+        print(
+            f"{name:18s} {r['predicted_s']:11.3f} {r['measured_s']:11.3f} {r['error_pct']:8.1f} "
+            f"{r['predicted_tokens_per_s']:10.1f} {r['measured_tokens_per_s']:10.1f}"
+        )
+    for name, v in res["speedups"].items():
+        print(f"{name:28s} predicted {v['predicted']:.3f}x  measured {v['measured']:.3f}x")
+    print(f"largest |error| over predicted arms: {res['max_abs_error_pct']:.1f}% (target <= 15%)")
+    res["gloo"], res["comm"] = gloo, comm
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = argv.pop(0) if argv and argv[0] in ("scale", "validate") else "scale"
+    cmd = argv.pop(0) if argv and argv[0] in ("scale", "validate", "validate-e2e") else "scale"
     p = argparse.ArgumentParser(prog=f"python -m odc_accelerate.sim {cmd}", description=__doc__.split("\n")[0])
     if cmd == "scale":
         p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -278,6 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
         args = p.parse_args(argv)
         res = run_scale(args)
+    elif cmd == "validate-e2e":
+        p.add_argument(
+            "--e2e-json",
+            default="bench_e2e_sft",
+            help="results.json (or its folder) of `python -m odc_accelerate.bench sft`",
+        )
+        p.add_argument("--model-config", default=None, help="config.json of the benchmarked model (default: offline)")
+        p.add_argument("--param-bytes", type=int, default=4, help="bytes per parameter (4: the CPU configs' fp32)")
+        p.add_argument("--repeats", type=int, default=20, help="repeats of each gloo collective")
+        p.add_argument("--json", action="store_true")
+        args = p.parse_args(argv)
+        res = run_validate_e2e(args)
     else:
         p.add_argument("--engine-json", default=None, help="output of `python -m odc_accelerate.bench engine`")
         p.add_argument("--repeats", type=int, default=20, help="repeats of each gloo collective")

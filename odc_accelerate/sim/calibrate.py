@@ -5,7 +5,10 @@ Kept apart from the figures the simulator is validated against (the engine bench
 - `measure_gloo`: time of gloo ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` alone, at given sizes, fitted
   to ``latency + bytes / bandwidth`` (what FSDP2 pays per param group and pass on CPU);
 - `measure_compute`: effective FLOP/s of one process training the engine benchmark's toy model unsharded (forward,
-  backward, AdamW) on one thread — the benchmark's "limit" arm measured on its own.
+  backward, AdamW) on one thread — the benchmark's "limit" arm measured on its own;
+- `measure_microbatch_comm`: what one microbatch's communication costs FSDP2 and ODC with a real transformers model
+  (the end-to-end benchmark's): forward + backward of a few tokens, sharded per layer as accelerate does, minus the
+  same microbatch on an unsharded copy; no training data involved.
 """
 
 from __future__ import annotations
@@ -83,3 +86,66 @@ def measure_compute(cfg: dict[str, Any], lengths: list[int], repeats: int = 5) -
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _comm_worker(rank: int, world_size: int, config: dict[str, Any], tokens: int, repeats: int) -> dict[str, float]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..engine import ODCEngine
+    from ..telemetry import CollectiveTimer
+
+    cfg = AutoConfig.for_model(**config)
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(rank))
+
+    def microbatch_times(model) -> list[float]:
+        times = []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if i >= 2:  # warm-up: lazy init, first allocations
+                times.append(time.perf_counter() - t0)
+        return times
+
+    out: dict[str, float] = {}
+    out["none"] = statistics.median(microbatch_times(build()))
+    for system in ("fsdp2", "odc"):
+        model = build()
+        for layer in model.model.layers:  # accelerate's TRANSFORMER_BASED_WRAP: one group per decoder layer + root
+            fully_shard(layer, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        if system == "odc":
+            with ODCEngine(model):
+                out[system] = statistics.median(microbatch_times(model))
+        else:
+            timer = CollectiveTimer(model)  # synchronous collectives, as the end-to-end benchmark times them
+            try:
+                out[system] = statistics.median(microbatch_times(model))
+            finally:
+                timer.close()
+        torch.distributed.barrier()
+    return out
+
+
+def measure_microbatch_comm(config: dict[str, Any], tokens: int = 8, repeats: int = 8) -> dict[str, float]:
+    """Seconds one microbatch (forward + backward of ``tokens`` tokens) spends beyond its compute, per system.
+
+    Two gloo processes, one thread each, build the model from ``config`` (a transformers config dict with
+    ``model_type``), shard it per decoder layer plus the root (accelerate's FSDP2 wrapping) and time microbatches
+    under FSDP2 (collectives made synchronous, as the end-to-end benchmark times them) and under ODC, and on an
+    unsharded copy. Returns ``{"fsdp2": s, "odc": s, "none": s, "fsdp2_comm": s, "odc_comm": s}`` (medians, the slower
+    rank; ``*_comm`` = system - none).
+    """
+    from ..testing import launch
+
+    res = launch(_comm_worker, 2, config, tokens, repeats, timeout=600, threads=1)
+    out = {k: max(r[k] for r in res) for k in ("none", "fsdp2", "odc")}
+    out["fsdp2_comm"] = max(0.0, out["fsdp2"] - out["none"])
+    out["odc_comm"] = max(0.0, out["odc"] - out["none"])
+    return out
