@@ -157,6 +157,44 @@ def check_dpo(trainer: Any) -> None:
 
 
 @contextlib.contextmanager
+def sft_padding_free_with_max_length(trainer: Any, args: Any) -> Iterator[None]:
+    """Within the block (``SFTTrainer.__init__``), ``padding_free=True`` works together with ``max_length``.
+
+    TRL 1.16 refuses the pair without packing, since a padding-free batch of several sequences is one row that can
+    exceed ``max_length``. Under a balanced ODC plan every microbatch is bounded by the plan's token budget instead,
+    so the pair is well defined: TRL's check sees ``max_length=None`` while each sample is still truncated to
+    ``max_length`` in TRL's own ``SFTTrainer._prepare_dataset``.
+    """
+    import types
+
+    from trl import SFTTrainer
+
+    if not hasattr(SFTTrainer, "_prepare_dataset"):
+        raise TRLCompatError(
+            "odc_accelerate truncates padding-free SFT data through `trl.SFTTrainer._prepare_dataset`, which this TRL "
+            "does not have (tested with TRL 1.16). Pass --padding_free false, or pre-truncate the data and pass "
+            "--max_length None."
+        )
+    max_length = args.max_length
+    original = SFTTrainer._prepare_dataset
+
+    def prepare(self: Any, dataset: Any, processing_class: Any, prep_args: Any, *rest: Any, **kwargs: Any) -> Any:
+        prep_args.max_length = max_length
+        try:
+            return original(self, dataset, processing_class, prep_args, *rest, **kwargs)
+        finally:
+            prep_args.max_length = None
+
+    trainer._prepare_dataset = types.MethodType(prepare, trainer)
+    args.max_length = None
+    try:
+        yield
+    finally:
+        args.max_length = max_length
+        del trainer._prepare_dataset
+
+
+@contextlib.contextmanager
 def dpo_reference_preparer(prepare: Any) -> Iterator[None]:
     """Within the block, DPOTrainer prepares its reference model under FSDP with ``prepare(model, accelerator, trl's)``
     instead of TRL's ``prepare_fsdp`` (which shards the root only, so every reference forward is one whole-model

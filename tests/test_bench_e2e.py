@@ -199,6 +199,14 @@ def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
         assert {rep["engine"] for rep in reports} == ({"ODCEngine"} if name == "odc" else {None})
         assert all(rep["fsdp_version"] == 2 for rep in reports)
         assert not list(run_out.glob("*.safetensors"))  # model files of runs are dropped
+        # the step trace (telemetry.StepTrace) saw the same steps and tokens as the trainer's log
+        (trace,) = result["runs"][name][0]["trace"]
+        logged = [r for r in history if "odc/step_s" in r]
+        assert len(trace) == 2 and all(len(t) == len(logged) for t in trace)
+        for s, row in enumerate(logged):
+            traced = sum(sum(mb["row_tokens"]) for t in trace for mb in t[s]["microbatches"])
+            assert abs(traced - row["odc/tokens_per_s"] * row["odc/step_s"]) <= 1 + 0.05 * row["odc/step_s"]
+            assert max(t[s]["step_s"] for t in trace) == pytest.approx(row["odc/step_s"], abs=1e-4)
     # plain FSDP2 blocks in its (timed) collectives: instrumentation is on, whatever the figure
     assert min(arms["fsdp2_random"]["wait_s"]) > 0.0
     assert arms["odc"]["speedup_vs_fsdp2_random"] == pytest.approx(

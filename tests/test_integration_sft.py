@@ -8,6 +8,8 @@ One module-scoped set of runs serves several assertions:
 * ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
   file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
 * ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint.
+* ``odc_padding_free``: ``odc`` with ``--padding_free true`` and a larger token budget, so that several truncated
+  samples share one packed microbatch row (TRL alone refuses padding_free with max_length); its steps are traced.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ DUMP = {"ODC_DUMP_PARAMS": "1"}
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
     shm_before = shm_leftovers()
-    out = {name: root / name for name in ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed")}
+    names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free")
+    out = {name: root / name for name in names}
     procs = {}
     procs["odc"] = accelerate_launch(
         CONFIGS / "odc_cpu.yaml",
@@ -80,6 +83,24 @@ def runs(tmp_path_factory):
         ],
         env=base_env(**DUMP),
     )
+    procs["odc_padding_free"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        *COMMON,
+        *UNEQUAL,
+        "--padding_free",
+        "true",
+        "--odc_max_tokens_per_microbatch",  # the later value wins: room for several samples per packed row
+        "384",
+        "--save_strategy",
+        "no",
+        "--output_dir",
+        out["odc_padding_free"],
+        ODC_TRACE_DIR=str(out["odc_padding_free"] / "trace"),
+        **DUMP,
+    )
     lockstep = [*COMMON, "--per_device_train_batch_size", "2", "--save_strategy", "no"]
     procs["plain_lockstep"] = accelerate_launch(
         CONFIGS / "fsdp2_cpu.yaml",
@@ -89,6 +110,7 @@ def runs(tmp_path_factory):
         *lockstep,
         "--output_dir",
         out["plain_lockstep"],
+        ODC_TIME_COLLECTIVES="1",  # synchronous FSDP2 collectives, timed as the benchmark does (same numbers)
         **DUMP,
     )
     # ODC switched on by keys in the accelerate config file, through `odc-accelerate launch` (no --odc flag)
@@ -196,7 +218,27 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
     for a, b in zip(h_odc, h_plain, strict=True):
         assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        # plain FSDP2 on the lockstep plan blocks in its (timed) collectives; ODC does not run FSDP2's
+        assert min(b["odc/wait_s_rank0"], b["odc/wait_s_rank1"]) > 0
     assert _max_rel(_params(odc), _params(plain)) <= 1e-6
+
+
+def test_padding_free_packs_truncated_samples_and_matches_single_process(runs):
+    check_ok(runs["procs"]["odc_padding_free"])
+    check_ok(runs["procs"]["single"])
+    out, single = runs["out"]["odc_padding_free"], runs["out"]["single"]
+    for a, b in zip(_history(out), _history(single), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["num_tokens"] == b["num_tokens"]
+    assert _max_rel(_params(out), _params(single)) <= 1e-4
+    steps = [
+        json.loads(line) for r in (0, 1) for line in (out / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines()
+    ]
+    microbatches = [mb for step in steps for mb in step["microbatches"]]
+    # one packed row per microbatch, no attention mask, each sample truncated to --max_length, the row within budget
+    assert all(mb["rows"] == 1 and "segments" in mb for mb in microbatches)
+    assert all(max(mb["segments"]) <= 128 and mb["width"] <= 384 for mb in microbatches)
+    assert any(len(mb["segments"]) > 1 for mb in microbatches), microbatches
 
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(runs):

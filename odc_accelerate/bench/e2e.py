@@ -100,6 +100,8 @@ class Workload:
         arms (`tuple[str, ...]`): arms run by default (the limit is added unless ``--no_limit``).
         replaced (`dict`): argument values the offline example silently replaces (its CPU defaults): refused.
         args (`tuple[str, ...]`): script arguments for every arm.
+        planned_args (`tuple[str, ...]`): script arguments for the arms on this package's plan (which pack several
+            samples into one microbatch).
         unsupported (`dict[str, str]`): arms that cannot run on this workload, with the reason.
     """
 
@@ -113,6 +115,7 @@ class Workload:
     arms: tuple[str, ...] = ("fsdp2_random", "fsdp2_rebalance", "fsdp2_lockstep", "odc")
     replaced: dict[str, int] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+    planned_args: tuple[str, ...] = ()
     unsupported: dict[str, str] = field(default_factory=dict)
 
 
@@ -126,6 +129,10 @@ WORKLOADS: dict[str, Workload] = {
         max_length=512,
         max_steps=6,
         replaced={"max_length": 1024, "per_device_train_batch_size": 8},
+        # A plan packs several samples into one microbatch: padding-free collation (one packed row, each sequence
+        # attending to itself) computes no padding. The FSDP2 random / batch_rebalance arms run one sample per
+        # microbatch, which has no padding either way.
+        planned_args=("--padding_free", "true"),
     ),
     "dpo": Workload(
         "dpo",
@@ -190,7 +197,7 @@ def script_args(workload: Workload, arm: Arm, opts: argparse.Namespace, world: i
         *arm.args,
     ]  # fmt: skip
     if arm.planned:
-        args += ["--odc_samples_per_step", str(samples)]
+        args += ["--odc_samples_per_step", str(samples), *workload.planned_args]
     return args + list(opts.extra)
 
 

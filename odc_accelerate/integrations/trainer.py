@@ -379,6 +379,7 @@ class ODCTrainerMixin:
             # The one collective of the step before its microbatches: the global count of loss items.
             counts = self.accelerator.reduce(counts, reduction="sum")
         self._odc_step.update(microbatches=len(microbatches), tokens=tokens)
+        self._odc_start_collective_timer()  # plain FSDP2 on the lockstep plan (a no-op with ODC)
         self._odc_trace_shapes(microbatches)
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items

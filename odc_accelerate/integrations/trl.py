@@ -24,7 +24,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from .. import _trl_compat
 from .accelerate import get_frozen_engines, prepare_frozen_model, release_frozen_model
-from .trainer import ODCTrainerMixin
+from .trainer import ODCTrainerMixin, resolve_odc_options
 
 __all__ = ["ODCConfigMixin", "ODCDPOConfig", "ODCDPOTrainer", "ODCSFTConfig", "ODCSFTTrainer"]
 
@@ -108,7 +108,20 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
     step (TRL's per-microbatch metric gathers are reduced once per step), per-step ODC metrics in the logs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if (
+            training_args is not None
+            and getattr(training_args, "padding_free", False)
+            and not getattr(training_args, "packing", False)
+            and getattr(training_args, "max_length", None) is not None
+            and resolve_odc_options(training_args).balanced
+        ):
+            # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
+            # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
+            with _trl_compat.sft_padding_free_with_max_length(self, training_args):
+                super().__init__(*args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
         _trl_compat.check_sft(self)
 
     def _odc_finalize_metrics(
