@@ -120,6 +120,8 @@ def test_replay_predicts_runs_generated_by_the_same_model_exactly():
 def test_replay_refuses_runs_without_trace_or_limit():
     with pytest.raises(ValueError, match="ODC_TRACE_DIR"):
         step_plans([], 0)
+    with pytest.raises(ValueError, match="reference-model forwards"):
+        validate_e2e({"config": {"world_size": 2, "warmup": 1, "workload": "dpo"}, "runs": {}}, MODEL, GLOO, SHM, {})
     with pytest.raises(ValueError, match="--no_limit"):
         validate_e2e({"config": {"world_size": 2, "warmup": 1}, "runs": {"odc": []}}, MODEL, GLOO, SHM, {})
 

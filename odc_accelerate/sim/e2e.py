@@ -132,6 +132,11 @@ def validate_e2e(result: dict, model: ModelSpec, gloo: dict, shm: dict, comm: di
         comm (`dict`): `calibrate.measure_microbatch_comm`'s result (``fsdp2_comm``, ``odc_comm`` seconds).
     """
     cfg = result["config"]
+    if cfg.get("workload", "sft") != "sft":
+        raise ValueError(
+            f"validate-e2e replays SFT steps (policy forward + backward); the {cfg['workload']!r} benchmark's steps "
+            "also run reference-model forwards, which the simulator does not model. Pass an SFT result."
+        )
     runs = result["runs"]
     world, warmup = int(cfg["world_size"]), int(cfg["warmup"])
     if "limit" not in runs:
