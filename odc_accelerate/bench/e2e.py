@@ -16,6 +16,13 @@ split over ranks and the communication change:
   sampler (same samples per step); a rank's share is the step time / W. Running W of them at once keeps the machine
   as loaded as a W-rank job.
 
+The planned arms pack several samples into one microbatch; on SFT they collate padding-free (``--padding_free
+true``: one packed row, no padding computed), while the random / batch_rebalance arms run one sample per microbatch
+(unpadded either way). TRL 1.16 has no padding-free DPO, so planned DPO microbatches are padded.
+
+Every process records its steps' microbatch shapes (``ODC_TRACE_DIR``, `odc_accelerate.telemetry.StepTrace`); they are
+kept in ``results.json`` for ``python -m odc_accelerate.sim validate-e2e``.
+
 Repeats are interleaved (every arm once, then every arm again, ...), so that machine noise hits all arms alike. With
 ``ODC_TIME_COLLECTIVES=1`` the trainer logs for every run, per optimizer step: step time, real (non-padding) tokens
 of all ranks, per-rank busy and wait (seconds blocked in collectives or ODC barriers; FSDP2's collectives are made
