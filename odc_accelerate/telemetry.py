@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from . import _fsdp_compat as compat
 
-__all__ = ["CollectiveTimer", "StepTrace", "TIMED_DIST_FUNCTIONS", "microbatch_shape"]
+__all__ = ["CollectiveTimer", "StepTrace", "TIMED_DIST_FUNCTIONS", "microbatch_shape", "timed_dist_functions"]
 
 # Blocking torch.distributed API functions a training step may wait in (those this torch has are wrapped).
 TIMED_DIST_FUNCTIONS = (
@@ -146,6 +146,7 @@ class CollectiveTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             return self._timed(lambda: original(*args, **kwargs))
 
+        timed._odc_timed = True  # type: ignore[attr-defined]  # tells a timed function from torch's own
         return timed
 
     def take(self) -> float:
@@ -162,6 +163,11 @@ class CollectiveTimer:
             if getattr(module, name, None) is wrapper:  # leave a later patch (e.g. a call counter) alone
                 setattr(module, name, original)
         self._patched = []
+
+
+def timed_dist_functions() -> list[str]:
+    """Names of the ``torch.distributed`` functions a `CollectiveTimer` currently wraps in this process."""
+    return [n for n in TIMED_DIST_FUNCTIONS if getattr(getattr(dist, n, None), "_odc_timed", False)]
 
 
 def microbatch_shape(batch: Any) -> dict[str, Any]:

@@ -220,6 +220,8 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         # plain FSDP2 on the lockstep plan blocks in its (timed) collectives; ODC does not run FSDP2's
         assert min(b["odc/wait_s_rank0"], b["odc/wait_s_rank1"]) > 0
+    # the collective timer is closed when training ends (saving and the final report ran untimed)
+    assert [r["timed_dist_functions"] for r in reports(plain, "odc_run_rank")] == [[], []]
     assert _max_rel(_params(odc), _params(plain)) <= 1e-6
 
 

@@ -9,12 +9,14 @@ def _dist_api_worker(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from odc_accelerate.telemetry import CollectiveTimer
+    from odc_accelerate.telemetry import CollectiveTimer, timed_dist_functions
 
     original = dist.all_reduce
     dist.barrier()  # both ranks start together (untimed)
+    before = timed_dist_functions()
     timer = CollectiveTimer(fsdp_comms=False)
     patched = dist.all_reduce is not original
+    listed = timed_dist_functions()
     if rank == 1:
         time.sleep(0.5)  # rank 0 reaches the all-reduce first and has to wait for rank 1
     t = torch.ones(4)
@@ -26,6 +28,7 @@ def _dist_api_worker(rank: int, world_size: int) -> dict:
     nested_calls = timer.calls - calls
     timer.close()
     return {
+        "listed": (before, "all_reduce" in listed and "barrier" in listed, timed_dist_functions()),
         "fsdp": _fsdp_check(rank),
         "patched": patched,
         "restored": dist.all_reduce is original,
@@ -58,6 +61,7 @@ def test_collective_timer_counts_dist_api_and_fsdp2_comms_once_and_restores_them
     r0, r1 = launch(_dist_api_worker, 2, timeout=180)
     for r in (r0, r1):
         assert r["patched"] and r["restored"] and r["after_take"]
+        assert r["listed"] == ([], True, [])  # timed_dist_functions: none before, the wrapped ones, none after close
         assert r["sum"] == 8.0  # the wrapped all-reduce still reduces
         assert r["nested_calls"] == 1
         fsdp = r["fsdp"]

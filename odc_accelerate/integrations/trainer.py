@@ -145,7 +145,8 @@ def resolve_odc_options(args: Any) -> ODCOptions:
 
 
 class ODCCallback(TrainerCallback):
-    """Closes each ODC step after the optimizer: ``engine.post_optimizer_step()`` and the step's timing.
+    """Closes each ODC step after the optimizer (``engine.post_optimizer_step()`` and the step's timing), and the
+    collective timer of a timed plain-FSDP2 run when training ends.
 
     Callbacks do not receive the trainer, so the mixin constructs this with itself.
     """
@@ -155,6 +156,12 @@ class ODCCallback(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._odc_after_optimizer_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Put torch.distributed's functions and FSDP2's comms back: saving or evaluating after training runs untimed.
+        timer, self.trainer._odc_timer = self.trainer._odc_timer, None
+        if timer is not None:
+            timer.close()
 
 
 class _DeferredGather:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..telemetry import timed_dist_functions
+
 
 def dump_initial_params(trainer: Any) -> None:
     """With ``ODC_DUMP_PARAMS=1``: the initial weights (before FSDP2 shards them), for the parity tests."""
@@ -37,6 +39,7 @@ def write_run_report(trainer: Any, **extra: Any) -> None:
         "odc_options": dataclasses.asdict(trainer.odc_options),
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "microbatch_dist_calls": trainer.odc_microbatch_dist_calls,
+        "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
         **extra,
     }
     if os.environ.get("ODC_DUMP_PARAMS", "0") == "1":
