@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from odc_accelerate.sim import Hardware, ModelSpec, simulate
+from odc_accelerate.sim.calibrate import cpu_hardware
 from odc_accelerate.sim.e2e import calibrate_flops, fit_fixed_per_group, step_plans, validate_e2e
 from odc_accelerate.telemetry import StepTrace, microbatch_shape
 
@@ -71,10 +72,8 @@ def test_replay_predicts_runs_generated_by_the_same_model_exactly():
     """Runs whose 'measured' times come from the simulator with known hardware: calibration recovers the FLOP/s and
     the per-group overheads, and every arm is predicted with zero error (the replay indexes rows as the trace has them).
     """
-    from odc_accelerate.sim.e2e import hardware
-
     flops = 3e9
-    base = hardware(flops, GLOO, SHM, 2)
+    base = cpu_hardware(flops, GLOO, SHM, 2)
     true = {"fsdp2": base.with_(fixed_per_group=4e-3), "odc": base.with_(fixed_per_group=1e-3)}
     steps = {
         "fsdp2_random": [[[[300]], [[40]]], [[[90]], [[500]]]],  # rank -> microbatches -> row widths
@@ -95,7 +94,7 @@ def test_replay_predicts_runs_generated_by_the_same_model_exactly():
     ]
     limit_trace = _trace_from([limit_steps[0], *limit_steps], [99.0, *limit_times])
     runs["limit"] = [{"trace": [limit_trace, limit_trace]}]
-    assert calibrate_flops(runs["limit"], MODEL, 1, 2) == pytest.approx(flops, rel=1e-9)
+    assert calibrate_flops(runs["limit"], MODEL, 1) == pytest.approx(flops, rel=1e-9)
 
     one_mb = [[[0]], [[0]]]
     comm = {f"{s}_comm": _sim_step(one_mb, true[s].with_(barrier_lat=0.0), s) for s in ("fsdp2", "odc")}

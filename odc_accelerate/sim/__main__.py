@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..balance import flops_cost, plan_from_costs
-from . import H100, QWEN2_5_1_5B, QWEN2_5_7B, Hardware, ModelSpec, simulate
+from . import H100, QWEN2_5_1_5B, QWEN2_5_7B, ModelSpec, simulate
 
 MODELS = {"1.5b": QWEN2_5_1_5B, "7b": QWEN2_5_7B}
 ARMS = ("FSDP2 + random", "FSDP2 + batch_rebalance", "FSDP2 + plan lockstep", "ODC + plan odc")
@@ -189,7 +189,7 @@ def _engine_cases(cfg: dict) -> tuple[np.ndarray, dict]:
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .calibrate import measure_gloo
+    from .calibrate import cpu_hardware, measure_gloo
 
     measured = dict(README_ENGINE)
     source = "README engine table"
@@ -212,18 +212,9 @@ def run_validate(args: argparse.Namespace) -> dict:
     # 2. gloo collectives: live micro-benchmark at this model's group sizes (fp32), fitted to lat + bytes / bw.
     sizes = sorted({int(p * 4) for p in params} | {2**18, 2**23})
     gloo = measure_gloo(sizes, repeats=args.repeats)
-    # FSDP2 pays one all-gather per group in forward and one all-gather + one reduce-scatter in backward. The
-    # simulator has one collective bandwidth, so it gets the per-byte mean of the two (backward moves one of each).
+    hw = cpu_hardware(flops, gloo, README_SHM, world=2)
     ag_lat, ag_bw = gloo["ag_fit"]
     rs_lat, rs_bw = gloo["rs_fit"]
-    coll_bw = 2.0 / (1.0 / ag_bw + 1.0 / rs_bw)
-    coll_lat = (ag_lat + rs_lat) / 2
-    hw = Hardware(
-        flops=flops, gpus_per_node=2, intra_bw=coll_bw, inter_bw=coll_bw, intra_lat=coll_lat, inter_lat=coll_lat,
-        p2p_intra_bw=2.0 / (1e-6 / README_SHM["read_MBps"] + 1e-6 / README_SHM["acc_MBps"]),
-        p2p_lat=(README_SHM["read_us"] + README_SHM["acc_us"]) / 2 * 1e-6,
-        barrier_lat=README_SHM["barrier_us"] * 1e-6, overlap=False,
-    )  # fmt: skip
     # 3. Per-group hook overhead (copy-in / copy-out, ODC's locked adds, fold and publish, spread per group): the
     # one figure fitted on an arm that is also reported, ODC balanced. Solved in closed form: the step is linear in it.
     base = simulate(plans["balanced"], lengths, model, hw, "odc").step_s
@@ -244,7 +235,7 @@ def run_validate(args: argparse.Namespace) -> dict:
         f"calibrated: compute {flops / 1e9:.2f} GFLOP/s from limit_balanced ({measured['limit_balanced_ms']:.1f} ms, "
         f"{flop / 1e9:.2f} GFLOP per rank-step); gloo all-gather {ag_bw / 1e6:.0f} MB/s + {ag_lat * 1e6:.0f} us, "
         f"reduce-scatter {rs_bw / 1e6:.0f} MB/s + {rs_lat * 1e6:.0f} us (live micro-benchmark, sizes {sizes} B; "
-        f"simulator uses {coll_bw / 1e6:.0f} MB/s + {coll_lat * 1e6:.0f} us); shm read/acc {README_SHM} "
+        f"simulator uses {hw.intra_bw / 1e6:.0f} MB/s + {hw.intra_lat * 1e6:.0f} us); shm read/acc {README_SHM} "
         f"(README transport table); hook overhead {fixed * 1e3:.2f} ms per group and pass, fitted on odc_balanced"
     )
     print(f"{'arm':20s} {'predicted ms':>13s} {'measured ms':>12s} {'error %':>8s}")

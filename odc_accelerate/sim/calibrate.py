@@ -20,6 +20,25 @@ from typing import Any
 import numpy as np
 
 
+def cpu_hardware(flops: float, gloo: dict[str, Any], shm: dict[str, float], world: int) -> Any:
+    """`Hardware` for W CPU processes on one host from measured figures: ``flops``, `measure_gloo`'s fits and the
+    shared-memory figures (``read_MBps``, ``acc_MBps``, ``read_us``, ``acc_us``, ``barrier_us``); no overlap.
+
+    FSDP2 pays one all-gather per group in forward and one all-gather + one reduce-scatter in backward. The simulator
+    has one collective bandwidth, so it gets the per-byte mean of the two (backward moves one of each).
+    """
+    from . import Hardware
+
+    ag_lat, ag_bw = gloo["ag_fit"]
+    rs_lat, rs_bw = gloo["rs_fit"]
+    bw, lat = 2.0 / (1.0 / ag_bw + 1.0 / rs_bw), (ag_lat + rs_lat) / 2
+    return Hardware(
+        flops=flops, gpus_per_node=world, intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat,
+        p2p_intra_bw=2.0 / (1e-6 / shm["read_MBps"] + 1e-6 / shm["acc_MBps"]),
+        p2p_lat=(shm["read_us"] + shm["acc_us"]) / 2 * 1e-6, barrier_lat=shm["barrier_us"] * 1e-6, overlap=False,
+    )  # fmt: skip
+
+
 def _gloo_worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import Hardware, ModelSpec, simulate
+from .calibrate import cpu_hardware
 
 Plan = list[list[list[int]]]
 
@@ -68,7 +69,7 @@ def _flops(plan: Plan, lengths: np.ndarray, model: ModelSpec) -> float:
     return float(simulate(plan, lengths, model, unit, "odc").busy_s.sum())  # FLOPs of every rank
 
 
-def calibrate_flops(limit_runs: list[dict], model: ModelSpec, warmup: int, world: int) -> float:
+def calibrate_flops(limit_runs: list[dict], model: ModelSpec, warmup: int) -> float:
     """Effective FLOP/s from the ``limit`` arm: each of its processes ran a whole global step (W ranks' work)."""
     flop, seconds = 0.0, 0.0
     for run in limit_runs:
@@ -79,18 +80,6 @@ def calibrate_flops(limit_runs: list[dict], model: ModelSpec, warmup: int, world
     if seconds <= 0:
         raise ValueError("the limit arm has no measured step to calibrate compute on")
     return flop / seconds
-
-
-def hardware(flops: float, gloo: dict, shm: dict, world: int) -> Hardware:
-    """CPU figures: one collective bandwidth (per-byte mean of all-gather and reduce-scatter), shm one-sided."""
-    ag_lat, ag_bw = gloo["ag_fit"]
-    rs_lat, rs_bw = gloo["rs_fit"]
-    return Hardware(
-        flops=flops, gpus_per_node=world, intra_bw=2.0 / (1.0 / ag_bw + 1.0 / rs_bw),
-        inter_bw=2.0 / (1.0 / ag_bw + 1.0 / rs_bw), intra_lat=(ag_lat + rs_lat) / 2, inter_lat=(ag_lat + rs_lat) / 2,
-        p2p_intra_bw=2.0 / (1e-6 / shm["read_MBps"] + 1e-6 / shm["acc_MBps"]),
-        p2p_lat=(shm["read_us"] + shm["acc_us"]) / 2 * 1e-6, barrier_lat=shm["barrier_us"] * 1e-6, overlap=False,
-    )  # fmt: skip
 
 
 def fit_fixed_per_group(model: ModelSpec, hw: Hardware, world: int, system: str, comm_s: float) -> float:
@@ -141,8 +130,8 @@ def validate_e2e(result: dict, model: ModelSpec, gloo: dict, shm: dict, comm: di
     world, warmup = int(cfg["world_size"]), int(cfg["warmup"])
     if "limit" not in runs:
         raise ValueError("the benchmark was run with --no_limit: the limit arm calibrates compute; rerun without it")
-    flops = calibrate_flops(runs["limit"], model, warmup, world)
-    hw = hardware(flops, gloo, shm, world)
+    flops = calibrate_flops(runs["limit"], model, warmup)
+    hw = cpu_hardware(flops, gloo, shm, world)
     hws = {
         system: hw.with_(fixed_per_group=fit_fixed_per_group(model, hw, world, system, comm[f"{system}_comm"]))
         for system in ("fsdp2", "odc")
