@@ -3,11 +3,13 @@
 One module-scoped set of runs serves several assertions:
 
 * ``odc``: ``--odc true`` (opt-in path 1), 5 samples per step so ranks run unequal microbatch counts; counts
-  torch.distributed calls during microbatches; saves a checkpoint each step.
+  torch.distributed calls during microbatches; saves a checkpoint each step; gradients stay local until each rank's
+  last microbatch (the Trainer's default accumulation).
 * ``single``: one plain process on the same global batches (the reference for exact loss normalisation).
 * ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
   file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
-* ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint.
+* ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint,
+  with accelerate's ``sync_each_batch`` (a scatter-add per microbatch).
 * ``odc_padding_free``: ``odc`` with ``--padding_free true`` and a larger token budget, so that several truncated
   samples share one packed microbatch row (TRL alone refuses padding_free with max_length); its steps are traced.
 """
@@ -66,6 +68,7 @@ def runs(tmp_path_factory):
         "--output_dir",
         out["odc"],
         ODC_COUNT_DIST_CALLS="1",
+        ODC_TRACE_DIR=str(out["odc"] / "trace"),
         **DUMP,
     )
     procs["single"] = run(
@@ -135,8 +138,11 @@ def runs(tmp_path_factory):
             "no",
             "--resume_from_checkpoint",
             out["odc"] / "checkpoint-1",
+            "--accelerator_config",
+            json.dumps({"gradient_accumulation_kwargs": {"sync_each_batch": True}}),
             "--output_dir",
             out["resumed"],
+            ODC_TRACE_DIR=str(out["resumed"] / "trace"),
             **DUMP,
         )
     return {"out": out, "procs": procs, "shm_before": shm_before}
@@ -149,6 +155,14 @@ def _history(out) -> list[dict]:
 
 def _params(out) -> dict[str, torch.Tensor]:
     return torch.load(out / "final_params.pt")
+
+
+def _last_step_microbatches(out) -> list[int]:
+    """Microbatches each rank ran in the last traced step."""
+    return [
+        len(json.loads((out / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines()[-1])["microbatches"])
+        for r in (0, 1)
+    ]
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -180,6 +194,10 @@ def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
     assert sum(len(r["microbatch_dist_calls"]) for r in ranks) == sum(
         h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history
     )
+    # as the Trainer accumulates: one reduce-scatter (scatter-add) per param group per step, on the last microbatch
+    assert max(_last_step_microbatches(out)) > 1
+    for r in ranks:
+        assert r["engine_last_step"]["scatters"] == r["engine_param_groups"] > 1, r["engine_last_step"]
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
 
 
@@ -250,6 +268,11 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     for r in reports(resumed, "odc_run_rank"):
         assert r["engine"] == "ODCEngine" and r["odc_options"]["source"] == "fsdp_config"
         assert r["odc_options"]["transport"] == "shm"
+    # accelerate's sync_each_batch: a scatter-add per param group per microbatch, same result
+    microbatches = _last_step_microbatches(resumed)
+    assert max(microbatches) > 1
+    for r in reports(resumed, "odc_run_rank"):
+        assert r["engine_last_step"]["scatters"] == r["engine_param_groups"] * microbatches[r["rank"]]
     assert [h["step"] for h in _history(resumed)][-1] == 2
     assert _history(resumed)[-1]["loss"] == pytest.approx(_history(runs["out"]["odc"])[-1]["loss"], rel=1e-6)
     assert _max_rel(_params(resumed), _params(runs["out"]["odc"])) <= 1e-6

@@ -32,6 +32,7 @@ What the mixin changes, and why:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -429,18 +430,25 @@ class ODCTrainerMixin:
         total = torch.zeros((), device=self.args.device)
         self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
         self.accelerator.gather = deferred  # type: ignore[method-assign]
+        # As the Trainer does for its own microbatches: gradients stay local (unsharded) until the rank's last
+        # microbatch, so FSDP2 reduce-scatters (and ODC scatter-adds) once per step instead of once per microbatch.
+        # Accelerate's `sync_each_batch=True` trades that back for memory. Ranks may run different counts: ODC's
+        # reduce-scatter is one-sided, and the lockstep plan gives every rank the same number of microbatches.
+        sync_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
         self._odc_looping = True
         try:
-            for mb in inputs:
+            for i, mb in enumerate(inputs):
                 deferred.start_microbatch()
-                if self.odc_record_dist_calls:
-                    from ..testing.dist_counter import count_dist_calls
+                sync = sync_each_batch or i == len(inputs) - 1
+                with contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model):
+                    if self.odc_record_dist_calls:
+                        from ..testing.dist_counter import count_dist_calls
 
-                    with count_dist_calls() as counts:
+                        with count_dist_calls() as counts:
+                            total += super().training_step(model, mb, num_items_in_batch)
+                        self.odc_microbatch_dist_calls.append(dict(counts))
+                    else:
                         total += super().training_step(model, mb, num_items_in_batch)
-                    self.odc_microbatch_dist_calls.append(dict(counts))
-                else:
-                    total += super().training_step(model, mb, num_items_in_batch)
         finally:
             self._odc_looping = False
             self.accelerator.gather_for_metrics, self.accelerator.gather = real_gathers  # type: ignore[method-assign]

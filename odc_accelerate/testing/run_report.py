@@ -22,9 +22,10 @@ def dump_initial_params(trainer: Any) -> None:
 
 
 def write_run_report(trainer: Any, **extra: Any) -> None:
-    """``OUT/odc_run_rank<r>.json``: distributed type, FSDP plugin, ODC engine and transport, resolved ODC options, the
-    torch.distributed calls counted during microbatches (``ODC_COUNT_DIST_CALLS=1``) and ``extra``. With
-    ``ODC_DUMP_PARAMS=1`` rank 0 also saves the full final parameters to ``OUT/final_params.pt`` (collective)."""
+    """``OUT/odc_run_rank<r>.json``: distributed type, FSDP plugin, ODC engine, transport and last-step hook counts,
+    resolved ODC options, the torch.distributed calls counted during microbatches (``ODC_COUNT_DIST_CALLS=1``) and
+    ``extra``. With ``ODC_DUMP_PARAMS=1`` rank 0 also saves the full final parameters to ``OUT/final_params.pt``
+    (collective)."""
     state = trainer.accelerator.state
     plugin = getattr(state, "fsdp_plugin", None)
     engine = trainer.odc_engine
@@ -36,6 +37,11 @@ def write_run_report(trainer: Any, **extra: Any) -> None:
         "fsdp_version": getattr(plugin, "fsdp_version", None),
         "engine": type(engine).__name__ if engine is not None else None,
         "transport": type(engine.transport).__name__ if engine is not None and engine.transport is not None else None,
+        "engine_param_groups": len(engine.param_groups) if engine is not None else None,
+        # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
+        "engine_last_step": dataclasses.asdict(engine.last_step_stats)
+        if engine is not None and engine.last_step_stats is not None
+        else None,
         "odc_options": dataclasses.asdict(trainer.odc_options),
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "microbatch_dist_calls": trainer.odc_microbatch_dist_calls,
