@@ -26,6 +26,7 @@ from .balance import (
     plan_from_costs,
     resolve_cost,
 )
+from .padded import plan_padded
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             Token count of every dataset row (see `from_dataset` to compute them from a `datasets.Dataset`). A row made
             of ``k`` sequences that always travel together (a DPO pair: chosen and rejected) is given as ``k``
             lengths: its tokens are their sum and its cost the sum of their costs, since each sequence is its own
-            row of the batch (attention does not span them).
+            row of the batch (attention does not span them); with ``padded=True``, ``k`` rows as wide as the longest.
         world_size (`int`):
             Number of data-parallel ranks.
         rank (`int`):
@@ -187,6 +188,13 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             Model configuration for ``cost="auto"``.
         allow_oversize (`bool`, *optional*, defaults to `True`):
             With `False`, a dataset row longer than the budget raises a `ValueError` at construction.
+        padded (`bool`, *optional*, defaults to `False`):
+            Whether the collator pads every row of a microbatch to its longest sequence (TRL's DPO collator, SFT
+            without ``padding_free``, `DataCollatorWithPadding`). Microbatches are then planned on their padded
+            shapes (`odc_accelerate.padded.plan_padded`): similar lengths share a microbatch, a microbatch costs
+            ``rows x cost(longest)`` and its padded tokens stay within the budget. A row of ``k`` sequences is ``k``
+            batch rows, each padded to the longest of them. With `False` (padding-free or packed collation) a
+            microbatch costs the sum of its samples' costs and holds the sum of their tokens.
     """
 
     def __init__(
@@ -204,6 +212,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         *,
         model_config: Any = None,
         allow_oversize: bool = True,
+        padded: bool = False,
     ):
         parts = np.asarray(lengths)
         if parts.ndim == 2:
@@ -236,8 +245,12 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             )
         if isinstance(seed, bool) or int(seed) != seed or seed < 0:
             raise ValueError(f"`seed` must be a non-negative integer, got {seed!r}.")
+        self.padded = bool(padded)
+        # Padded collation: a row of k sequences is k batch rows, each as wide as the longest of them.
+        self._widths = parts.max(axis=1) if self.padded else None
+        self._rows = np.full(lengths.size, parts.shape[1], dtype=np.int64) if self.padded else None
         if not allow_oversize:
-            check_oversize(lengths, max_tokens_per_microbatch)
+            check_oversize(lengths if not self.padded else self._rows * self._widths, max_tokens_per_microbatch)
 
         self.lengths = lengths
         self.world_size = int(world_size)
@@ -249,8 +262,13 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         # Costs of the whole dataset, once: a user callable is then called once per distinct length.
-        per_sequence = resolve_cost(cost, model_config)(parts.reshape(-1)).reshape(parts.shape)
-        self.costs = _check_costs(np.asarray(per_sequence, dtype=np.float64).sum(axis=1))
+        cost_fn = resolve_cost(cost, model_config)
+        if self.padded:
+            self._row_costs = _check_costs(cost_fn(self._widths))
+            self.costs = self._row_costs * self._rows
+        else:
+            per_sequence = cost_fn(parts.reshape(-1)).reshape(parts.shape)
+            self.costs = _check_costs(np.asarray(per_sequence, dtype=np.float64).sum(axis=1))
         self.costs.setflags(write=False)
         self.epoch = 0
         self._resume_step = 0  # where the next __iter__ starts within `epoch` (set by load_state_dict)
@@ -408,10 +426,23 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             epoch (`int`, *optional*): epoch; defaults to the current one.
         """
         idx = self.step_indices(step, epoch)
-        plan = plan_from_costs(
+        plan = self._plan(idx)
+        return [[[int(idx[j]) for j in mb] for mb in rank_plan] for rank_plan in plan]
+
+    def _plan(self, idx: np.ndarray) -> Plan:
+        """The step's plan in positions of ``idx``."""
+        if self.padded:
+            return plan_padded(
+                self._rows[idx],
+                self._widths[idx],
+                self._row_costs[idx],
+                self.world_size,
+                self.max_tokens_per_microbatch,
+                self.mode,
+            )
+        return plan_from_costs(
             self.costs[idx], self.lengths[idx], self.world_size, self.max_tokens_per_microbatch, self.mode
         )
-        return [[[int(idx[j]) for j in mb] for mb in rank_plan] for rank_plan in plan]
 
     def __iter__(self) -> Iterator[list[list[int]]]:
         epoch = self.epoch
@@ -420,9 +451,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         self._steps_consumed = start
         for step in range(start, len(self)):
             idx = self.step_indices(step, epoch)
-            plan = plan_from_costs(
-                self.costs[idx], self.lengths[idx], self.world_size, self.max_tokens_per_microbatch, self.mode
-            )
+            plan = self._plan(idx)
             # Counted before the hand-over: a state_dict taken while this step trains already includes it.
             self._steps_consumed = step + 1
             yield [[int(idx[j]) for j in mb] for mb in plan[self.rank]]

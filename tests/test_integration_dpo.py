@@ -62,7 +62,9 @@ def runs(tmp_path_factory):
     procs = {}
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
     plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
-    procs["odc"] = accelerate_launch(*odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], **COUNT, **DUMP)
+    procs["odc"] = accelerate_launch(
+        *odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], ODC_TRACE_DIR=str(out["odc"] / "trace"), **COUNT, **DUMP
+    )
     procs["single"] = run(
         [sys.executable, TRAIN, "--odc_balance", "odc", *COMMON, *UNEQUAL, "--output_dir", out["single"]],
         env=base_env(**DUMP),
@@ -124,6 +126,14 @@ def test_odc_dpo_runs_with_zero_collectives_and_step_metrics(runs):
     assert sum(len(r["microbatch_dist_calls"]) for r in ranks) == sum(
         h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history
     )
+    # planned on padded shapes: each collated microbatch (chosen and rejected rows, padded to the longest) holds at
+    # most the 128-token budget, unless it is one pair
+    steps = [
+        json.loads(line) for r in (0, 1) for line in (out / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines()
+    ]
+    microbatches = [mb for step in steps for mb in step["microbatches"]]
+    assert len(microbatches) == sum(h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history)
+    assert all(mb["rows"] == 2 or mb["rows"] * mb["width"] <= 128 for mb in microbatches), microbatches
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
 
 

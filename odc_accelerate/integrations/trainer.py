@@ -298,6 +298,16 @@ class ODCTrainerMixin:
 
         return dataset_lengths(dataset)
 
+    def _odc_padded(self) -> bool:
+        """Whether the collator pads every row of a microbatch to its longest sample; plans then count padded shapes.
+
+        Not padded: TRL's ``padding_free`` (also set by its BFD packing) and transformers' `DataCollatorWithFlattening`.
+        """
+        from transformers import DataCollatorWithFlattening
+
+        padding_free = getattr(self, "padding_free", getattr(self.args, "padding_free", False))
+        return not padding_free and not isinstance(self.data_collator, DataCollatorWithFlattening)
+
     def _odc_budget(self, lengths: Any) -> int:
         opts = self.odc_options
         budget = opts.max_tokens_per_microbatch
@@ -335,6 +345,7 @@ class ODCTrainerMixin:
             shuffle=True,
             seed=int(self.args.data_seed if self.args.data_seed is not None else self.args.seed),
             drop_last=True,
+            padded=self._odc_padded(),
         )
         # batch_size=None: each sampler item (this rank's microbatch index lists) is fetched and collated as one item.
         # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.

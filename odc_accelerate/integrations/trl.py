@@ -142,8 +142,10 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
       one whole-model all-gather) and, under ODC, served by a gather-only `ODCEngine`: a reference forward reads the
       peers' shards and makes no collective. With ``precompute_ref_log_probs=True`` the reference log-probs are computed
       once before training (TRL's path) and a reference model TRL drops afterwards is released.
-    * **Planning.** A pair is one sample of the length-balanced sampler with two sequences: its tokens are prompt +
-      chosen plus prompt + rejected (each truncated to ``max_length``) and its cost the sum of the two sequences' costs.
+    * **Planning.** A pair is one sample of the length-balanced sampler with two batch rows, prompt + chosen and
+      prompt + rejected (each truncated to ``max_length``). TRL's collator pads every row of a microbatch to its
+      longest sequence, so the plan is made on padded shapes (`odc_accelerate.padded`): pairs of similar lengths share
+      a microbatch, which costs ``rows x cost(longest)`` and holds at most the token budget of padded tokens.
     * **Exact loss.** TRL averages the loss over the pairs of each microbatch; here each microbatch's mean is
       reweighted by ``pairs in the microbatch x world size / pairs of the whole step``, so the step's gradient is that
       of the mean over every pair of the global batch, whatever the per-rank split.
@@ -213,7 +215,9 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
         return np.stack([chosen, rejected], axis=1)
 
     def _odc_budget(self, lengths: Any) -> int:
-        pair_tokens = np.asarray(lengths).sum(axis=1)
+        # TRL's preference collator pads chosen and rejected to the longest sequence of the microbatch: a pair alone
+        # holds 2 x its longer sequence.
+        pair_tokens = 2 * np.asarray(lengths).max(axis=1)
         budget = self.odc_options.max_tokens_per_microbatch
         max_length = getattr(self.args, "max_length", None)
         if budget is None:
@@ -221,8 +225,8 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
         if int(pair_tokens.max()) > budget:
             raise ValueError(
                 f"The ODC token budget per microbatch ({budget}) is smaller than the longest pair "
-                f"({int(pair_tokens.max())} tokens, prompt + chosen plus prompt + rejected). Raise "
-                f"--odc_max_tokens_per_microbatch to at least {int(pair_tokens.max())}, or lower --max_length."
+                f"({int(pair_tokens.max())} tokens: prompt + chosen and prompt + rejected, both padded to the longer). "
+                f"Raise --odc_max_tokens_per_microbatch to at least {int(pair_tokens.max())}, or lower --max_length."
             )
         return int(budget)
 
