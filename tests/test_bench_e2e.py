@@ -104,6 +104,9 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
     assert rnd["speedup_vs_fsdp2_random"] == pytest.approx(1.0)
     t = result["targets"]
     assert t["odc_vs_fsdp2_random"]["met"] and t["odc_vs_fsdp2_rebalance"]["met"] and t["odc_bubble_pct"]["met"]
+    # each repeat's own ratio (odc 300 / 320 against rebalance 250 / 270 and random 220 / 240)
+    assert t["odc_vs_fsdp2_rebalance"]["per_repeat"] == pytest.approx([300 / 250, 320 / 270])
+    assert t["odc_vs_fsdp2_random"]["per_repeat"] == pytest.approx([300 / 220, 320 / 240])
     # timeline: the median run (lower middle by tokens/s) and its median step
     assert result["timeline"]["fsdp2_random"] == {
         "repeat": 0,
@@ -123,6 +126,7 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
     files = e2e.write_outputs(result, tmp_path)
     table = files["table"].read_text()
     assert "230.0" in table and "1.35x" in table and "0.40" in table and "27.5" in table
+    assert "per repeat 1.19x to 1.20x" in table
     snippet = files["snippet"].read_text()
     assert "| ODC + plan odc | 4.00 | 310.0 | 3.8 |" in snippet
     assert json.loads(files["json"].read_text())["arms"]["odc"]["tokens_per_s"] == pytest.approx(310.0)

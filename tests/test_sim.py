@@ -106,6 +106,34 @@ def test_comm_without_overlap_adds_exactly():
     assert _flop([256]).sum() / 1e9 <= over.step_s <= res.step_s
 
 
+def test_local_accumulation_reduces_only_in_each_ranks_last_microbatch():
+    # rank 0 runs 3 microbatches, rank 1 runs 1: with no_sync only the last backward of each rank reduces
+    lengths = np.array([128, 128, 128, 384])
+    plan = [[[0], [1], [2]], [[3]]]
+    hw = _hw(intra_bw=1e9, overlap=False)
+    _, _, params = MODEL.group_costs()
+    ag, rs = (
+        collective_time(params * MODEL.param_bytes, 2, hw).sum(),
+        collective_time(params * MODEL.grad_bytes, 2, hw).sum(),
+    )
+    rd, acc = (
+        one_sided_time(params * MODEL.param_bytes, 2, hw).sum(),
+        one_sided_time(params * MODEL.grad_bytes, 2, hw).sum(),
+    )
+    f128, f384 = _flop([128]).sum() / 1e9, _flop([384]).sum() / 1e9
+    # FSDP2: 3 lockstep slots (rank 1 joins the last two with no compute); 2 gathers per slot, 1 reduce at the end
+    slots = max(f128, f384) + 2 * f128
+    fsdp = simulate(plan, lengths, MODEL, hw, "fsdp2", accumulate_locally=True)
+    assert fsdp.step_s == pytest.approx(slots + 3 * 2 * ag + rs, rel=1e-9)
+    assert simulate(plan, lengths, MODEL, hw, "fsdp2").step_s == pytest.approx(slots + 3 * (2 * ag + rs), rel=1e-9)
+    # ODC: each rank on its own, one accumulate per rank
+    odc = simulate(plan, lengths, MODEL, hw, "odc", accumulate_locally=True)
+    expected = max(3 * f128 + 3 * 2 * rd + acc, f384 + 2 * rd + acc)
+    assert odc.step_s == pytest.approx(expected, rel=1e-9)
+    every = max(3 * (f128 + 2 * rd + acc), f384 + 2 * rd + acc)
+    assert simulate(plan, lengths, MODEL, hw, "odc").step_s == pytest.approx(every, rel=1e-9)
+
+
 def test_uneven_microbatch_counts():
     # ODC allows ranks with different numbers of microbatches (even zero); FSDP2 runs an empty slot on the short rank.
     lengths = np.array([100, 100, 100])

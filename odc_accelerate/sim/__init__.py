@@ -292,7 +292,15 @@ def _pass_time(compute: np.ndarray, comm: np.ndarray, overlap: bool) -> np.ndarr
     return (compute + c).sum(axis=0)
 
 
-def simulate(plan: Plan, lengths: np.ndarray, model: ModelSpec, hw: Hardware, system: str) -> StepResult:
+def simulate(
+    plan: Plan,
+    lengths: np.ndarray,
+    model: ModelSpec,
+    hw: Hardware,
+    system: str,
+    *,
+    accumulate_locally: bool = False,
+) -> StepResult:
     """Predict one optimizer step of ``plan`` under ``system`` (``"fsdp2"`` or ``"odc"``).
 
     Args:
@@ -301,6 +309,10 @@ def simulate(plan: Plan, lengths: np.ndarray, model: ModelSpec, hw: Hardware, sy
         model (`ModelSpec`): the model.
         hw (`Hardware`): the hardware.
         system (`str`): ``"fsdp2"`` (per-layer lockstep collectives) or ``"odc"`` (one-sided, one sync per step).
+        accumulate_locally (`bool`, *optional*, defaults to `False`):
+            Gradients stay local (unsharded) until a rank's last microbatch, whose backward alone reduce-scatters
+            (FSDP2) or scatter-adds (ODC): the Trainer's gradient accumulation (``no_sync``). With `False` every
+            microbatch's backward does (accelerate's ``sync_each_batch``, the ODC paper's setting).
     """
     if system not in ("fsdp2", "odc"):
         raise ValueError(f"Unknown system {system!r}: use 'fsdp2' or 'odc'.")
@@ -320,12 +332,20 @@ def simulate(plan: Plan, lengths: np.ndarray, model: ModelSpec, hw: Hardware, sy
         slot_fwd = fwd.max(axis=1)  # [G, K]
         slot_bwd = bwd.max(axis=1)
         n_slots = tok.shape[1] if present.any() else 0
-        per_slot = _pass_time(slot_fwd, ag, hw.overlap) + _pass_time(slot_bwd, ag + rs, hw.overlap)
+        bwd_t = _pass_time(slot_bwd, ag + rs, hw.overlap)
+        if accumulate_locally:
+            bwd_t = np.where(np.arange(bwd_t.size) == n_slots - 1, bwd_t, _pass_time(slot_bwd, ag, hw.overlap))
+        per_slot = _pass_time(slot_fwd, ag, hw.overlap) + bwd_t
         step = float(per_slot[:n_slots].sum())
         return StepResult(step, busy, step - busy, float(tok.sum()), limit)
     rd = one_sided_time(params * model.param_bytes, world, hw) + fixed
     acc = one_sided_time(params * model.grad_bytes, world, hw) + fixed
-    per_mb = _pass_time(fwd, rd, hw.overlap) + _pass_time(bwd, rd + acc, hw.overlap)  # [W, K]
+    bwd_t = _pass_time(bwd, rd + acc, hw.overlap)  # [W, K]
+    if accumulate_locally:
+        # a rank's microbatches are slots 0 .. count-1: only the last one adds into the owners' accumulators
+        last = np.arange(present.shape[1])[None, :] == present.sum(axis=1, keepdims=True) - 1
+        bwd_t = np.where(last, bwd_t, _pass_time(bwd, rd, hw.overlap))
+    per_mb = _pass_time(fwd, rd, hw.overlap) + bwd_t
     per_rank = np.where(present, per_mb, 0.0).sum(axis=1)
     step = float(per_rank.max()) + 2 * hw.barrier_lat  # barrier before the optimizer and after publishing
     return StepResult(step, busy, step - busy, float(tok.sum()), limit)

@@ -15,7 +15,8 @@ What is calibrated, and from what (never from the FSDP2 or ODC arms that are pre
   (``Hardware.fixed_per_group``) set so that one microbatch's communication equals what
   `calibrate.measure_microbatch_comm` measures live on the same model (a few tokens, sharded vs unsharded: copies,
   allocation and hook costs the bare bandwidth figures miss). No overlap, since the benchmark times FSDP2's
-  collectives synchronously (`odc_accelerate.telemetry.CollectiveTimer`).
+  collectives synchronously (`odc_accelerate.telemetry.CollectiveTimer`). Gradients are reduced in each rank's last
+  microbatch only (``accumulate_locally``: the Trainer's ``no_sync``, which every arm runs with).
 
 Compute of a microbatch is charged on its padded shape (``rows x width``: the model runs on the padding too), the
 attention term per row (or per packed sequence for padding-free batches).
@@ -97,7 +98,12 @@ def predict_arm(runs: list[dict], model: ModelSpec, hw: Hardware, system: str, w
     pred, meas, tokens = [], [], []
     for run in runs:
         steps = step_plans(run["trace"][0], warmup)
-        pred.append(statistics.fmean(simulate(p, ln, model, hw, system).step_s for p, ln, _, _ in steps))
+        # The Trainer (and this package's balanced loop) keep gradients local until a rank's last microbatch.
+        pred.append(
+            statistics.fmean(
+                simulate(p, ln, model, hw, system, accumulate_locally=True).step_s for p, ln, _, _ in steps
+            )
+        )
         meas.append(statistics.fmean(t for _, _, t, _ in steps))
         tokens.append(statistics.fmean(n for *_, n in steps))
     p, m, n = statistics.median(pred), statistics.median(meas), statistics.median(tokens)
