@@ -10,7 +10,10 @@ What the mixin changes, and why:
   and each rank gets its own list of microbatches, so ranks may run different numbers of microbatches. The
   Trainer's gradient accumulation would count microbatches globally and deadlock, so it runs with
   ``gradient_accumulation_steps=1`` and ``training_step`` loops the microbatches itself; the effective batch is
-  unchanged. accelerate's re-sharding of the dataloader is bypassed (the sampler is already rank-aware).
+  unchanged. accelerate's re-sharding of the dataloader is bypassed (the sampler is already rank-aware). With a
+  padded collator the plan is made on padded shapes (`odc_accelerate.padded`). As in the Trainer's own loop, every
+  microbatch but a rank's last runs under ``accelerator.no_sync``: gradients accumulate locally and are reduced (ODC:
+  scatter-added) once per step, unless accelerate's ``sync_each_batch`` asks for every microbatch.
 * **Exact loss.** ``num_items_in_batch`` is the number of label tokens of the whole step over all ranks (one
   all-reduce at the step start, before any microbatch); every microbatch's summed token loss is divided by it and
   multiplied by the world size (the Trainer's ``average_tokens_across_devices`` scaling), which is
