@@ -136,11 +136,22 @@ class _Layout:
         grouped = [[i for k, run in enumerate(runs) if run_rank[k] == r for i in run] for r in range(world)]
         best = None
         for members in (self._improve(spread), self._improve(grouped)):
+            self._fill_idle(members)
             plan = [self.cut(m) for m in members]
             key = (max(sum(self.cost(run) for run in rank) for rank in plan), sum(len(rank) for rank in plan))
             if best is None or key < best[0]:
                 best = (key, plan)
         return best[1]
+
+    def _fill_idle(self, members: list[list[int]]) -> None:
+        """No rank idles while there are enough samples (only zero-cost samples can leave one idle here): an idle
+        rank takes the cheapest sample of the rank holding the most."""
+        while self.own.size >= len(members) and any(not m for m in members):
+            empty = next(r for r, m in enumerate(members) if not m)
+            donor = max(range(len(members)), key=lambda r: (len(members[r]), -r))
+            x = min(members[donor], key=lambda i: (self._row_costs[i] * self._rows[i], -self._pos[i]))
+            members[donor].remove(x)
+            members[empty].append(x)
 
     def _improve(self, members: list[list[int]], max_iters: int | None = None) -> list[list[int]]:
         """Moves and swaps out of the rank with the largest padded total while that lowers it.

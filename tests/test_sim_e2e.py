@@ -65,7 +65,8 @@ def _trace_from(plans: list[list[list[list[int]]]], step_s: list[float]) -> list
 
 def _sim_step(plan_widths, hw, system) -> float:
     ((plan, lengths, _, _),) = step_plans(_trace_from([plan_widths], [0.0]), 0)
-    return simulate(plan, lengths, MODEL, hw, system).step_s
+    # as the runs do (and validate_e2e assumes): gradients reduced in each rank's last microbatch only
+    return simulate(plan, lengths, MODEL, hw, system, accumulate_locally=True).step_s
 
 
 def test_replay_predicts_runs_generated_by_the_same_model_exactly():
