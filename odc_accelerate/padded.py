@@ -82,7 +82,7 @@ class _Layout:
     """The step's samples with their padded shapes, and packing / costing of sample sets."""
 
     def __init__(self, rows: np.ndarray, widths: np.ndarray, row_costs: np.ndarray, budget: int) -> None:
-        self.rows, self.widths, self.row_costs, self.budget = rows, widths, row_costs, int(budget)
+        self.rows, self.widths, self.budget = rows, widths, int(budget)
         self.own = rows * row_costs  # a sample's cost padded to its own width: no plan makes it cheaper
         # Widest first; ties by index, so that plans never depend on sort stability.
         order = np.lexsort((np.arange(rows.size), -widths))
@@ -212,10 +212,7 @@ class _Layout:
         runs += [[] for _ in range(slots * world - len(runs))]
         # Runs of similar cost share a slot (the slot waits for its costliest run).
         runs.sort(key=lambda run: (-self.cost(run), min(run, default=-1)))
-        n = self.rows.size
-        bin_of = np.empty(n, dtype=np.int64)
+        bin_of = np.empty(self.rows.size, dtype=np.int64)
         for b, run in enumerate(runs):
             bin_of[run] = b
-        costs = np.asarray(self.own, dtype=np.float64)
-        tokens = self.rows * self.widths
-        return _assign_slots_to_ranks(costs, tokens, bin_of, slots, world)
+        return _assign_slots_to_ranks(self.own, self.rows * self.widths, bin_of, slots, world)
