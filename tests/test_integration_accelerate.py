@@ -42,7 +42,10 @@ def test_odc_plugin_unequal_counts_match_single_process(tmp_path):
     # losses: each rank logs its share of the global token mean; their sum is the single-process loss
     total = np.sum([r["losses"] for r in ranks], axis=0)
     np.testing.assert_allclose(total, ref["losses"], rtol=1e-5)
-    assert _max_rel(_params(ranks[0]), _params(ref)) <= 1e-5
+    # Usually bit-identical; but peers add into an owner's accumulator in arrival order, so fp32 rounding differs
+    # from run to run, and AdamW turns rounding noise in near-zero gradient entries into update noise (one run in
+    # many measured 1.2e-5). A wrong loss weighting of the 1-vs-3 microbatches would move weights by ~lr (1e-2).
+    assert _max_rel(_params(ranks[0]), _params(ref)) <= 1e-4
     assert _max_rel(_params(ranks[0]), _params(ranks[1])) == 0.0
     assert shm_leftovers() <= before, "shared memory left behind"
 
