@@ -173,6 +173,38 @@ def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cann
     assert opts.arms == ["fsdp2_random", "odc"] and opts.repeats == 1
 
 
+_MMAPPED_BYTES_WHILE_HOLDING_80MB = """
+import ctypes, torch
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+t = torch.empty(20_000_000)  # 80 MB
+print(libc.mallinfo2().hblkhd)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="the caching allocator setting is glibc's")
+def test_caching_allocator_serves_large_tensors_from_the_heap_in_the_runs_environment(monkeypatch):
+    """With the runs' environment an 80 MB tensor comes from glibc's heap (reusable after free), not a fresh mmap;
+    ``--allocator system`` drops the setting even if the caller's environment had it."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 32))  # must not leak into a "system" run
+    monkeypatch.setenv("ODC_BALANCE", "lockstep")  # the caller's ODC settings never reach an arm
+    mmapped = {}
+    for allocator in ("caching", "system"):
+        env = e2e._env(allocator)
+        assert "ODC_BALANCE" not in env
+        out = subprocess.run(
+            [sys.executable, "-c", _MMAPPED_BYTES_WHILE_HOLDING_80MB], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        mmapped[allocator] = int(out.stdout.split()[-1])
+    assert mmapped["caching"] < 80_000_000 <= mmapped["system"], mmapped
+    with pytest.raises(ValueError, match="allocator"):
+        e2e.allocator_env("jemalloc")
+
+
 def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
     """Two real arms, 2 processes each; every reported figure is recomputed here from the runs' trainer_state.json."""
     out = tmp_path / "bench"

@@ -31,6 +31,12 @@ dropped; tokens/s = real tokens of the measured steps / their summed step time; 
 median over repeats (per-rank peak RSS: the maximum). Speedups are ratios of tokens/s: arms with a different sampler
 see different samples in a step, so equal tokens, not equal steps, are what compares.
 
+Memory allocator: by default (``--allocator caching``) every arm runs with glibc set to keep freed blocks for reuse
+(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``). With glibc's defaults each block above 32 MiB is a fresh
+mmap that is page-faulted in at first touch and unmapped at free, every microbatch; GPU training does not pay that
+(the CUDA caching allocator reuses blocks), and on this tiny model it was over half of the step time. ``--allocator
+system`` measures with the defaults.
+
 Writes ``OUT/results.json``, ``OUT/table.txt``, ``OUT/README_snippet.md``, ``OUT/e2e_<workload>.png`` (with
 matplotlib) and every run's log and ``trainer_state.json`` under ``OUT/runs/``. Figures are printed, never asserted.
 """
@@ -41,6 +47,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -172,10 +179,30 @@ def world_size_of(config_path: Path) -> int:
         return int(yaml.safe_load(f).get("num_processes", 1))
 
 
-def _env() -> dict[str, str]:
+# glibc serves every block above its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps it at free, so each
+# large tensor a step allocates is page-faulted in (and zeroed by the kernel) again: on the tiny model, whose logits and
+# embedding blocks are tens of MB, that was over half of the step time of every arm. GPU training never pays it (the
+# CUDA caching allocator reuses blocks). "caching" keeps freed blocks in the process for reuse, for every arm alike.
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+ALLOCATORS = ("caching", "system")
+
+
+def allocator_env(allocator: str) -> dict[str, str]:
+    """The variables that select ``allocator`` for the runs (on glibc; elsewhere the system allocator runs as is)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    if allocator == "system" or platform.libc_ver()[0] != "glibc":
+        return {}
+    return dict(CACHING_MALLOC)
+
+
+def _env(allocator: str = "caching") -> dict[str, str]:
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("ODC_", "ACCELERATE_", "FSDP_")) or k == "ODC_CACHE"
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(("ODC_", "ACCELERATE_", "FSDP_")) or k in CACHING_MALLOC) or k == "ODC_CACHE"
     }
+    env.update(allocator_env(allocator))
     path = env.get("PYTHONPATH")
     env.update(
         OMP_NUM_THREADS="1",
@@ -228,8 +255,8 @@ def commands(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int,
     return [{"cmd": [*launch, script, *script_args(workload, arm, opts, world, out)], "out": out, "rss": out / "rss"}]
 
 
-def _run_processes(procs: list[dict], run_dir: Path, timeout: float) -> float:
-    env = _env()
+def _run_processes(procs: list[dict], run_dir: Path, timeout: float, allocator: str = "caching") -> float:
+    env = _env(allocator)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = []
     start = time.perf_counter()
@@ -361,7 +388,7 @@ def run_arm(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int, 
         shutil.rmtree(run_dir)
     procs = commands(workload, arm, opts, world, run_dir)
     load_before = os.getloadavg()[0]
-    wall = _run_processes(procs, run_dir, opts.timeout)
+    wall = _run_processes(procs, run_dir, opts.timeout, opts.allocator)
     load_after = os.getloadavg()[0]
     per_process = []
     for p in procs:
@@ -588,8 +615,17 @@ def conditions_text(result: dict) -> str:
         f"(FSDP2 arms: {c['per_device_train_batch_size']} per microbatch x {c['gradient_accumulation_steps']} "
         f"accumulation x {c['world_size']} ranks), {c['max_steps']} steps per run of which the first "
         f"{c['warmup']} dropped, {c['repeats']} interleaved repeats; 1-min load average {cond['load_min']:.1f} to "
-        f"{cond['load_max']:.1f} on {cond['cpus']} cores; {cond['date']}"
+        f"{cond['load_max']:.1f} on {cond['cpus']} cores; "
+        f"{_allocator_text(cond)}; {cond['date']}"
     )
+
+
+def _allocator_text(cond: dict) -> str:
+    if "allocator" not in cond:  # runs recorded before the option existed used glibc's defaults
+        return "system allocator"
+    if cond["allocator"] == "caching" and not cond.get("allocator_env"):
+        return "system allocator (caching asked, not glibc)"
+    return f"{cond['allocator']} allocator"
 
 
 def write_outputs(result: dict, out: Path) -> dict[str, Path]:
@@ -698,6 +734,14 @@ def _parse(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default bench_e2e_{workload.name})")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="caching",
+        help="CPU memory allocator of every arm: 'caching' (default; glibc keeps freed blocks for reuse, as the CUDA "
+        "caching allocator does) or 'system' (glibc defaults: large blocks are unmapped at free and page-faulted "
+        "in again at the next allocation)",
+    )
+    p.add_argument(
         "--report",
         type=Path,
         default=None,
@@ -792,6 +836,8 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "git": _git_head(),
+        "allocator": opts.allocator,
+        "allocator_env": allocator_env(opts.allocator),
     }
     result["runs"] = runs
     return result

@@ -250,11 +250,24 @@ def run_validate(args: argparse.Namespace) -> dict:
     return {"rows": out, "gloo": gloo, "flops": flops, "fixed_per_group_s": fixed, "max_abs_error_pct": worst}
 
 
+def _use_runs_allocator(result: dict) -> None:
+    """Measure communication live under the memory allocator the benchmark's runs used (the spawned measuring
+    processes read glibc's variables at start; allocation is a large part of a microbatch's copies on CPU)."""
+    import os
+
+    from ..bench.e2e import CACHING_MALLOC, allocator_env
+
+    for key in CACHING_MALLOC:
+        os.environ.pop(key, None)
+    os.environ.update(allocator_env(result.get("conditions", {}).get("allocator", "system")))
+
+
 def run_validate_e2e(args: argparse.Namespace) -> dict:
     from .calibrate import measure_gloo, measure_microbatch_comm
     from .e2e import load_result, validate_e2e
 
     result = load_result(args.e2e_json)
+    _use_runs_allocator(result)
     if args.model_config:
         with open(args.model_config) as f:
             config: Any = json.load(f)
