@@ -179,10 +179,7 @@ def world_size_of(config_path: Path) -> int:
         return int(yaml.safe_load(f).get("num_processes", 1))
 
 
-# glibc serves every block above its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps it at free, so each
-# large tensor a step allocates is page-faulted in (and zeroed by the kernel) again: on the tiny model, whose logits and
-# embedding blocks are tens of MB, that was over half of the step time of every arm. GPU training never pays it (the
-# CUDA caching allocator reuses blocks). "caching" keeps freed blocks in the process for reuse, for every arm alike.
+# "caching": glibc keeps freed blocks for reuse instead of unmapping them (why: the module docstring).
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 ALLOCATORS = ("caching", "system")
 
