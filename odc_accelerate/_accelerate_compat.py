@@ -1,6 +1,6 @@
 """Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
 
-Two things need accelerate's internals:
+Four things need accelerate's internals:
 
 * **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
   with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
@@ -11,6 +11,8 @@ Two things need accelerate's internals:
 * **Engine creation.** The ODC engine must attach right after accelerate ``fully_shard``-s the model, i.e. after
   ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, which ``Accelerator._prepare_fsdp2`` calls through the name it
   imported into ``accelerate.accelerator``. :func:`on_fsdp2_prepared` wraps that name.
+* **Teardown.** :func:`on_end_training` runs our hooks before and after ``Accelerator.end_training`` (closing the
+  engine while the process group exists; releasing what still holds the group once it is destroyed).
 * **PEFT models.** :func:`find_final_norm_through_peft` makes the FSDP2 wrapping group a PEFT model's LM head with
   its final norm, as accelerate does for plain models (otherwise TRL's fused LM head all-gathers it per microbatch).
 
@@ -206,26 +208,32 @@ def on_fsdp2_prepared(hook: Callable[[Any, Any], None]) -> None:
         _PREPARE_HOOKS.append(hook)
 
 
-def on_end_training(hook: Callable[[Any], None]) -> None:
-    """Call ``hook(accelerator)`` at the start of ``Accelerator.end_training`` (before the process group goes)."""
+def on_end_training(hook: Callable[[Any], None], *, after: bool = False) -> None:
+    """Call ``hook(accelerator)`` in ``Accelerator.end_training``: at its start (before the process group goes) or,
+    with ``after=True``, once it has returned (the process group is destroyed)."""
     from accelerate import Accelerator
 
     current = _require(Accelerator, "end_training", "accelerate.Accelerator")
-    if getattr(current, "_odc_wrapped", False):
-        current._odc_hooks.append(hook) if hook not in current._odc_hooks else None
-        return
+    if not getattr(current, "_odc_wrapped", False):
+        before_hooks: list[Callable[[Any], None]] = []
+        after_hooks: list[Callable[[Any], None]] = []
+        original = current
 
-    hooks = [hook]
+        @functools.wraps(original)
+        def end_training(self: Any) -> None:
+            for h in list(before_hooks):
+                h(self)
+            original(self)
+            for h in list(after_hooks):
+                h(self)
 
-    @functools.wraps(current)
-    def end_training(self: Any) -> None:
-        for h in list(hooks):
-            h(self)
-        current(self)
-
-    end_training._odc_wrapped = True  # type: ignore[attr-defined]
-    end_training._odc_hooks = hooks  # type: ignore[attr-defined]
-    Accelerator.end_training = end_training
+        end_training._odc_wrapped = True  # type: ignore[attr-defined]
+        end_training._odc_hooks = (before_hooks, after_hooks)  # type: ignore[attr-defined]
+        Accelerator.end_training = end_training
+        current = end_training
+    hooks = current._odc_hooks[1 if after else 0]
+    if hook not in hooks:
+        hooks.append(hook)
 
 
 _PLUGIN_FACTORIES: list[Callable[[], Any]] = []

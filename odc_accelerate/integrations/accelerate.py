@@ -243,8 +243,27 @@ def _close_engine(accelerator: Any) -> None:
         frozen.close()
 
 
+def _release_process_groups(accelerator: Any) -> None:
+    """Once ``end_training`` destroyed the process group, free it, so that gloo joins its worker threads now.
+
+    ``destroy_process_group()`` leaves gloo's workers running while FSDP2 modules and device meshes still reference
+    the group. A worker that finishes a collective's clean-up while the interpreter finalises takes the GIL, is made
+    to exit and aborts the process (SIGABRT after training and saving succeeded; pytorch/pytorch#190489).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return  # not destroyed (e.g. a notebook_launcher run): the groups are still in use
+    from .. import _fsdp_compat
+
+    mesh = getattr(accelerator.state, "device_mesh", None)
+    n = _fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
+    logger.debug("Released %d process-group references after end_training.", n)
+
+
 compat.enable_fsdp2_on_cpu()
 compat.find_final_norm_through_peft()
 compat.on_fsdp2_prepared(_attach_engine)
 compat.on_end_training(_close_engine)
+compat.on_end_training(_release_process_groups, after=True)
 compat.default_fsdp_plugin(odc_plugin_from_env)

@@ -5,12 +5,15 @@ step (so counts may differ under ODC), with the exact per-token loss scaling. Wr
 ``--out``: how the run was set up (distributed type, plugin class, whether an engine is attached) and the losses and
 final parameters (full tensors, gathered) for the tests to compare.
 
-Run with ``--single`` (one plain process) to get the reference on the same global batches.
+Run with ``--single`` (one plain process) to get the reference on the same global batches. With ``--thread-report``
+the model stays referenced until the interpreter exits (as in a script that keeps its trainer in a global) and
+``threads_rank<r>.json`` lists this process's threads before ``end_training`` and in the last exit handler.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 
@@ -22,6 +25,18 @@ def _batches(step: int, total: int, seq: int, vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (1, seq), generator=g) for _ in range(total)]
 
 
+_KEPT: list = []  # --thread-report: objects that live until the interpreter exits
+
+
+def _thread_names() -> list[str]:
+    """Names of this process's threads (Linux), e.g. gloo's ``pt_gloo_runloop`` workers."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(names)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -31,7 +46,12 @@ def main() -> None:
     p.add_argument("--plugin", choices=["odc", "fsdp2", "env"], default="odc")
     p.add_argument("--single", action="store_true")
     p.add_argument("--transport", default=None)
+    p.add_argument("--thread-report", action="store_true")
     args = p.parse_args()
+    report: dict[str, list[str]] = {}
+    if args.thread_report:
+        # Registered first, so it runs last of all exit handlers, just before the interpreter finalises.
+        atexit.register(_write_thread_report, args.out, report)
 
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
@@ -110,7 +130,17 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"result_rank{rank}.json"), "w") as f:
         json.dump(info, f)
+    if args.thread_report:
+        _KEPT.append(model)
+        report["before_end_training"] = _thread_names()
+        report["rank"] = [str(rank)]
     accelerator.end_training()
+
+
+def _write_thread_report(out: str, report: dict[str, list[str]]) -> None:
+    report["at_exit"] = _thread_names()
+    with open(os.path.join(out, f"threads_rank{report['rank'][0]}.json"), "w") as f:
+        json.dump(report, f)
 
 
 if __name__ == "__main__":
