@@ -126,6 +126,22 @@ def test_plugin_bad_input():
     assert plugin.fsdp_version == 2 and plugin.odc is True and plugin.transport == "auto"
 
 
+def test_release_after_end_training_names_a_missing_torch_internal(caplog):
+    """A torch whose DeviceMesh lacks what the teardown reads: an error naming it; end_training only warns."""
+    from types import SimpleNamespace
+
+    from odc_accelerate import _fsdp_compat
+    from odc_accelerate.integrations import accelerate as integration
+
+    with pytest.raises(_fsdp_compat.FSDPCompatError, match="DeviceMesh._pg_registry"):
+        _fsdp_compat.release_process_groups([object()])
+    # no process group in this process, as after destroy_process_group()
+    fake = SimpleNamespace(state=SimpleNamespace(device_mesh=object()))
+    with caplog.at_level("WARNING", logger=integration.__name__):
+        integration._release_process_groups(fake)
+    assert "DeviceMesh._pg_registry" in caplog.text and "outlive end_training" in caplog.text
+
+
 def test_plugin_env_fallbacks(monkeypatch):
     from odc_accelerate.integrations.accelerate import ODCPlugin
 

@@ -254,10 +254,15 @@ def _release_process_groups(accelerator: Any) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return  # not destroyed (e.g. a notebook_launcher run): the groups are still in use
-    from .. import _fsdp_compat
-
     mesh = getattr(accelerator.state, "device_mesh", None)
-    n = _fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
+    try:
+        from .. import _fsdp_compat
+
+        n = _fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
+    except RuntimeError as err:  # FSDPCompatError: this torch lacks an internal it reads (raised at import too)
+        # Training and saving are done: a warning, not an error that would fail a finished run.
+        logger.warning("%s Without it gloo's worker threads may outlive end_training (rare abort at exit).", err)
+        return
     logger.debug("Released %d process-group references after end_training.", n)
 
 

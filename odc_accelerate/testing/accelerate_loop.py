@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--transport", default=None)
     p.add_argument("--thread-report", action="store_true")
     args = p.parse_args()
-    report: dict[str, list[str]] = {}
+    report: dict = {}
     if args.thread_report:
         # Registered first, so it runs last of all exit handlers, just before the interpreter finalises.
         atexit.register(_write_thread_report, args.out, report)
@@ -133,13 +133,13 @@ def main() -> None:
     if args.thread_report:
         _KEPT.append(model)
         report["before_end_training"] = _thread_names()
-        report["rank"] = [str(rank)]
+        report["rank"] = rank
     accelerator.end_training()
 
 
-def _write_thread_report(out: str, report: dict[str, list[str]]) -> None:
+def _write_thread_report(out: str, report: dict) -> None:
     report["at_exit"] = _thread_names()
-    with open(os.path.join(out, f"threads_rank{report['rank'][0]}.json"), "w") as f:
+    with open(os.path.join(out, f"threads_rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
 
 
