@@ -126,7 +126,8 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
     files = e2e.write_outputs(result, tmp_path)
     table = files["table"].read_text()
     assert "230.0" in table and "1.35x" in table and "0.40" in table and "27.5" in table
-    assert "per repeat 1.19x to 1.20x" in table
+    assert "per repeat 1.185x to 1.200x" in table
+    assert "1.348x  (target >= 1.3: met" in table
     snippet = files["snippet"].read_text()
     assert "| ODC + plan odc | 4.00 | 310.0 | 3.8 |" in snippet
     assert json.loads(files["json"].read_text())["arms"]["odc"]["tokens_per_s"] == pytest.approx(310.0)

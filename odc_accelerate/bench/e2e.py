@@ -585,10 +585,11 @@ def _targets_text(result: dict) -> list[str]:
         if t["value"] is None:
             lines.append(f"{names[key]:<44}{'n/m':>8}  (target {t['target']}: not measured)")
             continue
-        value = f"{t['value']:.2f}" + ("x" if "vs" in key else "")
+        # three decimals for ratios: at two, 1.295 prints as 1.30x next to "NOT met" for a 1.3 target
+        value = f"{t['value']:.3f}x" if "vs" in key else f"{t['value']:.2f}"
         spread = ""
         if len(t.get("per_repeat") or []) > 1:
-            spread = f"; per repeat {min(t['per_repeat']):.2f}x to {max(t['per_repeat']):.2f}x"
+            spread = f"; per repeat {min(t['per_repeat']):.3f}x to {max(t['per_repeat']):.3f}x"
         lines.append(f"{names[key]:<44}{value:>8}  (target {t['target']}: {'met' if t['met'] else 'NOT met'}{spread})")
     if result.get("limit_from_odc_busy_tokens_per_s"):
         lines.append(
