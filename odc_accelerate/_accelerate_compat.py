@@ -217,7 +217,7 @@ def on_end_training(hook: Callable[[Any], None], *, after: bool = False) -> None
     if not getattr(current, "_odc_wrapped", False):
         before_hooks: list[Callable[[Any], None]] = []
         after_hooks: list[Callable[[Any], None]] = []
-        original = current
+        original = current  # the wrapper must not close over `current`: it is rebound to the wrapper below
 
         @functools.wraps(original)
         def end_training(self: Any) -> None:

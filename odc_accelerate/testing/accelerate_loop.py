@@ -138,6 +138,8 @@ def main() -> None:
 
 
 def _write_thread_report(out: str, report: dict) -> None:
+    if "rank" not in report:  # the run failed before end_training: its own error says why
+        return
     report["at_exit"] = _thread_names()
     with open(os.path.join(out, f"threads_rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
