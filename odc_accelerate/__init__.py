@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
+    "ODCConfig": "odc_accelerate.config",
     "ODCEngine": "odc_accelerate.engine",
     "ODCTimeoutError": "odc_accelerate.transport.base",
     "loss_scale": "odc_accelerate.loss",
-    "LengthBalancedBatchSampler": "odc_accelerate.sampler",
-    "plan_step": "odc_accelerate.balance",
-    # Hugging Face integrations (importing them lets accelerate run FSDP2 on CPU; GPU runs are untouched)
+    "LengthBalancedBatchSampler": "odc_accelerate.planning",
+    "plan_step": "odc_accelerate.planning",
+    # Hugging Face integrations (importing them patches nothing; see `odc_accelerate.integrations.accelerate.enable`)
     "ODCPlugin": "odc_accelerate.integrations.accelerate",
+    "enable": "odc_accelerate.integrations.accelerate",
     "get_engine": "odc_accelerate.integrations.accelerate",
     "ODCTrainerMixin": "odc_accelerate.integrations.trainer",
     "ODCCallback": "odc_accelerate.integrations.trainer",
@@ -29,6 +31,7 @@ _LAZY = {
 __all__ = [
     "LengthBalancedBatchSampler",
     "ODCCallback",
+    "ODCConfig",
     "ODCEngine",
     "ODCPlugin",
     "ODCDPOConfig",
@@ -37,19 +40,20 @@ __all__ = [
     "ODCSFTTrainer",
     "ODCTimeoutError",
     "ODCTrainerMixin",
+    "enable",
     "get_engine",
     "loss_scale",
     "plan_step",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .balance import plan_step
+    from .config import ODCConfig
     from .engine import ODCEngine
-    from .integrations.accelerate import ODCPlugin, get_engine
+    from .integrations.accelerate import ODCPlugin, enable, get_engine
     from .integrations.trainer import ODCCallback, ODCTrainerMixin
     from .integrations.trl import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
     from .loss import loss_scale
-    from .sampler import LengthBalancedBatchSampler
+    from .planning import LengthBalancedBatchSampler, plan_step
     from .transport.base import ODCTimeoutError
 
 

@@ -16,6 +16,7 @@ call and waits for no peer, so ranks may run different numbers of microbatches, 
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -25,12 +26,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _fsdp_compat as compat
+from ._compat import fsdp as compat
 from .transport import BufferSpec, Transport, create_transport
 
 logger = logging.getLogger(__name__)
 
-_IDLE, _IN_STEP, _IN_OPTIM, _CLOSED, _BROKEN = "idle", "in_step", "in_optimizer", "closed", "broken"
+
+class EngineState(enum.Enum):
+    """Where an `ODCEngine` is in the optimizer-step cycle."""
+
+    IN_STEP = "in_step"  # microbatches run: hooks gather and scatter-accumulate
+    IN_OPTIMIZER = "in_optimizer"  # gradients folded (pre_optimizer_step); the optimizer may run, then publish
+    CLOSED = "closed"  # FSDP2's own collectives restored; also the state while __init__ builds the engine
+    BROKEN = "broken"  # a barrier failed or set-up raised: the step is lost, only close() is allowed
 
 
 @dataclass
@@ -161,7 +169,7 @@ class ODCEngine:
         sync_every_hook: bool = False,
         frozen: bool = False,
     ) -> None:
-        self._state = _CLOSED  # until fully built, close() has nothing to undo
+        self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[_Group] = []
         self.transport: Transport | None = None
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -200,7 +208,7 @@ class ODCEngine:
         self._pg = compat.shard_group(entries[0][1]) if entries else None
         self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
         self._check_same_model_everywhere(entries, problem)
-        self._device = entries[0][1].device
+        self._device = compat.group_device(entries[0][1])
 
         specs: dict[str, BufferSpec] = {}
         for index, (module, group) in enumerate(entries):
@@ -213,16 +221,16 @@ class ODCEngine:
                 module=module,
                 gather_numel=gather.numel(),
                 gather_dtype=gather.dtype,
-                reduce_numel=compat.reduce_scatter_numel(group, self.world_size),
+                reduce_numel=compat.reduce_scatter_numel(group),
                 reduce_dtype=rdtype,
                 saved_comms=compat.get_comms(group),
                 saved_flags=compat.sum_and_unused_flags(group),
             )
             self._groups.append(g)
-            specs[f"p{index}"] = BufferSpec(g.gather_numel, g.gather_dtype)
+            specs[f"p{index}"] = BufferSpec(numel=g.gather_numel, dtype=g.gather_dtype)
             if rdtype is not None and not self.frozen:
-                specs[f"g{index}"] = BufferSpec(g.reduce_numel, rdtype, accumulated=True)
-        specs["touched"] = BufferSpec(len(self._groups), torch.uint8)
+                specs[f"g{index}"] = BufferSpec(numel=g.reduce_numel, dtype=rdtype, accumulated=True)
+        specs["touched"] = BufferSpec(numel=len(self._groups), dtype=torch.uint8)
 
         self.transport = create_transport(
             transport,
@@ -242,11 +250,11 @@ class ODCEngine:
                 module.set_custom_all_gather(_ODCAllGather(self, g.index))
                 if not self.frozen:
                     module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
-            self._state = _IN_OPTIM  # so that the initial publish is the normal post-step path
+            self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0
         except BaseException:
-            self._state = _BROKEN
+            self._state = EngineState.BROKEN
             self.close()
             raise
         logger.info(
@@ -304,14 +312,7 @@ class ODCEngine:
 
         Also the one place where a set-up error found on some ranks only is raised on every rank.
         """
-        signature = [
-            (
-                compat.group_fqn(g),
-                [(p._param_fqn, tuple(p.padded_sharded_param_size), str(p.orig_dtype)) for p in g.fsdp_params],
-                str(compat.reduce_dtype(g)),
-            )
-            for _, g in entries
-        ]
+        signature = [(compat.group_fqn(g), compat.group_layout(g), str(compat.reduce_dtype(g))) for _, g in entries]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (signature, problem), group=self._pg)
         problems = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
@@ -337,8 +338,8 @@ class ODCEngine:
 
     # ------------------------------------------------------------------ hooks
     def _check_usable(self) -> None:
-        if self._state in (_CLOSED, _BROKEN):
-            raise RuntimeError(f"the ODCEngine is {self._state}; FSDP2 hooks cannot run through it any more")
+        if self._state in (EngineState.CLOSED, EngineState.BROKEN):
+            raise RuntimeError(f"the ODCEngine is {self._state.value}; FSDP2 hooks cannot run through it any more")
 
     def _enter_hook(self) -> float:
         """Common start of both hooks: refuse a closed engine, optionally sync (benchmark arm), start the clock."""
@@ -367,7 +368,7 @@ class ODCEngine:
 
     def _scatter_accumulate(self, index: int, inp: torch.Tensor, out: torch.Tensor, op: Any) -> None:
         self._check_usable()
-        if self._state != _IN_STEP:
+        if self._state != EngineState.IN_STEP:
             raise RuntimeError(
                 "a backward ran after engine.pre_optimizer_step() and before engine.post_optimizer_step(); "
                 "run every microbatch's backward before pre_optimizer_step()"
@@ -398,7 +399,7 @@ class ODCEngine:
         try:
             self.transport.barrier()
         except BaseException:
-            self._state = _BROKEN
+            self._state = EngineState.BROKEN
             raise
         if count_wait:
             self.stats.wait_s += time.perf_counter() - start
@@ -412,7 +413,7 @@ class ODCEngine:
         per optimizer step, after the last backward and before clipping / ``optimizer.step()``.
         """
         self._check_trainable("pre_optimizer_step")
-        if self._state != _IN_STEP:
+        if self._state != EngineState.IN_STEP:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
         touched = self._buffers["touched"]
         touched.copy_(torch.tensor([g.touched for g in self._groups], dtype=torch.uint8))
@@ -430,11 +431,11 @@ class ODCEngine:
             acc = self._buffers[f"g{g.index}"]
             reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
             acc.zero_()  # safe: no peer adds again before the post-step barrier
-            compat.fold_into_grads(g.group, reduce_output, self.world_size)
+            compat.fold_into_grads(g.group, reduce_output)
         for g in self._groups:
             g.touched = False
         self.stats.fold_s += time.perf_counter() - start
-        self._state = _IN_OPTIM
+        self._state = EngineState.IN_OPTIMIZER
 
     @torch.no_grad()
     def post_optimizer_step(self) -> None:
@@ -452,7 +453,7 @@ class ODCEngine:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        if self._state != _IN_OPTIM:
+        if self._state != EngineState.IN_OPTIMIZER:
             raise RuntimeError("post_optimizer_step() called without pre_optimizer_step() before it")
         start = time.perf_counter()
         for g in self._groups:
@@ -463,7 +464,7 @@ class ODCEngine:
             self.last_step_stats = self.stats
         self.stats = StepStats()
         self.steps += 1
-        self._state = _IN_STEP
+        self._state = EngineState.IN_STEP
 
     @torch.no_grad()
     def republish(self) -> None:
@@ -473,7 +474,7 @@ class ODCEngine:
         parameters) and before the next forward; peers would otherwise read the old values.
         """
         self._check_usable()
-        if self._state != _IN_STEP or any(g.touched for g in self._groups):
+        if self._state != EngineState.IN_STEP or any(g.touched for g in self._groups):
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
         for g in self._groups:
             self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
@@ -482,7 +483,7 @@ class ODCEngine:
     # ------------------------------------------------------------------ tear-down
     def close(self) -> None:
         """Restore FSDP2's own collectives and release the transport (shared memory is removed). Idempotent."""
-        if self._state == _CLOSED and self.transport is None:
+        if self._state == EngineState.CLOSED and self.transport is None:
             return
         for g in self._groups:
             compat.set_comms(g.group, *g.saved_comms)
@@ -490,7 +491,7 @@ class ODCEngine:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-        self._state = _CLOSED
+        self._state = EngineState.CLOSED
 
     def __enter__(self) -> ODCEngine:
         return self

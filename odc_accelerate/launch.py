@@ -1,20 +1,11 @@
 """``odc-accelerate launch``: ``accelerate launch`` that honours ODC keys in the accelerate config file.
 
 accelerate accepts unknown keys inside ``fsdp_config`` but never exports them to the worker processes. This
-launcher reads the ``odc*`` keys from the config file's ``fsdp_config``, exports them as ``ODC_*`` environment
-variables (the launcher copies its environment into every worker), then runs ``accelerate launch`` with exactly the
-arguments it was given. Inside the workers, `ODCPlugin` and the ODC trainers read those variables.
-
-Config keys (inside ``fsdp_config``)  ->  environment variable:
-
-=================================  ================================
-``odc: true``                       ``ODC_ENABLE=true``
-``odc_transport: shm``              ``ODC_TRANSPORT=shm``
-``odc_timeout: 600``                ``ODC_TIMEOUT=600``
-``odc_max_tokens_per_microbatch``   ``ODC_MAX_TOKENS_PER_MICROBATCH``
-``odc_balance: odc``                ``ODC_BALANCE=odc``
-``odc_samples_per_step``            ``ODC_SAMPLES_PER_STEP``
-=================================  ================================
+launcher reads the ODC keys from the config file's ``fsdp_config`` (``odc: true``, ``odc_transport: shm``,
+``odc_plan: free``, ...: every option of `odc_accelerate.config.ODCConfig`, by its key), checks them, exports them
+as their ``ODC_*`` environment variables (the launcher copies its environment into every worker), then runs
+``accelerate launch`` with exactly the arguments it was given. Inside the workers, `ODCPlugin` and the ODC trainers
+read those variables.
 
 Usage::
 
@@ -26,22 +17,16 @@ Values already set in the environment win over the file (so a one-off ``ODC_ENAB
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 
-logger = logging.getLogger(__name__)
+from .config import ODCConfig, env_from_fsdp_config
 
-ODC_KEYS = {
-    "odc": "ODC_ENABLE",
-    "odc_transport": "ODC_TRANSPORT",
-    "odc_timeout": "ODC_TIMEOUT",
-    "odc_max_tokens_per_microbatch": "ODC_MAX_TOKENS_PER_MICROBATCH",
-    "odc_balance": "ODC_BALANCE",
-    "odc_samples_per_step": "ODC_SAMPLES_PER_STEP",
-}
+logger = logging.getLogger(__name__)
 
 
 def _config_file(args: Sequence[str]) -> str | None:
@@ -54,10 +39,10 @@ def _config_file(args: Sequence[str]) -> str | None:
 
 
 def odc_env_from_config(path: str) -> dict[str, str]:
-    """The ``ODC_*`` variables asked for by the ``odc*`` keys of ``fsdp_config`` in an accelerate config file.
+    """The ``ODC_*`` variables asked for by the ODC keys of ``fsdp_config`` in an accelerate config file.
 
     Raises:
-        ValueError: an ``odc*`` key that is not known (with the known ones), or ``odc: true`` without
+        ValueError: an unknown ``odc*`` key (with the known ones), an invalid value, or ``odc: true`` without
             ``distributed_type: FSDP`` and ``fsdp_version: 2``.
     """
     import yaml
@@ -65,24 +50,16 @@ def odc_env_from_config(path: str) -> dict[str, str]:
     with open(path) as f:
         config = yaml.safe_load(f) or {}
     fsdp = config.get("fsdp_config") or {}
-    env: dict[str, str] = {}
-    for key, value in fsdp.items():
-        if not key.startswith("odc"):
-            continue
-        if key not in ODC_KEYS:
-            raise ValueError(f"Unknown ODC key {key!r} in {path}'s fsdp_config; known keys: {', '.join(ODC_KEYS)}.")
-        env[ODC_KEYS[key]] = str(value).lower() if isinstance(value, bool) else str(value)
-    if env.get("ODC_ENABLE") == "true":
-        if config.get("distributed_type") != "FSDP" or int(fsdp.get("fsdp_version", 1)) != 2:
-            raise ValueError(
-                f"{path} asks for ODC (odc: true) but not FSDP2: set `distributed_type: FSDP` and, in fsdp_config, "
-                "`fsdp_version: 2`. ODC does not run on FSDP1 or DDP."
-            )
-        from .transport import TRANSPORTS
-
-        transport = env.get("ODC_TRANSPORT", "auto")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"{path}: unknown odc_transport {transport!r}; choose one of {', '.join(TRANSPORTS)}.")
+    try:
+        env = env_from_fsdp_config(fsdp)
+        resolved = ODCConfig.from_sources(fsdp_config=fsdp, env={})  # checks every value before any process starts
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    if resolved.enable and (config.get("distributed_type") != "FSDP" or int(fsdp.get("fsdp_version", 1)) != 2):
+        raise ValueError(
+            f"{path} asks for ODC (odc: true) but not FSDP2: set `distributed_type: FSDP` and, in fsdp_config, "
+            "`fsdp_version: 2`. ODC does not run on FSDP1 or DDP."
+        )
     return env
 
 
@@ -94,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv[0] != "launch":
         print(f"odc-accelerate: unknown command {argv[0]!r}; use `odc-accelerate launch ...`.", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("yaml") is None:
+        print(
+            "odc-accelerate: `odc-accelerate launch` runs `accelerate launch`, which is not installed. Install the "
+            "Hugging Face extra: pip install 'odc_accelerate[hf]'.",
+            file=sys.stderr,
+        )
         return 2
     rest = argv[1:]
     env = dict(os.environ)

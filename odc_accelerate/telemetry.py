@@ -1,4 +1,7 @@
-"""Time blocked in collectives, for comparing FSDP2 with ODC on the same per-rank busy/wait footing.
+"""Telemetry a user can switch on: collective timing (`CollectiveTimer`) and per-step traces (`StepTrace`).
+
+Both are driven by `~odc_accelerate.config.ODCConfig` options (``time_collectives``, ``trace_dir``) in the Trainer
+integration, and usable directly in a custom loop.
 
 ODC's engine times its own step-boundary waits (`ODCEngine.last_step_stats`). Plain FSDP2 waits inside its per-layer
 all-gathers and reduce-scatters, which run asynchronously and are waited on deep inside FSDP2; the only public place
@@ -15,8 +18,8 @@ an ``async_op=True`` call other than FSDP2's (only the call itself is timed).
 
 Measurement, not training: running the collectives synchronously removes FSDP2's overlap of the next layer's
 all-gather with the current layer's compute. On CPU (gloo, one compute thread per rank) there is little such overlap
-to lose, which is why the end-to-end benchmark (`python -m odc_accelerate.bench sft`) enables the timer on every
-FSDP2 arm (``ODC_TIME_COLLECTIVES=1``); on GPUs the timed run is slower than an untimed one. With ODC the engine owns
+to lose, which is why the end-to-end benchmark (``python -m benchmarks.e2e sft``) enables the timer on every
+FSDP2 arm (``--odc_time_collectives``); on GPUs the timed run is slower than an untimed one. With ODC the engine owns
 the comms: use ``fsdp_comms=False`` there to time only the ``torch.distributed`` calls.
 """
 
@@ -34,9 +37,18 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
-from . import _fsdp_compat as compat
+from ._compat import fsdp as compat
 
-__all__ = ["CollectiveTimer", "StepTrace", "TIMED_DIST_FUNCTIONS", "microbatch_shape", "timed_dist_functions"]
+__all__ = [
+    "DIST_COMM_FUNCTIONS",
+    "TIMED_DIST_FUNCTIONS",
+    "CollectiveTimer",
+    "StepTrace",
+    "microbatch_shape",
+    "patch_dist_functions",
+    "restore_dist_functions",
+    "timed_dist_functions",
+]
 
 # Blocking torch.distributed API functions a training step may wait in (those this torch has are wrapped).
 TIMED_DIST_FUNCTIONS = (
@@ -59,6 +71,53 @@ TIMED_DIST_FUNCTIONS = (
     "barrier",
     "monitored_barrier",
 )
+
+
+# The other torch.distributed communication functions: non-blocking, coalesced, point-to-point, group creation.
+DIST_COMM_FUNCTIONS = TIMED_DIST_FUNCTIONS + (
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
+    "new_group",
+    "new_subgroups",
+    "split_group",
+)
+
+Patched = list[tuple[Any, str, Callable, Callable]]
+
+
+def patch_dist_functions(names: tuple[str, ...], wrap: Callable[[str, Callable], Callable]) -> Patched:
+    """Replace each of ``names`` this torch has by ``wrap(name, original)``, on ``torch.distributed`` and on
+    ``distributed_c10d`` (callers bind either; a function both modules hold is wrapped once). Returns what
+    `restore_dist_functions` needs to put the originals back."""
+    patched: Patched = []
+    wrapped: dict[int, Callable] = {}
+    for name in names:
+        for module in (dist, c10d):
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+            if id(original) not in wrapped:
+                wrapped[id(original)] = wrap(name, original)
+            setattr(module, name, wrapped[id(original)])
+            patched.append((module, name, original, wrapped[id(original)]))
+    return patched
+
+
+def restore_dist_functions(patched: Patched) -> None:
+    """Undo `patch_dist_functions`, leaving alone a function someone patched again since."""
+    for module, name, original, wrapper in reversed(patched):
+        if getattr(module, name, None) is wrapper:
+            setattr(module, name, original)
 
 
 class _TimedComm:
@@ -109,7 +168,7 @@ class CollectiveTimer:
         self.calls = 0
         self._local = threading.local()  # nesting depth: a dist call inside a timed FSDP2 comm counts once
         self._saved: list[tuple[Any, tuple[Any, Any]]] = []
-        self._patched: list[tuple[Any, str, Callable, Callable]] = []
+        self._patched: Patched = []
         if fsdp_comms:
             for _module, state in compat.all_states(model):
                 for group in compat.param_groups(state):
@@ -117,16 +176,7 @@ class CollectiveTimer:
                     self._saved.append((group, (all_gather, reduce_scatter)))
                     compat.set_comms(group, _TimedComm(all_gather, self), _TimedComm(reduce_scatter, self))
         if dist_api:
-            wrapped: dict[int, Callable] = {}
-            for name in TIMED_DIST_FUNCTIONS:
-                for module in (dist, c10d):
-                    original = getattr(module, name, None)
-                    if original is None:
-                        continue
-                    if id(original) not in wrapped:
-                        wrapped[id(original)] = self._wrap(original)
-                    setattr(module, name, wrapped[id(original)])
-                    self._patched.append((module, name, original, wrapped[id(original)]))
+            self._patched = patch_dist_functions(TIMED_DIST_FUNCTIONS, lambda _name, original: self._wrap(original))
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         depth = getattr(self._local, "depth", 0)
@@ -159,9 +209,7 @@ class CollectiveTimer:
         for group, comms in self._saved:
             compat.set_comms(group, *comms)
         self._saved = []
-        for module, name, original, wrapper in reversed(self._patched):
-            if getattr(module, name, None) is wrapper:  # leave a later patch (e.g. a call counter) alone
-                setattr(module, name, original)
+        restore_dist_functions(self._patched)  # leaves a later patch (e.g. a call counter) alone
         self._patched = []
 
 
@@ -195,8 +243,8 @@ class StepTrace:
     """Per-rank record of every optimizer step: its microbatches' shapes and the step's time, busy and wait.
 
     One JSON line per step in ``<directory>/trace_rank<RANK>.jsonl``: ``{"step", "step_s", "busy_s", "wait_s",
-    "microbatches": [microbatch_shape(...), ...]}``. The Trainer integration writes it when ``ODC_TRACE_DIR`` is set
-    (the end-to-end benchmark does, for ``python -m odc_accelerate.sim validate-e2e``, which replays the steps).
+    "microbatches": [microbatch_shape(...), ...]}``. The Trainer integration writes it when the ``trace_dir`` option
+    (``--odc_trace_dir``, ``ODC_TRACE_DIR``) is set; the end-to-end benchmark sets it for the simulator's replay.
 
     Args:
         directory (`str`): created if missing.
@@ -208,11 +256,6 @@ class StepTrace:
         self.path = os.path.join(directory, f"trace_rank{rank}.jsonl")
         self.steps = 0
         open(self.path, "w").close()  # a rerun into the same folder starts a new trace
-
-    @classmethod
-    def from_env(cls, rank: int) -> StepTrace | None:
-        directory = os.environ.get("ODC_TRACE_DIR")
-        return cls(directory, rank) if directory else None
 
     def record(self, microbatches: list[dict[str, Any]], step_s: float, busy_s: float, wait_s: float) -> None:
         self.steps += 1

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
 LOOP = ROOT / "odc_accelerate" / "testing" / "accelerate_loop.py"
+# Examples run unchanged; this wrapper adds the run reports, call counts and parameter dumps the tests read.
+RUN_EXAMPLE = ROOT / "odc_accelerate" / "testing" / "run_example.py"
 
 pytest.importorskip("accelerate")
 pytest.importorskip("trl")
@@ -42,7 +44,10 @@ def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: st
         if launcher == "accelerate"
         else [sys.executable, "-m", "odc_accelerate.launch", "launch"]
     )
-    return run([*head, "--config_file", config, "--main_process_port", "0", script, *args], env=base_env(**env))
+    wrapper = [RUN_EXAMPLE] if Path(script).resolve().is_relative_to(ROOT / "examples") else []
+    return run(
+        [*head, "--config_file", config, "--main_process_port", "0", *wrapper, script, *args], env=base_env(**env)
+    )
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

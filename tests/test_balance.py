@@ -1,4 +1,4 @@
-"""Tests of the step planner (odc_accelerate.balance): invariants, cost models, optimality gaps, determinism."""
+"""Tests of the step planner (odc_accelerate.planning): invariants, cost models, optimality gaps, determinism."""
 
 from __future__ import annotations
 
@@ -15,17 +15,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odc_accelerate import plan_step
-from odc_accelerate.balance import (
+from benchmarks.planning.metrics import lower_bound, step_metrics
+from odc_accelerate.planning import (
+    PLANS,
     PUBLISHED_1_5B_COST,
     PUBLISHED_7B_COST,
+    LengthBalancedBatchSampler,
     QuadraticCost,
     cost_from_config,
     flops_cost,
-    lower_bound,
+    normalize_plan,
     plan_from_costs,
+    plan_padded,
+    plan_step,
     resolve_cost,
-    step_metrics,
 )
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,7 +39,7 @@ def quad(lengths):
     return (lengths / 1000.0) ** 2 + lengths / 1000.0
 
 
-def check_plan(plan, lengths, world, budget, mode):
+def check_plan(plan, lengths, world, budget, plan_name):
     """The invariants every plan must satisfy, checked from the plan alone."""
     lengths = np.asarray(lengths)
     n = lengths.size
@@ -46,9 +49,9 @@ def check_plan(plan, lengths, world, budget, mode):
     for rank in plan:
         for mb in rank:
             assert len(mb) == 1 or lengths[mb].sum() <= budget, "microbatch over budget"
-    if mode == "odc":
+    if plan_name == "free":
         for rank in plan:
-            assert all(len(mb) > 0 for mb in rank), "ODC plans have no empty microbatch"
+            assert all(len(mb) > 0 for mb in rank), "free plans have no empty microbatch"
             # As few microbatches as the budget allows, in the first-fit sense: no two of a rank's microbatches
             # could be merged into one within the budget.
             toks = [int(lengths[mb].sum()) for mb in rank]
@@ -79,24 +82,24 @@ def check_plan(plan, lengths, world, budget, mode):
     lengths=st.lists(st.integers(0, 20000), max_size=70),
     world=st.integers(1, 9),
     budget=st.sampled_from([1, 500, 4096, 8192, 20000]),
-    mode=st.sampled_from(["odc", "lockstep"]),
+    plan_name=st.sampled_from(PLANS),
     cost=st.sampled_from(["tokens", "auto", "step"]),
 )
-def test_plan_invariants(lengths, world, budget, mode, cost):
+def test_plan_invariants(lengths, world, budget, plan_name, cost):
     cost_arg = (lambda n: 1.0 if n < 3000 else 50.0) if cost == "step" else cost
-    plan = plan_step(lengths, world, budget, cost=cost_arg, mode=mode)
-    check_plan(plan, lengths, world, budget, mode)
+    plan = plan_step(lengths, world, budget, cost=cost_arg, plan=plan_name)
+    check_plan(plan, lengths, world, budget, plan_name)
 
 
 @PROPS
 @given(
     lengths=st.lists(st.integers(1, 40000), min_size=1, max_size=60),
     world=st.integers(1, 8),
-    mode=st.sampled_from(["odc", "lockstep"]),
+    plan_name=st.sampled_from(PLANS),
 )
-def test_plan_is_deterministic_and_never_beats_the_lower_bound(lengths, world, mode):
-    plan = plan_step(lengths, world, 16384, mode=mode)
-    assert plan == plan_step(list(lengths), world, 16384, mode=mode)
+def test_plan_is_deterministic_and_never_beats_the_lower_bound(lengths, world, plan_name):
+    plan = plan_step(lengths, world, 16384, plan=plan_name)
+    assert plan == plan_step(list(lengths), world, 16384, plan=plan_name)
     costs = PUBLISHED_7B_COST(np.asarray(lengths))
     m = step_metrics(plan, costs)
     assert m["odc"] >= m["tight_bound"] * (1 - 1e-9)
@@ -111,8 +114,8 @@ def test_plan_is_deterministic_and_never_beats_the_lower_bound(lengths, world, m
     budget=st.integers(1000, 20000),
 )
 def test_oversize_samples_get_their_own_microbatch(lengths, world, budget):
-    for mode in ("odc", "lockstep"):
-        plan = plan_step(lengths, world, budget, mode=mode)
+    for plan_name in PLANS:
+        plan = plan_step(lengths, world, budget, plan=plan_name)
         for rank in plan:
             for mb in rank:
                 if any(lengths[i] > budget for i in mb):
@@ -139,7 +142,8 @@ def test_allow_oversize_false_names_the_sample_before_planning():
         ({"world_size": 2.5}, "world_size"),
         ({"max_tokens_per_microbatch": 0}, "max_tokens_per_microbatch"),
         ({"max_tokens_per_microbatch": -5}, "max_tokens_per_microbatch"),
-        ({"mode": "fsdp"}, "mode"),
+        ({"world_size": True}, "world_size"),
+        ({"plan": "fsdp"}, "plan 'fsdp'; choose one of 'free', 'lockstep'"),
         ({"cost": "flops"}, "cost"),
         ({"cost": 3}, "cost"),
         ({"cost": lambda n: -1.0}, "finite and >= 0"),
@@ -156,20 +160,53 @@ def test_bad_arguments_raise_value_error(kwargs, match):
 
 def test_edge_cases():
     assert plan_step([], 3) == [[], [], []]
-    assert plan_step([], 3, mode="lockstep") == [[], [], []]
-    # Fewer samples than ranks: ODC leaves ranks without microbatches, lockstep gives them empty ones.
-    odc = plan_step([5, 7], 4)
-    assert sorted(len(r) for r in odc) == [0, 0, 1, 1]
-    lock = plan_step([5, 7], 4, mode="lockstep")
+    assert plan_step([], 3, plan="lockstep") == [[], [], []]
+    # Fewer samples than ranks: the free plan leaves ranks without microbatches, lockstep gives them empty ones.
+    free = plan_step([5, 7], 4)
+    assert sorted(len(r) for r in free) == [0, 0, 1, 1]
+    lock = plan_step([5, 7], 4, plan="lockstep")
     assert all(len(r) == 1 for r in lock) and sorted(len(r[0]) for r in lock) == [0, 0, 1, 1]
     # Zero-length samples are spread over ranks too.
     assert all(len(r) == 1 for r in plan_step([0, 0, 0, 0], 4))
     # Several samples far over the budget while they dominate the step (lockstep fills slots level by level).
     lengths = [20000, 5, 7, 100, 30000, 2]
-    for mode in ("odc", "lockstep"):
-        check_plan(plan_step(lengths, 2, 500, mode=mode), lengths, 2, 500, mode)
+    for plan_name in PLANS:
+        check_plan(plan_step(lengths, 2, 500, plan=plan_name), lengths, 2, 500, plan_name)
     # Float lengths that are whole numbers and numpy input are accepted.
     assert plan_step(np.array([3.0, 4.0]), 1) == [[[1, 0]]]
+
+
+def test_deprecated_spellings_still_plan_and_warn():
+    """``mode=`` and the plan name ``"odc"`` keep working for one release, with a FutureWarning naming the new one."""
+    lengths = np.array([900, 30, 4000, 700, 12000, 5, 2500, 6100])
+    costs = PUBLISHED_7B_COST(lengths)
+    free = plan_step(lengths, 2, 8192, plan="free")
+    lock = plan_step(lengths, 2, 8192, plan="lockstep")
+    assert free != lock
+    with pytest.warns(FutureWarning, match="plan 'odc' is deprecated.*use 'free'") as record:
+        assert plan_step(lengths, 2, 8192, plan="odc") == free
+    assert record[0].filename == __file__, "the warning points at the caller"
+    with pytest.warns(FutureWarning, match="`mode=` is deprecated.*use `plan=`"):
+        assert plan_step(lengths, 2, 8192, mode="lockstep") == lock
+    with pytest.warns(FutureWarning, match="plan 'odc' is deprecated"):
+        assert plan_from_costs(costs, lengths, 2, 8192, "odc") == free
+    with pytest.warns(FutureWarning, match="`mode=` is deprecated"):
+        assert plan_from_costs(costs, lengths, 2, 8192, mode="lockstep") == lock
+    rows = np.ones(lengths.size, dtype=np.int64)
+    with pytest.warns(FutureWarning, match="`mode=` is deprecated"):
+        padded = plan_padded(rows, lengths, costs, 2, 8192, mode="lockstep")
+    assert padded == plan_padded(rows, lengths, costs, 2, 8192, "lockstep")
+    with pytest.warns(FutureWarning, match="is deprecated") as record:
+        sampler = LengthBalancedBatchSampler(lengths, 2, 0, 8, mode="odc", shuffle=False)
+    assert sorted(str(w.message).split(" is ")[0] for w in record) == ["`mode=`", "plan 'odc'"]
+    assert sampler.plan == "free"
+    assert list(sampler) == [free[0]]
+    with pytest.warns(FutureWarning, match=r"\.mode is deprecated.*use \.plan"):
+        assert sampler.mode == "free"
+    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="alone"):
+        plan_step(lengths, 2, plan="lockstep", mode="free")
+    with pytest.raises(ValueError, match=r"Unknown odc_plan \(ODC_PLAN\) 'sync'; choose one of 'free', 'lockstep'"):
+        normalize_plan("sync", where="odc_plan (ODC_PLAN)")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -300,7 +337,7 @@ def lpt_max_load(costs, world):
     return max(load for load, _ in heap)
 
 
-def test_odc_mode_against_brute_force(capsys):
+def test_free_plan_against_brute_force(capsys):
     rng = np.random.default_rng(1234)
     gaps, lpt_gaps = [], []
     for _ in range(200):
@@ -320,7 +357,7 @@ def test_odc_mode_against_brute_force(capsys):
     mean_gap, mean_lpt = float(np.mean(gaps)), float(np.mean(lpt_gaps))
     with capsys.disabled():
         print(
-            f"\n[odc vs optimum, 200 instances n<=9, W=2..3] mean gap {100 * mean_gap:.3f}% "
+            f"\n[free vs optimum, 200 instances n<=9, W=2..3] mean gap {100 * mean_gap:.3f}% "
             f"(max {100 * max(gaps):.2f}%, optimal in {np.mean(np.array(gaps) < 1e-12):.0%}); "
             f"plain LPT mean gap {100 * mean_lpt:.3f}%"
         )
@@ -342,14 +379,14 @@ def optimal_lockstep(costs, tokens, world, slots, budget):
     return best
 
 
-def test_lockstep_mode_against_brute_force(capsys):
+def test_lockstep_plan_against_brute_force(capsys):
     rng = np.random.default_rng(99)
     gaps = []
     while len(gaps) < 80:
         n = int(rng.integers(2, 7))
         lengths = rng.integers(1, 6000, n)
         costs = quad(lengths)
-        plan = plan_step(lengths, 2, 8000, cost=lambda x: float(quad(x)), mode="lockstep")
+        plan = plan_step(lengths, 2, 8000, cost=lambda x: float(quad(x)), plan="lockstep")
         slots = len(plan[0])
         if (2 * slots) ** n > 200_000:
             continue
@@ -376,7 +413,7 @@ def test_lower_bound_is_a_lower_bound(costs, world):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Quality on long-tailed steps (the issue's targets, as relations between arms computed here)
+# Quality on long-tailed steps (targets as relations between arms computed here)
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -384,29 +421,29 @@ def _longalign_like(rng, n):
     return np.clip(rng.lognormal(np.log(13000), 0.8, n), 256, 65536).astype(np.int64)
 
 
-def test_odc_mode_is_within_half_a_percent_of_the_lower_bound_at_8_ranks():
+def test_free_plan_is_within_half_a_percent_of_the_lower_bound_at_8_ranks():
     rng = np.random.default_rng(7)
     gaps = []
     for _ in range(30):
         lengths = _longalign_like(rng, 64)
         costs = PUBLISHED_7B_COST(lengths)
-        plan = plan_from_costs(costs, lengths, 8, 65536, "odc")
+        plan = plan_from_costs(costs, lengths, 8, 65536, "free")
         totals = [costs[[i for mb in rank for i in mb]].sum() for rank in plan]
         gaps.append(max(totals) / lower_bound(costs, 8) - 1)
     assert np.mean(gaps) < 0.005
 
 
-def test_lockstep_mode_beats_batch_rebalance_sampler():
+def test_lockstep_plan_beats_batch_rebalance_sampler():
     pytest.importorskip("transformers")
-    from odc_accelerate.bench.balance import _brs_plans, _check_brs_capture
+    from benchmarks.planning.arms import brs_plans, check_brs_capture
 
     rng = np.random.default_rng(11)
     world, per_step, steps = 8, 64, 20
     lengths = _longalign_like(rng, per_step * steps)
-    _check_brs_capture(lengths[: 2 * per_step], 4, 2, 32)  # the captured plans are what each rank would yield
+    check_brs_capture(lengths[: 2 * per_step], 4, 2, 32)  # the captured plans are what each rank would yield
     costs = PUBLISHED_7B_COST(lengths)
     for per_device in (1, 2):
-        brs, _ = _brs_plans(lengths, world, per_device, per_step)
+        brs, _ = brs_plans(lengths, world, per_device, per_step)
         ours, theirs = [], []
         for s in range(steps):
             sl = slice(s * per_step, (s + 1) * per_step)
@@ -440,12 +477,12 @@ _SCRIPT = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from odc_accelerate import LengthBalancedBatchSampler, plan_step
+    from odc_accelerate.planning import PLANS, LengthBalancedBatchSampler, plan_step
 
     lengths = np.random.default_rng(5).lognormal(8.5, 1.2, 400).astype(int) + 1
-    out = {m: plan_step(lengths[:200], 8, 8192, mode=m) for m in ("odc", "lockstep")}
-    for m in ("odc", "lockstep"):
-        s = LengthBalancedBatchSampler(lengths, 4, 3, 48, 8192, mode=m, seed=17)
+    out = {m: plan_step(lengths[:200], 8, 8192, plan=m) for m in PLANS}
+    for m in PLANS:
+        s = LengthBalancedBatchSampler(lengths, 4, 3, 48, 8192, plan=m, seed=17)
         s.set_epoch(2)
         out["sampler_" + m] = list(s)
     json.dump(out, sys.stdout)
@@ -462,6 +499,6 @@ def test_plans_are_identical_across_processes(tmp_path):
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1]
-    assert len(outputs[0]["sampler_odc"]) == 400 // 48
+    assert len(outputs[0]["sampler_free"]) == 400 // 48
     lengths = np.random.default_rng(5).lognormal(8.5, 1.2, 400).astype(int) + 1
-    assert outputs[0]["odc"] == plan_step(lengths[:200], 8, 8192, mode="odc")
+    assert outputs[0]["free"] == plan_step(lengths[:200], 8, 8192, plan="free")

@@ -1,9 +1,8 @@
-"""End-to-end benchmark (``python -m odc_accelerate.bench sft``): the arms are what they claim, the figures follow from
+"""End-to-end benchmark (``python -m benchmarks.e2e sft``): the arms are what they claim, the figures follow from
 the trainers' own logs, and every output file is written. Timings are never asserted."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import statistics
@@ -13,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from odc_accelerate.bench import e2e
+from benchmarks.e2e.aggregate import aggregate
+from benchmarks.e2e.arms import ARMS, WORKLOADS
+from benchmarks.e2e.cli import parse_args
+from benchmarks.e2e.environment import allocator_env, run_env
+from benchmarks.e2e.records import make_record, parse_log_history
+from benchmarks.e2e.report import write_outputs
+from benchmarks.e2e.runner import RUN_EXAMPLE, commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,8 +38,8 @@ def _row(step: int, step_s: float, tokens_per_s: float, busy: list[float], wait:
 
 
 def _record(arm: str, rep: int, *processes: list[dict], rss=(900.0, 910.0)) -> dict:
-    per_process = [e2e.parse_log_history([{"train_runtime": 1.0}, *rows]) for rows in processes]
-    record = e2e.make_record(e2e.ARMS[arm], per_process, list(rss), warmup=1, world=2)
+    per_process = [parse_log_history([{"train_runtime": 1.0}, *rows]) for rows in processes]
+    record = make_record(ARMS[arm], per_process, list(rss), warmup=1, world=2)
     record["repeat"] = rep
     return record
 
@@ -80,7 +85,7 @@ def _synthetic_runs() -> dict[str, list[dict]]:
 
 
 def test_aggregation_matches_hand_computed_figures(tmp_path):
-    result = e2e.aggregate(_synthetic_runs(), world=2)
+    result = aggregate(_synthetic_runs(), world=2)
     arms = result["arms"]
     rnd, reb, odc, lim = arms["fsdp2_random"], arms["fsdp2_rebalance"], arms["odc"], arms["limit"]
     # random, repeat 0: measured tokens 1000 + 1200 over 4 + 6 s = 220 tok/s; repeat 1: (1000 + 1400) / 10 = 240
@@ -118,18 +123,18 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
     assert result["timeline"]["limit"]["busy_s"] == pytest.approx([3.0, 3.0])
 
     result["config"] = dict(
-        workload="sft", command="python -m odc_accelerate.bench sft", world_size=2, max_length=512,
+        workload="sft", command="python -m benchmarks.e2e sft", world_size=2, max_length=512,
         samples_per_step=8, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=3, warmup=1,
         repeats=2,
     )  # fmt: skip
     result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today")
-    files = e2e.write_outputs(result, tmp_path)
+    files = write_outputs(result, tmp_path)
     table = files["table"].read_text()
     assert "230.0" in table and "1.35x" in table and "0.40" in table and "27.5" in table
     assert "per repeat 1.185x to 1.200x" in table
     assert "1.348x  (target >= 1.3: met" in table
     snippet = files["snippet"].read_text()
-    assert "| ODC + plan odc | 4.00 | 310.0 | 3.8 |" in snippet
+    assert "| ODC + plan free | 4.00 | 310.0 | 3.8 |" in snippet
     assert json.loads(files["json"].read_text())["arms"]["odc"]["tokens_per_s"] == pytest.approx(310.0)
     if importlib.util.find_spec("matplotlib") is not None:
         assert files["png"].stat().st_size > 1000
@@ -137,17 +142,20 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
 
 @pytest.mark.parametrize("name", ["sft", "dpo"])
 def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_arguments(tmp_path, name):
-    workload, opts = e2e._parse([name, "--batch", "2", "--grad_accum", "3", "--max_length", "300"])
+    workload, opts = parse_args([name, "--batch", "2", "--grad_accum", "3", "--max_length", "300"])
     spec = importlib.util.spec_from_file_location(f"{name}_train", ROOT / workload.script)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     assert opts.arms == [*workload.arms, "limit"]
     samples = {}
     for name in opts.arms:
-        arm = e2e.ARMS[name]
-        procs = e2e.commands(workload, arm, opts, 2, tmp_path / name)
+        arm = ARMS[name]
+        procs = commands(workload, arm, opts, 2, tmp_path / name)
         assert len(procs) == (2 if name == "limit" else 1)
-        args = procs[0]["cmd"][procs[0]["cmd"].index(str(ROOT / workload.script)) + 1 :]
+        cmd = procs[0]["cmd"]
+        at = cmd.index(str(ROOT / workload.script))
+        assert cmd[at - 1] == str(RUN_EXAMPLE) and RUN_EXAMPLE.is_file()  # the example runs unchanged, wrapped
+        args = cmd[at + 1 :]
         parsed = train.make_parser().parse_args_and_config(args, fail_with_unknown_args=True)
         training = parsed[1]
         if arm.planned:  # this package's sampler: samples per step over all ranks
@@ -157,21 +165,32 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
         assert training.max_length == 300 and training.logging_steps == 1 and training.max_steps == opts.max_steps
         assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else "random")
         assert training.odc is (True if name == "odc" else None)
-        assert training.odc_balance == {"fsdp2_lockstep": "lockstep", "limit": "odc"}.get(name)
+        assert training.odc_plan == {"fsdp2_lockstep": "lockstep", "limit": "free"}.get(name)
         if name != "limit":
             assert procs[0]["cmd"][procs[0]["cmd"].index("--config_file") + 1].endswith(arm.config)
     assert set(samples.values()) == {12}, samples
 
 
 def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cannot_run():
+    with pytest.raises(SystemExit, match="sft\\|dpo"):
+        parse_args([])
     with pytest.raises(SystemExit):
-        e2e._parse(["sft", "--max_length", "1024"])
+        parse_args(["sft", "--max_length", "1024"])
     with pytest.raises(SystemExit):
-        e2e._parse(["dpo", "--arms", "fsdp2_rebalance"])  # no input_ids / length column in TRL's preference data
+        parse_args(["dpo", "--arms", "fsdp2_rebalance"])  # no input_ids / length column in TRL's preference data
     with pytest.raises(SystemExit):
-        e2e._parse(["sft", "--arms", "fsdp2_random,nope"])
-    _, opts = e2e._parse(["sft", "--quick", "--no_limit"])
+        parse_args(["sft", "--arms", "fsdp2_random,nope"])
+    _, opts = parse_args(["sft", "--quick", "--no_limit"])
     assert opts.arms == ["fsdp2_random", "odc"] and opts.repeats == 1
+
+
+def test_full_runs_write_to_the_stored_results_and_quick_runs_never_do():
+    for name in WORKLOADS:
+        _, opts = parse_args([name])
+        assert opts.out == ROOT / "benchmarks" / "e2e" / name
+        assert (opts.out / "results.json").is_file()  # the stored result a rerun replaces
+        _, opts = parse_args([name, "--quick"])
+        assert ROOT / "benchmarks" not in opts.out.parents
 
 
 _MMAPPED_BYTES_WHILE_HOLDING_80MB = """
@@ -191,11 +210,11 @@ def test_caching_allocator_serves_large_tensors_from_the_heap_in_the_runs_enviro
     """With the runs' environment an 80 MB tensor comes from glibc's heap (reusable after free), not a fresh mmap;
     ``--allocator system`` drops the setting even if the caller's environment had it."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 32))  # must not leak into a "system" run
-    monkeypatch.setenv("ODC_BALANCE", "lockstep")  # the caller's ODC settings never reach an arm
+    monkeypatch.setenv("ODC_PLAN", "lockstep")  # the caller's ODC settings never reach an arm
     mmapped = {}
     for allocator in ("caching", "system"):
-        env = e2e._env(allocator)
-        assert "ODC_BALANCE" not in env
+        env = run_env(allocator)
+        assert "ODC_PLAN" not in env and env["ODC_TIME_COLLECTIVES"] == "1"
         out = subprocess.run(
             [sys.executable, "-c", _MMAPPED_BYTES_WHILE_HOLDING_80MB], env=env, capture_output=True, text=True
         )
@@ -203,14 +222,14 @@ def test_caching_allocator_serves_large_tensors_from_the_heap_in_the_runs_enviro
         mmapped[allocator] = int(out.stdout.split()[-1])
     assert mmapped["caching"] < 80_000_000 <= mmapped["system"], mmapped
     with pytest.raises(ValueError, match="allocator"):
-        e2e.allocator_env("jemalloc")
+        allocator_env("jemalloc")
 
 
 def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
     """Two real arms, 2 processes each; every reported figure is recomputed here from the runs' trainer_state.json."""
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "odc_accelerate.bench", "sft", "--quick", "--no_limit", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.e2e", "sft", "--quick", "--no_limit", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -250,14 +269,8 @@ def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
         arms["odc"]["tokens_per_s"] / arms["fsdp2_random"]["tokens_per_s"]
     )
     table = (out / "table.txt").read_text()
-    assert "FSDP2 + random" in table and "ODC + plan odc" in table
+    assert "FSDP2 + random" in table and "ODC + plan free" in table
     assert f"{arms['odc']['tokens_per_s']:.1f}" in table
-    assert "ODC + plan odc" in (out / "README_snippet.md").read_text()
+    assert "ODC + plan free" in (out / "README_snippet.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "e2e_sft.png").stat().st_size > 1000
-    assert dataclasses.is_dataclass(e2e.ARMS["odc"])
-
-
-def test_bench_dispatcher_lists_the_end_to_end_benchmarks():
-    proc = subprocess.run([sys.executable, "-m", "odc_accelerate.bench"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "sft" in proc.stderr and "dpo" in proc.stderr

@@ -1,9 +1,12 @@
-"""The engine benchmark runs end to end and ends with the JSON line other tools parse (figures are not asserted)."""
+"""The engine benchmark runs end to end, ends with the JSON line other tools parse and stores the same summary in
+``--out`` (figures are not asserted)."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 KEYS = (
     "fsdp_balanced_ms",
     "fsdp_imbalanced_ms",
@@ -15,9 +18,10 @@ KEYS = (
 )
 
 
-def test_engine_benchmark_quick_run_prints_table_and_json():
+def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "odc_accelerate.bench", "engine", "--quick"],
+        [sys.executable, "-m", "benchmarks.engine", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
@@ -28,8 +32,5 @@ def test_engine_benchmark_quick_run_prints_table_and_json():
     summary = json.loads(lines[-1])
     for key in KEYS:
         assert summary[key] > 0, key
-
-
-def test_bench_dispatcher_rejects_unknown_names():
-    proc = subprocess.run([sys.executable, "-m", "odc_accelerate.bench", "nope"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "engine" in proc.stderr
+    assert json.loads((tmp_path / "results.json").read_text()) == summary
+    assert "FSDP2 (gloo)" in (tmp_path / "table.txt").read_text()

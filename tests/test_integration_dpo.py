@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from integration_utils import ROOT, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+from integration_utils import ROOT, RUN_EXAMPLE, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
 
 CONFIGS = ROOT / "examples" / "dpo" / "configs"
 TRAIN = ROOT / "examples" / "dpo" / "train.py"
@@ -66,17 +66,17 @@ def runs(tmp_path_factory):
         *odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], ODC_TRACE_DIR=str(out["odc"] / "trace"), **COUNT, **DUMP
     )
     procs["single"] = run(
-        [sys.executable, TRAIN, "--odc_balance", "odc", *COMMON, *UNEQUAL, "--output_dir", out["single"]],
+        [sys.executable, RUN_EXAMPLE, TRAIN, "--odc_plan", "free", *COMMON, *UNEQUAL, "--output_dir", out["single"]],
         env=base_env(**DUMP),
     )
     pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
     procs["odc_pre"] = accelerate_launch(
         *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
     )
-    bf16 = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_balance", "lockstep"]
+    bf16 = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_plan", "lockstep"]
     procs["plain_bf16"] = accelerate_launch(*plain, *bf16, "--output_dir", out["plain_bf16"], **COUNT, **DUMP)
     procs["odc_bf16"] = accelerate_launch(*odc, *bf16, "--output_dir", out["odc_bf16"], **COUNT, **DUMP)
-    fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_balance", "lockstep"]
+    fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_plan", "lockstep"]
     procs["plain_fp32"] = accelerate_launch(*plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
     procs["odc_fp32"] = accelerate_launch(*odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
     peft = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins

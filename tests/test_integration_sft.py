@@ -21,7 +21,17 @@ import sys
 
 import pytest
 import torch
-from integration_utils import CONFIGS, TRAIN, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+from integration_utils import (
+    CONFIGS,
+    RUN_EXAMPLE,
+    TRAIN,
+    accelerate_launch,
+    base_env,
+    check_ok,
+    reports,
+    run,
+    shm_leftovers,
+)
 
 COMMON = [
     "--max_steps",
@@ -74,9 +84,10 @@ def runs(tmp_path_factory):
     procs["single"] = run(
         [
             sys.executable,
+            RUN_EXAMPLE,
             TRAIN,
-            "--odc_balance",
-            "odc",
+            "--odc_plan",
+            "free",
             *COMMON,
             *UNEQUAL,
             "--save_strategy",
@@ -108,7 +119,7 @@ def runs(tmp_path_factory):
     procs["plain_lockstep"] = accelerate_launch(
         CONFIGS / "fsdp2_cpu.yaml",
         TRAIN,
-        "--odc_balance",
+        "--odc_plan",
         "lockstep",
         *lockstep,
         "--output_dir",
@@ -118,9 +129,7 @@ def runs(tmp_path_factory):
     )
     # ODC switched on by keys in the accelerate config file, through `odc-accelerate launch` (no --odc flag)
     odc_lockstep_cfg = root / "odc_lockstep.yaml"
-    odc_lockstep_cfg.write_text(
-        (CONFIGS / "odc_cpu.yaml").read_text().replace("odc_balance: odc", "odc_balance: lockstep")
-    )
+    odc_lockstep_cfg.write_text((CONFIGS / "odc_cpu.yaml").read_text().replace("odc_plan: free", "odc_plan: lockstep"))
     procs["odc_lockstep"] = accelerate_launch(
         odc_lockstep_cfg, TRAIN, *lockstep, "--output_dir", out["odc_lockstep"], launcher="odc", **DUMP
     )
@@ -187,7 +196,7 @@ def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
     for r in ranks:  # recorded inside each process
         assert r["engine"] == "ODCEngine" and r["fsdp_plugin"] == "ODCPlugin" and r["fsdp_version"] == 2
         assert r["distributed_type"] == "DistributedType.FSDP"
-        assert r["odc_options"]["source"] == "args"
+        assert r["odc_config"]["source"] == "args"
         assert r["gradient_accumulation_steps"] == 1
         calls = r["microbatch_dist_calls"]
         assert len(calls) >= 2 and all(c == {} for c in calls), calls
@@ -231,7 +240,7 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
     odc_reports = reports(odc, "odc_run_rank")
     assert [r["engine"] for r in odc_reports] == ["ODCEngine", "ODCEngine"]
     # switched on by the accelerate config's odc keys, exported by `odc-accelerate launch`
-    assert all(r["odc_options"]["source"] == "env" and r["odc_options"]["balance"] == "lockstep" for r in odc_reports)
+    assert all(r["odc_config"]["source"] == "env" and r["odc_config"]["plan"] == "lockstep" for r in odc_reports)
     h_plain, h_odc = _history(plain), _history(odc)
     for a, b in zip(h_odc, h_plain, strict=True):
         assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
@@ -266,8 +275,8 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     check_ok(runs["procs"]["resumed"])
     resumed = runs["out"]["resumed"]
     for r in reports(resumed, "odc_run_rank"):
-        assert r["engine"] == "ODCEngine" and r["odc_options"]["source"] == "fsdp_config"
-        assert r["odc_options"]["transport"] == "shm"
+        assert r["engine"] == "ODCEngine" and r["odc_config"]["source"] == "fsdp_config"
+        assert r["odc_config"]["transport"] == "shm"
     # accelerate's sync_each_batch: a scatter-add per param group per microbatch, same result
     microbatches = _last_step_microbatches(resumed)
     assert max(microbatches) > 1
@@ -282,14 +291,18 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     "args, env, message",
     [
         (["--odc", "true"], {}, "ODC needs FSDP2, but this run does not use FSDP"),
-        (["--odc", "true", "--odc_transport", "bogus"], {}, "unknown ODC transport 'bogus'; choose one of auto"),
+        (
+            ["--odc", "true", "--odc_transport", "bogus"],
+            {},
+            "Unknown odc_transport (ODC_TRANSPORT) 'bogus'; choose one of auto",
+        ),
         (
             ["--odc", "true"],
             {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"},
             "ODC needs FSDP2, but the FSDP config asks for FSDP1",
         ),
         (
-            ["--odc_balance", "odc", "--max_length", "None", "--odc_max_tokens_per_microbatch", "32"],
+            ["--odc_plan", "free", "--max_length", "None", "--odc_max_tokens_per_microbatch", "32"],
             {},
             "is smaller than the longest sample",
         ),
@@ -298,7 +311,18 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
 )
 def test_bad_config_fails_before_training(tmp_path, args, env, message):
     proc = run(
-        [sys.executable, TRAIN, *args, "--max_steps", "1", "--report_to", "none", "--output_dir", tmp_path],
+        [
+            sys.executable,
+            RUN_EXAMPLE,
+            TRAIN,
+            *args,
+            "--max_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--output_dir",
+            tmp_path,
+        ],
         env=base_env(**env),
     )
     assert proc.returncode != 0
@@ -313,13 +337,13 @@ def test_trl_recipe_yaml_and_cli_switch_odc_on(tmp_path):
         from train import make_parser
     finally:
         sys.path.pop(0)
-    from odc_accelerate.integrations.trainer import resolve_odc_options
+    from odc_accelerate.config import ODCConfig
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("odc: true\nodc_balance: lockstep\nodc_transport: shm\nodc_max_tokens_per_microbatch: 4096\n")
+    recipe.write_text("odc: true\nodc_plan: lockstep\nodc_transport: shm\nodc_max_tokens_per_microbatch: 4096\n")
     _, args, _, _ = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", str(tmp_path)])
-    opts = resolve_odc_options(args)
-    assert (opts.odc, opts.source, opts.balance, opts.transport, opts.max_tokens_per_microbatch) == (
+    config = ODCConfig.from_sources(args=args)
+    assert (config.enable, config.source, config.plan, config.transport, config.max_tokens_per_microbatch) == (
         True,
         "args",
         "lockstep",
@@ -327,18 +351,29 @@ def test_trl_recipe_yaml_and_cli_switch_odc_on(tmp_path):
         4096,
     )
     _, args, _, _ = make_parser().parse_args_and_config(
-        ["--odc", "true", "--odc_timeout", "30", "--output_dir", str(tmp_path)]
+        ["--odc", "true", "--odc_timeout", "30", "--odc_time_collectives", "true", "--output_dir", str(tmp_path)]
     )
-    opts = resolve_odc_options(args)
-    assert (opts.odc, opts.source, opts.timeout, opts.balance) == (True, "args", 30.0, "odc")
+    config = ODCConfig.from_sources(args=args)
+    assert (config.enable, config.source, config.timeout, config.plan, config.time_collectives) == (
+        True,
+        "args",
+        30.0,
+        "free",
+        True,
+    )
     _, args, _, _ = make_parser().parse_args_and_config(["--output_dir", str(tmp_path)])
-    assert resolve_odc_options(args).odc is False
+    assert ODCConfig.from_sources(args=args).enable is False
+    with pytest.warns(FutureWarning, match="--odc_balance is deprecated"):  # the old flag still parses and works
+        _, args, _, _ = make_parser().parse_args_and_config(
+            ["--odc", "true", "--odc_balance", "lockstep", "--output_dir", str(tmp_path)]
+        )
+        assert ODCConfig.from_sources(args=args).plan == "lockstep"
 
 
 def test_bf16_odc_bit_identical_to_plain_fsdp2(tmp_path):
     # bf16 mixed precision (fp32 reduce), one sample per rank per step: ODC's whole-step sum equals FSDP2's
     # reduce-scatter exactly, so losses and weights must match bit for bit.
-    args = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_balance", "lockstep"]
+    args = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_plan", "lockstep"]
     args += ["--save_strategy", "no"]
     plain = accelerate_launch(CONFIGS / "fsdp2_cpu.yaml", TRAIN, *args, "--output_dir", tmp_path / "plain", **DUMP)
     odc = accelerate_launch(

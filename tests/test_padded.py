@@ -1,4 +1,4 @@
-"""Tests of planning for padded collation (odc_accelerate.padded) and the sampler's ``padded=True``."""
+"""Tests of planning for padded collation (odc_accelerate.planning.padded) and the sampler's ``padded=True``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odc_accelerate import LengthBalancedBatchSampler
-from odc_accelerate.balance import plan_from_costs, resolve_cost
-from odc_accelerate.padded import padded_microbatch, plan_padded
+from odc_accelerate.planning import (
+    PLANS,
+    LengthBalancedBatchSampler,
+    padded_microbatch,
+    plan_from_costs,
+    plan_padded,
+    resolve_cost,
+)
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,7 +33,7 @@ def padded_cost(mb, rows, widths):
     return float(sum(rows[i] for i in mb) * row_cost(max(widths[i] for i in mb)))
 
 
-def check_padded_plan(plan, rows, widths, world, budget, mode):
+def check_padded_plan(plan, rows, widths, world, budget, plan_name):
     n = rows.size
     assert len(plan) == world
     assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(n)), "every index exactly once"
@@ -36,8 +41,8 @@ def check_padded_plan(plan, rows, widths, world, budget, mode):
         for mb in rank:
             r, w = padded_microbatch(mb, rows, widths)
             assert len(mb) <= 1 or r * w <= budget, "microbatch over budget in padded tokens"
-    if mode == "odc":
-        assert all(mb for rank in plan for mb in rank), "ODC plans have no empty microbatch"
+    if plan_name == "free":
+        assert all(mb for rank in plan for mb in rank), "free plans have no empty microbatch"
         if n >= world:
             assert all(plan), "a rank idles although there are enough samples"
     else:
@@ -49,14 +54,14 @@ def check_padded_plan(plan, rows, widths, world, budget, mode):
     shapes=st.lists(st.tuples(st.integers(1, 2), st.integers(0, 3000)), max_size=60),
     world=st.integers(1, 8),
     budget=st.sampled_from([1, 1024, 4096, 8192]),
-    mode=st.sampled_from(["odc", "lockstep"]),
+    plan_name=st.sampled_from(PLANS),
 )
-def test_padded_plan_invariants(shapes, world, budget, mode):
+def test_padded_plan_invariants(shapes, world, budget, plan_name):
     rows = np.array([r for r, _ in shapes], dtype=np.int64)
     widths = np.array([w for _, w in shapes], dtype=np.int64)
-    plan = plan_padded(rows, widths, row_cost(widths), world, budget, mode)
-    check_padded_plan(plan, rows, widths, world, budget, mode)
-    assert plan == plan_padded(rows, widths, row_cost(widths), world, budget, mode), "deterministic"
+    plan = plan_padded(rows, widths, row_cost(widths), world, budget, plan_name)
+    check_padded_plan(plan, rows, widths, world, budget, plan_name)
+    assert plan == plan_padded(rows, widths, row_cost(widths), world, budget, plan_name), "deterministic"
 
 
 def _min_count_cut_total(members, rows, widths, budget):
@@ -71,7 +76,7 @@ def _min_count_cut_total(members, rows, widths, budget):
     return total + padded_cost(run, rows, widths)
 
 
-def test_odc_padded_against_brute_force_and_the_token_planner(capsys):
+def test_free_padded_against_brute_force_and_the_token_planner(capsys):
     """Max padded rank total vs the best assignment of samples to ranks (each rank cut widest-first), and vs the
     token-counting planner (which packs unlike lengths together) evaluated on what the padded collator computes."""
     rng = np.random.default_rng(7)
@@ -82,7 +87,7 @@ def test_odc_padded_against_brute_force_and_the_token_planner(capsys):
         n = int(rng.integers(2, 9))
         rows = np.full(n, 2)
         widths = np.minimum(rng.lognormal(4.8, 0.8, n).astype(np.int64) + 8, 512)  # 2 x 512 fits the budget
-        plan = plan_padded(rows, widths, row_cost(widths), world, budget, "odc")
+        plan = plan_padded(rows, widths, row_cost(widths), world, budget, "free")
         got = max(sum(padded_cost(mb, rows, widths) for mb in rank) for rank in plan)
         best = min(
             max(_min_count_cut_total([i for i in range(n) if a[i] == r], rows, widths, budget) for r in range(world))
@@ -91,11 +96,11 @@ def test_odc_padded_against_brute_force_and_the_token_planner(capsys):
         assert got <= best * 1.25 + 1e-9
         gaps.append(got / best - 1)
         costs = rows * row_cost(widths)  # what the token planner balances: no padding between samples
-        old = plan_from_costs(costs, rows * widths, world, budget, "odc")
-        token_ratio.append(max(sum(padded_cost(mb, rows, widths) for mb in rank) for rank in old) / got)
+        by_tokens = plan_from_costs(costs, rows * widths, world, budget, "free")
+        token_ratio.append(max(sum(padded_cost(mb, rows, widths) for mb in rank) for rank in by_tokens) / got)
     with capsys.disabled():
         print(
-            f"\n[padded odc vs optimum, 150 instances n<=8, W=2] mean gap {100 * np.mean(gaps):.2f}% "
+            f"\n[padded free vs optimum, 150 instances n<=8, W=2] mean gap {100 * np.mean(gaps):.2f}% "
             f"(max {100 * max(gaps):.1f}%); token planner's padded max total / ours: mean {np.mean(token_ratio):.3f}"
         )
     assert np.mean(gaps) <= 0.03
@@ -119,7 +124,7 @@ def test_padded_plan_errors():
         plan_padded(np.ones(3), np.ones(2), np.ones(3), 2, 100)
     with pytest.raises(ValueError, match="at least one row"):
         plan_padded(np.zeros(2), np.ones(2), np.ones(2), 2, 100)
-    with pytest.raises(ValueError, match="Unknown mode"):
+    with pytest.raises(ValueError, match="Unknown plan 'bogus'"):
         plan_padded(np.ones(2), np.ones(2), np.ones(2), 2, 100, "bogus")
     assert plan_padded(np.ones(0), np.ones(0), np.ones(0), 3, 100) == [[], [], []]
 

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odc_accelerate import LengthBalancedBatchSampler, plan_step
-from odc_accelerate.sampler import _LENGTH_CACHE, dataset_lengths
+from odc_accelerate.planning import PLANS, LengthBalancedBatchSampler, dataset_lengths, plan_step
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,7 +27,7 @@ config = st.fixed_dictionaries(
         "n": st.integers(1, 120),
         "world": st.integers(1, 6),
         "extra": st.integers(0, 30),
-        "mode": st.sampled_from(["odc", "lockstep"]),
+        "plan": st.sampled_from(PLANS),
         "drop_last": st.booleans(),
         "shuffle": st.booleans(),
         "seed": st.integers(0, 2**32),
@@ -44,7 +43,7 @@ def build(cfg, **overrides):
         samples_per_step = max(cfg["world"], cfg["n"])
     kwargs = dict(
         max_tokens_per_microbatch=8192,
-        mode=cfg["mode"],
+        plan=cfg["plan"],
         drop_last=cfg["drop_last"],
         shuffle=cfg["shuffle"],
         seed=cfg["seed"],
@@ -73,9 +72,9 @@ def test_every_sample_once_per_epoch_and_ranks_agree(cfg):
         # What the ranks yield, put together, is the global plan, and that is plan_step on the step's samples.
         assert step_plan == samplers[0].global_plan(k)
         idx = samplers[0].step_indices(k)
-        local = plan_step(lengths[idx], cfg["world"], 8192, mode=cfg["mode"])
+        local = plan_step(lengths[idx], cfg["world"], 8192, plan=cfg["plan"])
         assert step_plan == [[[int(idx[j]) for j in mb] for mb in rank] for rank in local]
-        if cfg["mode"] == "lockstep":
+        if cfg["plan"] == "lockstep":
             assert len({len(p) for p in step_plan}) == 1
         for rank in step_plan:
             for mb in rank:
@@ -144,10 +143,10 @@ def test_epochs_differ_but_cover_the_same_samples_and_shuffle_false_follows_data
 def test_short_last_step_policy():
     lengths = np.full(10, 100)
     # drop_last=False: 10 = 4 + 4 + 2 samples on 3 ranks; the last step has fewer samples than ranks.
-    odc = epoch_steps(all_ranks(lengths, 3, 4, drop_last=False))
-    assert [len(rank) for rank in odc] == [3, 3, 3]
-    assert sorted(len(rank[-1]) for rank in odc) == [0, 1, 1], "ODC: one rank has no microbatch in the last step"
-    lock = epoch_steps(all_ranks(lengths, 3, 4, drop_last=False, mode="lockstep"))
+    free = epoch_steps(all_ranks(lengths, 3, 4, drop_last=False))
+    assert [len(rank) for rank in free] == [3, 3, 3]
+    assert sorted(len(rank[-1]) for rank in free) == [0, 1, 1], "free: one rank has no microbatch in the last step"
+    lock = epoch_steps(all_ranks(lengths, 3, 4, drop_last=False, plan="lockstep"))
     assert sorted(len(mb) for rank in lock for mb in rank[-1]) == [0, 1, 1]
     assert all(len(rank[-1]) == 1 for rank in lock), "lockstep: same number of (possibly empty) microbatches"
     # drop_last=True drops the 2 leftover samples.
@@ -166,7 +165,8 @@ def test_short_last_step_policy():
         (([5] * 10, 2, 2, 4), {}, "rank"),
         (([5] * 10, 2, 0, 12), {}, "larger than the dataset"),
         (([5] * 10, 2, 0, 4), {"seed": -1}, "seed"),
-        (([5] * 10, 2, 0, 4), {"mode": "sync"}, "mode"),
+        (([5] * 10, 2, 0, 4), {"plan": "sync"}, "Unknown plan 'sync'"),
+        (([5] * 10, 2, 0, 2.5), {}, "samples_per_step"),
         (([5, 9000], 2, 0, 2), {"allow_oversize": False}, "Sample 1 has 9000 tokens"),
     ],
 )
@@ -237,7 +237,9 @@ def test_from_dataset_lengths_and_cache():
     )
     split = ds.train_test_split(test_size=0.25, seed=0)["train"]
     np.testing.assert_array_equal(dataset_lengths(split, "input_ids"), np.array([len(r["input_ids"]) for r in split]))
-    assert any(key[0] == ds._fingerprint for key in _LENGTH_CACHE)
+    # Cached by fingerprint: the same dataset gives back the same (read-only) array without walking it again.
+    assert dataset_lengths(ds, "input_ids") is dataset_lengths(ds, "input_ids")
+    assert dataset_lengths(picked, "input_ids") is not dataset_lengths(ds, "input_ids")
 
 
 def test_from_dataset_errors():
@@ -263,7 +265,7 @@ def test_from_dataset_errors():
 
 def test_from_plain_map_style_dataset():
     rows = [{"input_ids": list(range(n))} for n in (3, 9, 1, 4, 4, 7)]
-    s = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_column="input_ids", mode="lockstep")
+    s = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_column="input_ids", plan="lockstep")
     np.testing.assert_array_equal(s.lengths, [3, 9, 1, 4, 4, 7])
     t = LengthBalancedBatchSampler.from_dataset(rows, 2, 0, 2, length_fn=lambda r: 2 * len(r["input_ids"]))
     np.testing.assert_array_equal(t.lengths, [6, 18, 2, 8, 8, 14])

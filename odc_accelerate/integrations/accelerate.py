@@ -1,7 +1,4 @@
-"""ODC for `accelerate`: the `ODCPlugin` (an FSDP2 plugin that attaches an `ODCEngine`) and FSDP2 on CPU.
-
-Importing this module lets accelerate run FSDP2 on CPU with gloo (see `odc_accelerate._accelerate_compat`); GPU runs
-are untouched.
+"""ODC for `accelerate`: the `ODCPlugin` (an FSDP2 plugin that attaches an `ODCEngine`), and `enable()`.
 
 Custom training loop:
 
@@ -29,18 +26,19 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from accelerate.utils import FullyShardedDataParallelPlugin
 
-from .. import _accelerate_compat as compat
+from .._compat import accelerate as compat
+from ..config import ODCConfig, option_fields, str_to_bool
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BALANCE_MODES",
     "ODCPlugin",
+    "enable",
     "get_engine",
     "get_frozen_engines",
     "odc_plugin_from_env",
@@ -48,114 +46,80 @@ __all__ = [
     "release_frozen_model",
 ]
 
-BALANCE_MODES = ("odc", "lockstep")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
+def enable() -> None:
+    """Install what ODC needs inside accelerate. Idempotent; importing odc_accelerate patches nothing.
 
-def _parse_bool(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{name} must be a boolean (true/false), got {value!r}.")
+    * FSDP2 on CPU: a multi-process launch with ``distributed_type: FSDP`` and no GPU runs FSDP2 over gloo
+      (accelerate alone would train one model copy per process); GPU runs are untouched.
+    * The ODC engine attaches right after accelerate ``fully_shard``-s a model prepared under an `ODCPlugin`.
+    * ``Accelerator.end_training`` closes the engines and, once the process group is destroyed, releases what still
+      references it (so that gloo's worker threads end before the interpreter does).
+    * ``Accelerator()`` without an ``fsdp_plugin`` under ``ODC_ENABLE=true`` (``odc-accelerate launch``) gets an
+      `ODCPlugin`.
+    * A PEFT model's LM head is grouped with its final norm, as accelerate does for plain models.
 
-
-def validate_odc_options(
-    transport: Any, timeout: Any, max_tokens_per_microbatch: Any, balance: Any, where: str = "ODC"
-) -> None:
-    """Raise one `ValueError` naming the option to change when an ODC option is invalid."""
-    from ..transport import TRANSPORTS, Transport
-
-    if not isinstance(transport, Transport) and transport not in TRANSPORTS:
-        raise ValueError(f"{where}: unknown ODC transport {transport!r}; choose one of {', '.join(TRANSPORTS)}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"{where}: the ODC timeout must be a positive number of seconds, got {timeout!r}.")
-    if max_tokens_per_microbatch is not None and (
-        isinstance(max_tokens_per_microbatch, bool)
-        or int(max_tokens_per_microbatch) != max_tokens_per_microbatch
-        or max_tokens_per_microbatch < 1
-    ):
-        raise ValueError(
-            f"{where}: the ODC token budget per microbatch must be a positive integer, got {max_tokens_per_microbatch!r}."
-        )
-    if balance not in BALANCE_MODES:
-        raise ValueError(f"{where}: unknown ODC balance mode {balance!r}; choose one of {', '.join(BALANCE_MODES)}.")
+    `ODCPlugin`, the ODC TRL configs and `ODCTrainerMixin` call it; a script that builds a plain ``Accelerator()``
+    under ``odc-accelerate launch`` calls it before creating the accelerator. Call it before the process group is
+    created (before ``Accelerator``, ``PartialState`` or the training arguments).
+    """
+    compat.install(
+        on_prepared=_attach_engine,
+        before_end_training=_close_engine,
+        after_end_training=_release_process_groups,
+        default_plugin=odc_plugin_from_env,
+    )
 
 
 @dataclass
-class ODCPlugin(FullyShardedDataParallelPlugin):
+class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
     """FSDP2 plugin that swaps FSDP2's per-layer collectives for ODC's one-sided gathers and scatter-accumulates.
 
-    Pass it as `Accelerator(fsdp_plugin=ODCPlugin(...))`. Every field of
-    [`~accelerate.utils.FullyShardedDataParallelPlugin`] is accepted; `fsdp_version` is always 2. After
-    `accelerator.prepare(model, ...)` the engine is `plugin.engine` (or `get_engine(accelerator)`); call
-    `engine.pre_optimizer_step()` before gradient clipping / `optimizer.step()` and `engine.post_optimizer_step()`
-    after it. Each ODC field falls back to an environment variable (set by `odc-accelerate launch` from the
-    accelerate config file), then to its default.
+    Pass it as `Accelerator(fsdp_plugin=ODCPlugin(...))`. It takes every field of
+    [`~accelerate.utils.FullyShardedDataParallelPlugin`] (``fsdp_version`` is always 2) and every option of
+    [`~odc_accelerate.config.ODCConfig`] (``enable`` defaults to `True` here); an option left unset is read from its
+    ``ODC_*`` environment variable (set by ``odc-accelerate launch`` from the accelerate config file), then takes its
+    default. After ``accelerator.prepare(model, ...)`` the engine is ``get_engine(accelerator)``: call
+    ``engine.pre_optimizer_step()`` before gradient clipping / ``optimizer.step()`` and
+    ``engine.post_optimizer_step()`` after it.
 
-    Args:
-        odc (`bool`, *optional*, defaults to `True`, env `ODC_ENABLE`):
-            Attach the ODC engine. With `False` the plugin behaves as a plain FSDP2 plugin.
-        transport (`str`, *optional*, defaults to `"auto"`, env `ODC_TRANSPORT`):
-            One of `odc_accelerate.transport.TRANSPORTS`.
-        timeout (`float`, *optional*, defaults to 600.0, env `ODC_TIMEOUT`):
-            Seconds any ODC wait may last before raising `ODCTimeoutError` naming the missing rank.
-        max_tokens_per_microbatch (`int`, *optional*, env `ODC_MAX_TOKENS_PER_MICROBATCH`):
-            Token budget of one microbatch for the length-balanced sampler (Trainer integration); `None` lets the
-            trainer pick it.
-        balance (`str`, *optional*, defaults to `"odc"`, env `ODC_BALANCE`):
-            `"odc"` (balanced per-rank totals, free microbatch counts) or `"lockstep"` (equal counts, every slot
-            balanced; what plain FSDP2 needs).
+    ``odc=`` and ``balance=`` are deprecated spellings of ``enable=`` and ``plan=``.
     """
 
-    odc: bool | None = field(default=None, metadata={"help": "Attach the ODC engine (env ODC_ENABLE, default true)."})
-    transport: str | None = field(
-        default=None, metadata={"help": "ODC transport: auto, shm, network, hierarchical or cuda (env ODC_TRANSPORT)."}
-    )
-    timeout: float | None = field(
-        default=None, metadata={"help": "Seconds an ODC wait may last (env ODC_TIMEOUT, default 600)."}
-    )
-    max_tokens_per_microbatch: int | None = field(
-        default=None,
-        metadata={
-            "help": "Token budget of one microbatch for the balanced sampler (env ODC_MAX_TOKENS_PER_MICROBATCH)."
-        },
-    )
-    balance: str | None = field(
-        default=None, metadata={"help": "Step planning: 'odc' or 'lockstep' (env ODC_BALANCE, default odc)."}
-    )
-    engine: Any = field(default=None, init=False, repr=False, compare=False)
+    odc: InitVar[bool | None] = None
+    balance: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, odc: bool | None = None, balance: str | None = None) -> None:  # type: ignore[override]
+        import warnings
+
+        if odc is not None:
+            warnings.warn("ODCPlugin(odc=...) is deprecated; use ODCPlugin(enable=...).", FutureWarning, 2)
+            self.enable = self.enable if self.enable is not None else odc
+        if balance is not None:
+            warnings.warn("ODCPlugin(balance=...) is deprecated; use ODCPlugin(plan=...).", FutureWarning, 2)
+            self.plan = self.plan if self.plan is not None else balance
         if self.fsdp_version is not None and int(self.fsdp_version) != 2:
             raise ValueError(
                 f"ODC runs on FSDP2 only, got fsdp_version={self.fsdp_version}. Set `fsdp_version: 2` in the accelerate "
                 "config (FSDP1 and DDP are not supported)."
             )
         self.fsdp_version = 2
-        if self.odc is None:
-            self.odc = _parse_bool(os.environ.get("ODC_ENABLE", "true"), "ODC_ENABLE")
-        if self.transport is None:
-            self.transport = os.environ.get("ODC_TRANSPORT", "auto")
-        if self.timeout is None:
-            self.timeout = float(os.environ.get("ODC_TIMEOUT", "600"))
-        if self.max_tokens_per_microbatch is None and os.environ.get("ODC_MAX_TOKENS_PER_MICROBATCH"):
-            self.max_tokens_per_microbatch = int(os.environ["ODC_MAX_TOKENS_PER_MICROBATCH"])
-        if self.balance is None:
-            self.balance = os.environ.get("ODC_BALANCE", "odc")
-        validate_odc_options(self.transport, self.timeout, self.max_tokens_per_microbatch, self.balance, "ODCPlugin")
-        super().__post_init__()
+        explicit = {f.name: getattr(self, f.name) for f in option_fields()}
+        resolved = ODCConfig.from_sources(overrides=explicit, enable_default=True)
+        for name, value in resolved.options().items():
+            setattr(self, name, value)
+        self.source = resolved.source
+        enable()
+        FullyShardedDataParallelPlugin.__post_init__(self)
 
 
 def odc_plugin_from_env() -> ODCPlugin | None:
-    """The plugin `odc-accelerate launch` asks for through `ODC_ENABLE=true`, else `None`."""
-    if not _parse_bool(os.environ.get("ODC_ENABLE", "false"), "ODC_ENABLE"):
+    """The plugin ``odc-accelerate launch`` asks for through ``ODC_ENABLE=true``, else `None`."""
+    if not str_to_bool(os.environ.get("ODC_ENABLE", "false"), "ODC_ENABLE"):
         return None
-    version = os.environ.get("FSDP_VERSION", "2") if compat.env_true("ACCELERATE_USE_FSDP") else None
+    version = (
+        os.environ.get("FSDP_VERSION", "2") if str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")) else None
+    )
     if version is None:
         raise ValueError(
             "ODC_ENABLE=true but the launch is not FSDP: ODC needs `distributed_type: FSDP` and `fsdp_version: 2` in "
@@ -174,7 +138,7 @@ def get_engine(accelerator: Any) -> Any:
 
 def _attach_engine(accelerator: Any, model: Any) -> None:
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if not isinstance(plugin, ODCPlugin) or not plugin.odc:
+    if not isinstance(plugin, ODCPlugin) or not plugin.enable:
         return
     if accelerator in _ENGINES:
         # A second model (e.g. a frozen reference model) keeps FSDP2's own collectives.
@@ -185,7 +149,6 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
     from ..engine import ODCEngine
 
     engine = ODCEngine(model, transport=plugin.transport, timeout=plugin.timeout)
-    plugin.engine = engine
     _ENGINES[accelerator] = engine
     logger.info("ODC engine attached (transport=%s, %d param groups).", plugin.transport, len(engine.param_groups))
 
@@ -210,7 +173,7 @@ def prepare_frozen_model(accelerator: Any, model: Any) -> Any:
     )  # accelerate's own per-layer wrapping, not our engine-attaching hook
     model.eval()
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if isinstance(plugin, ODCPlugin) and plugin.odc:
+    if isinstance(plugin, ODCPlugin) and plugin.enable:
         from ..engine import ODCEngine
 
         engine = ODCEngine(model, transport=plugin.transport, timeout=plugin.timeout, frozen=True)
@@ -236,9 +199,6 @@ def _close_engine(accelerator: Any) -> None:
     engine = _ENGINES.pop(accelerator, None)
     if engine is not None:
         engine.close()
-        plugin = getattr(accelerator.state, "fsdp_plugin", None)
-        if isinstance(plugin, ODCPlugin):
-            plugin.engine = None
     for frozen in _FROZEN_ENGINES.pop(accelerator, []):
         frozen.close()
 
@@ -256,19 +216,11 @@ def _release_process_groups(accelerator: Any) -> None:
         return  # not destroyed (e.g. a notebook_launcher run): the groups are still in use
     mesh = getattr(accelerator.state, "device_mesh", None)
     try:
-        from .. import _fsdp_compat
+        from .._compat import fsdp as fsdp_compat
 
-        n = _fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
-    except RuntimeError as err:  # FSDPCompatError: this torch lacks an internal it reads (raised at import too)
+        n = fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
+    except RuntimeError as err:  # CompatError: this torch lacks an internal it reads (raised at import too)
         # Training and saving are done: a warning, not an error that would fail a finished run.
         logger.warning("%s Without it gloo's worker threads may outlive end_training (rare abort at exit).", err)
         return
     logger.debug("Released %d process-group references after end_training.", n)
-
-
-compat.enable_fsdp2_on_cpu()
-compat.find_final_norm_through_peft()
-compat.on_fsdp2_prepared(_attach_engine)
-compat.on_end_training(_close_engine)
-compat.on_end_training(_release_process_groups, after=True)
-compat.default_fsdp_plugin(odc_plugin_from_env)

@@ -9,59 +9,40 @@ trainer.train()
 trainer.end()  # closes the ODC engine and destroys the process group
 ```
 
-The same fields parse from the command line (``--odc true --odc_balance lockstep``) and from a TRL
-``--config recipe.yaml``; an ``odc`` section in ``--fsdp_config file.json`` works too (see
-`odc_accelerate.integrations.trainer.resolve_odc_options`).
+The same fields parse from the command line (``--odc true --odc_plan lockstep``) and from a TRL
+``--config recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see
+`odc_accelerate.config.ODCConfig.from_sources`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 import numpy as np
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from .. import _trl_compat
-from .accelerate import get_frozen_engines, prepare_frozen_model, release_frozen_model
-from .trainer import ODCTrainerMixin, resolve_odc_options
+from .._compat import tested_text
+from .._compat import trl as trl_compat
+from ..config import ODCConfig, training_args_fields
+from .accelerate import enable, get_frozen_engines, prepare_frozen_model, release_frozen_model
+from .trainer import ODCTrainerMixin
+from .trainer.metrics import StepMetrics
 
-__all__ = ["ODCConfigMixin", "ODCDPOConfig", "ODCDPOTrainer", "ODCSFTConfig", "ODCSFTTrainer"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["ODCDPOConfig", "ODCDPOTrainer", "ODCSFTConfig", "ODCSFTTrainer", "ODCTrainingArgumentsMixin"]
 
 
-@dataclass
-class ODCConfigMixin:
-    """ODC fields for TRL/transformers training arguments. `None` means "not set here" (the ``fsdp_config`` section
-    and ``ODC_*`` environment variables are consulted next)."""
-
-    odc: bool | None = field(
-        default=None, metadata={"help": "Run FSDP2 with On-Demand Communication (ODC). Needs an FSDP2 launch."}
-    )
-    odc_max_tokens_per_microbatch: int | None = field(
-        default=None,
-        metadata={"help": "Token budget of one microbatch for the length-balanced sampler (default: max_length)."},
-    )
-    odc_balance: str | None = field(
-        default=None,
-        metadata={
-            "help": "Step planning: 'odc' (balanced per-rank totals, free microbatch counts) or 'lockstep' (equal "
-            "counts). Setting it without --odc runs plain FSDP2 on the same balanced microbatches.",
-            "choices": ["odc", "lockstep"],
-        },
-    )
-    odc_transport: str | None = field(
-        default=None, metadata={"help": "ODC transport: auto, shm, network, hierarchical or cuda (default auto)."}
-    )
-    odc_timeout: float | None = field(
-        default=None, metadata={"help": "Seconds an ODC wait may last before naming the missing rank (default 600)."}
-    )
-    odc_samples_per_step: int | None = field(
-        default=None,
-        metadata={
-            "help": "Samples per optimizer step over all ranks (default per_device_train_batch_size x "
-            "gradient_accumulation_steps x world size)."
-        },
-    )
+# The ODC options as training-argument fields (``--odc``, ``--odc_transport``, ...), generated from `ODCConfig` so that
+# each option is defined once. `None` means "not set here": the ``fsdp_config`` keys and ``ODC_*`` environment
+# variables are consulted next (see `ODCConfig.from_sources`).
+ODCTrainingArgumentsMixin = make_dataclass("ODCTrainingArgumentsMixin", training_args_fields(), kw_only=False)
+ODCTrainingArgumentsMixin.__module__ = __name__
+ODCTrainingArgumentsMixin.__doc__ = (
+    "ODC fields of the ODC training arguments: one per `odc_accelerate.config.ODCConfig` option, named by its key."
+)
 
 
 def _cpu_precision_defaults(args: Any) -> None:
@@ -76,23 +57,25 @@ def _cpu_precision_defaults(args: Any) -> None:
 
 
 @dataclass
-class ODCSFTConfig(ODCConfigMixin, SFTConfig):
-    """`trl.SFTConfig` plus the ODC fields of `ODCConfigMixin`.
+class ODCSFTConfig(ODCTrainingArgumentsMixin, SFTConfig):
+    """`trl.SFTConfig` plus the ODC options (``--odc``, ``--odc_plan``, ...; see `odc_accelerate.config.ODCConfig`).
 
     On a machine without a bf16-capable GPU the precision defaults to fp32, and ``--bf16 true`` runs bf16 mixed
     precision on CPU; GPU runs keep TRL's defaults.
     """
 
     def __post_init__(self) -> None:
+        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
         _cpu_precision_defaults(self)
         super().__post_init__()
 
 
 @dataclass
-class ODCDPOConfig(ODCConfigMixin, DPOConfig):
-    """`trl.DPOConfig` plus the ODC fields of `ODCConfigMixin` (same CPU precision defaults as `ODCSFTConfig`)."""
+class ODCDPOConfig(ODCTrainingArgumentsMixin, DPOConfig):
+    """`trl.DPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
 
     def __post_init__(self) -> None:
+        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
         _cpu_precision_defaults(self)
         super().__post_init__()
 
@@ -114,25 +97,18 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
             and getattr(training_args, "padding_free", False)
             and not getattr(training_args, "packing", False)
             and getattr(training_args, "max_length", None) is not None
-            and resolve_odc_options(training_args).balanced
+            and ODCConfig.from_sources(args=training_args).balanced
         ):
             # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
             # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
-            with _trl_compat.sft_padding_free_with_max_length(self, training_args):
+            with trl_compat.sft_padding_free_with_max_length(self, training_args):
                 super().__init__(*args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
-        _trl_compat.check_sft(self)
+        trl_compat.check_sft(self)
 
-    def _odc_finalize_metrics(
-        self,
-        local_sums: list[float],
-        global_sums: list[float],
-        local_microbatches: int,
-        global_microbatches: int,
-        global_counts: list[float] | None = None,
-    ) -> None:
-        _trl_compat.finalize_sft_metrics(self, local_sums, global_sums, local_microbatches)
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        trl_compat.finalize_sft_metrics(self, metrics.local_sums, metrics.global_sums, metrics.local_microbatches)
 
 
 class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
@@ -144,7 +120,7 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
       once before training (TRL's path) and a reference model TRL drops afterwards is released.
     * **Planning.** A pair is one sample of the length-balanced sampler with two batch rows, prompt + chosen and
       prompt + rejected (each truncated to ``max_length``). TRL's collator pads every row of a microbatch to its
-      longest sequence, so the plan is made on padded shapes (`odc_accelerate.padded`): pairs of similar lengths share
+      longest sequence, so the plan is made on padded shapes (`odc_accelerate.planning.padded`): pairs of similar lengths share
       a microbatch, which costs ``rows x cost(longest)`` and holds at most the token budget of padded tokens.
     * **Exact loss.** TRL averages the loss over the pairs of each microbatch; here each microbatch's mean is
       reweighted by ``pairs in the microbatch x world size / pairs of the whole step``, so the step's gradient is that
@@ -160,9 +136,9 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
             for key in ("train_dataset", "eval_dataset"):
                 if kwargs.get(key) is not None:
                     kwargs[key] = _shared_on_disk(kwargs[key], training_args, key)
-        with _trl_compat.dpo_reference_preparer(self._odc_prepare_reference):
+        with trl_compat.dpo_reference_preparer(self._odc_prepare_reference):
             super().__init__(*args, **kwargs)
-        _trl_compat.check_dpo(self)
+        trl_compat.check_dpo(self)
         if self.ref_model is None:
             # TRL dropped the reference after precomputing its log-probs: free what served it.
             for engine in get_frozen_engines(self.accelerator):
@@ -172,19 +148,19 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         # Refuse what ODC cannot do exactly before any model is sharded or any log-prob precomputed.
-        args, opts = self.args, self.odc_options
-        if opts.odc and getattr(args, "sync_ref_model", False):
+        args, config = self.args, self.odc_config
+        if config.enable and getattr(args, "sync_ref_model", False):
             raise ValueError(
                 "sync_ref_model=True is not supported with ODC yet: the reference model is served by a gather-only ODC "
                 "engine whose published shards would go stale when TRL overwrites the reference weights. Set "
                 "--sync_ref_model false, or run without --odc."
             )
         loss_types = getattr(args, "loss_type", None) or []
-        if opts.balanced and "sft" in ([loss_types] if isinstance(loss_types, str) else list(loss_types)):
+        if config.balanced and "sft" in ([loss_types] if isinstance(loss_types, str) else list(loss_types)):
             raise ValueError(
                 "loss_type 'sft' averages its NLL over the chosen tokens of each microbatch, which cannot be made exact "
                 "when ranks run different microbatches. Drop 'sft' from --loss_type (and its --loss_weights entry), or "
-                "run without --odc / --odc_balance."
+                "run without --odc / --odc_plan."
             )
 
     def _odc_prepare_reference(self, model: Any, accelerator: Any, trl_prepare: Any) -> Any:
@@ -204,7 +180,7 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
 
     # ------------------------------------------------------------------ planning
     def _odc_lengths(self, dataset: Any) -> Any:
-        from ..sampler import dataset_lengths
+        from ..planning import dataset_lengths
 
         prompt = dataset_lengths(dataset, length_column="prompt_ids")
         chosen = prompt + dataset_lengths(dataset, length_column="chosen_ids")
@@ -218,7 +194,7 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
         # TRL's preference collator pads chosen and rejected to the longest sequence of the microbatch: a pair alone
         # holds 2 x its longer sequence.
         pair_tokens = 2 * np.asarray(lengths).max(axis=1)
-        budget = self.odc_options.max_tokens_per_microbatch
+        budget = self.odc_config.max_tokens_per_microbatch
         max_length = getattr(self.args, "max_length", None)
         if budget is None:
             budget = 2 * int(max_length) if max_length else int(pair_tokens.max())
@@ -244,24 +220,20 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
             return (out[0] * weight, *out[1:])
         return out * weight
 
-    def _odc_finalize_metrics(
-        self,
-        local_sums: list[float],
-        global_sums: list[float],
-        local_microbatches: int,
-        global_microbatches: int,
-        global_counts: list[float] | None = None,
-    ) -> None:
-        expected = len(_trl_compat.dpo_gathers(self))
-        if self._odc_gathers_per_microbatch != expected or global_counts is None:
-            _trl_compat.logger.warning(
-                "ODC: DPO made %d metric gathers per microbatch, expected %d (TRL %s); metrics of this step are local.",
-                self._odc_gathers_per_microbatch,
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        expected = len(trl_compat.dpo_gathers(self))
+        if metrics.gathers_per_microbatch != expected:
+            logger.warning(
+                "ODC: DPO made %d metric gathers per microbatch, expected %d (tested with TRL %s); metrics of this "
+                "step are local.",
+                metrics.gathers_per_microbatch,
                 expected,
-                _trl_compat.TESTED_TRL,
+                tested_text("trl"),
             )
             return
-        _trl_compat.finalize_dpo_metrics(self, local_sums, global_sums, global_counts, local_microbatches)
+        trl_compat.finalize_dpo_metrics(
+            self, metrics.local_sums, metrics.global_sums, metrics.global_counts, metrics.local_microbatches
+        )
 
 
 def _shared_on_disk(dataset: Any, args: Any, name: str) -> Any:

@@ -58,8 +58,9 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from odc_accelerate import loss_scale
-    from odc_accelerate.integrations.accelerate import ODCPlugin, get_engine
+    from odc_accelerate.integrations.accelerate import ODCPlugin, enable, get_engine
 
+    enable()  # before the Accelerator: FSDP2 on CPU, engine attach, teardown (ODCPlugin would call it too)
     counts = [int(c) for c in args.counts.split(",")]
     vocab = 128
     if args.single:

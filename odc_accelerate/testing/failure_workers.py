@@ -129,7 +129,9 @@ def stress_accumulate(rank: int, world_size: int, adds: int, numel: int) -> dict
     """Every rank adds integer-valued floats into every owner's buffer ``adds`` times, concurrently."""
     transport = ShmTransport(rank, world_size, timeout=120)
     try:
-        mine = transport.register({"acc": BufferSpec(numel, torch.float32), "pub": BufferSpec(4, torch.int64)})
+        mine = transport.register(
+            {"acc": BufferSpec(numel=numel, dtype=torch.float32), "pub": BufferSpec(numel=4, dtype=torch.int64)}
+        )
         mine["pub"].fill_(rank + 1)
         transport.barrier()
         peer_pub = [torch.zeros(4, dtype=torch.int64) for _ in range(world_size)]

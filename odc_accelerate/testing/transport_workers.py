@@ -32,7 +32,9 @@ def concurrent_adds(
     """Every rank (the owner too) adds ``rounds`` patterns into rank 0's buffer at once; rank 0 returns the sum."""
     kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     transport = _make(name, rank, world_size, 60.0, host_ids, **kwargs)
-    buffers = transport.register({"acc": BufferSpec(numel, torch.float32), "half": BufferSpec(33, torch.bfloat16)})
+    buffers = transport.register(
+        {"acc": BufferSpec(numel=numel, dtype=torch.float32), "half": BufferSpec(numel=33, dtype=torch.bfloat16)}
+    )
     transport.barrier()
     for step in range(rounds):
         transport.accumulate(0, "acc", pattern(rank, step, numel))
@@ -70,7 +72,7 @@ def barrier_behaviour(rank: int, world_size: int, case: str) -> dict[str, Any]:
     """``late``: rank 1 arrives after rank 0's timeout (both fail, each naming the other's part). ``closed``: rank 1 closes instead of arriving.
     ``stray``: a connection with the wrong job id is refused and the transport keeps working."""
     transport = NetworkTransport(rank, world_size, timeout=1.5)
-    buffers = transport.register({"x": BufferSpec(8, torch.float32)})
+    buffers = transport.register({"x": BufferSpec(numel=8, dtype=torch.float32)})
     buffers["x"].fill_(rank + 1)
     transport.barrier()
     out: dict[str, Any] = {}

@@ -19,6 +19,7 @@ import abc
 import os
 import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -53,35 +54,29 @@ class ODCTimeoutError(RuntimeError):
         self.ranks = list(ranks)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BufferSpec:
     """One registered buffer: ``numel`` elements of ``dtype`` (1-D).
 
-    ``accumulated`` marks buffers that peers ``accumulate`` into (gradient accumulators); transports
-    without remote atomics give only those staging memory.
+    Args:
+        numel (`int`): number of elements (>= 0).
+        dtype (`torch.dtype`): element type.
+        accumulated (`bool`, *optional*, defaults to `False`): peers ``accumulate`` into this buffer (a gradient
+            accumulator); transports without remote atomics give only such buffers staging memory.
     """
 
-    __slots__ = ("numel", "dtype", "accumulated")
+    numel: int
+    dtype: torch.dtype
+    accumulated: bool = False
 
-    def __init__(self, numel: int, dtype: torch.dtype, accumulated: bool = False) -> None:
-        if numel < 0:
-            raise ValueError(f"buffer numel must be >= 0, got {numel}")
-        self.numel = int(numel)
-        self.dtype = dtype
-        self.accumulated = accumulated
+    def __post_init__(self) -> None:
+        if self.numel < 0:
+            raise ValueError(f"buffer numel must be >= 0, got {self.numel}")
+        object.__setattr__(self, "numel", int(self.numel))  # frozen: the one normalisation, at construction
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BufferSpec) and (self.numel, self.dtype, self.accumulated) == (
-            other.numel,
-            other.dtype,
-            other.accumulated,
-        )
-
-    def __repr__(self) -> str:
-        return f"BufferSpec(numel={self.numel}, dtype={self.dtype}, accumulated={self.accumulated})"
+        return self.numel * self.dtype.itemsize
 
 
 class Transport(abc.ABC):

@@ -2,7 +2,8 @@
 
 **Unverified on GPUs**: written and unit-tested (the device-independent parts, on CPU) on a machine without a GPU.
 
-Data plane. Every rank allocates one segment with ``torch.distributed._symmetric_memory.empty`` and maps every
+Data plane. Every rank allocates one segment with ``torch.distributed._symmetric_memory.empty`` (through
+:mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every
 peer's segment after ``rendezvous`` (``handle.get_buffer``; CUDA IPC / NVLink underneath). A segment holds, per
 registered buffer, the buffer itself and, for buffers that receive ``accumulate``, one *staging slot per sender*:
 
@@ -52,18 +53,9 @@ def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False: no usable GPU or driver"
-    try:
-        from torch.distributed import _symmetric_memory as symm  # noqa: F401
-        from torch.distributed._symmetric_memory import _SymmetricMemory
+    from .._compat import fsdp as compat  # imported here: the CPU transports need no FSDP2 internals
 
-        for attr in ("rendezvous", "get_buffer"):
-            if not hasattr(_SymmetricMemory, attr):
-                return (
-                    f"torch.distributed._symmetric_memory lacks _SymmetricMemory.{attr} in torch {torch.__version__}"
-                )
-    except ImportError as err:
-        return f"torch.distributed._symmetric_memory is not importable: {err}"
-    return None
+    return compat.symmetric_memory_unavailable_reason()
 
 
 def _aligned(nbytes: int) -> int:
@@ -221,21 +213,18 @@ class CudaTransport(Transport):
         reason = cuda_unavailable_reason(device or torch.device("cuda"))
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}. Use transport='auto' or a CPU model")
-        from torch.distributed import _symmetric_memory as symm
+        from .._compat import fsdp as compat
 
         layout = StagingLayout(specs, self.world_size)
         # Control plane first: it also checks that every rank is on this host (CUDA IPC cannot cross hosts).
         self._control = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
-        ledger_spec = BufferSpec(self.world_size * len(layout.staged_names), torch.int64)
+        ledger_spec = BufferSpec(numel=self.world_size * len(layout.staged_names), dtype=torch.int64)
         self._ledger = self._control.register({"sent": ledger_spec})["sent"]
-        self._segment = symm.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self._segment = compat.symmetric_segment(layout.total_bytes, device)
         self._segment.zero_()
-        group = self._group or dist.group.WORLD
-        self._handle = symm.rendezvous(self._segment, group)
+        self._handle = compat.symmetric_rendezvous(self._segment, self._group or dist.group.WORLD)
         segments = [
-            self._segment
-            if peer == self.rank
-            else self._handle.get_buffer(peer, (layout.total_bytes,), torch.uint8, 0)
+            self._segment if peer == self.rank else compat.peer_segment(self._handle, peer, layout.total_bytes)
             for peer in range(self.world_size)
         ]
         self._data = StagedBuffers(layout, self.rank, segments)

@@ -1,0 +1,49 @@
+"""``python -m benchmarks.e2e sft`` (and ``dpo``): the real training example, end to end, arm against arm.
+
+Each arm runs the example script (``examples/sft/train.py``, ``examples/dpo/train.py``) unchanged with ``accelerate
+launch`` on 2 CPU processes (one thread each), on the same model, data and samples per optimizer step; only the way
+the step is split over ranks and the communication change:
+
+* ``fsdp2_random``: plain FSDP2, the Trainer's default random sampling (``per_device_train_batch_size`` samples per
+  microbatch, ``gradient_accumulation_steps`` microbatches per rank and step);
+* ``fsdp2_rebalance``: plain FSDP2 with transformers' ``BatchRebalanceSampler``
+  (``--train_sampling_strategy batch_rebalance``);
+* ``fsdp2_lockstep``: plain FSDP2 on this package's ``lockstep`` plan (``--odc_plan lockstep``: equal microbatch
+  counts, each slot balanced over ranks);
+* ``odc``: FSDP2 + ODC on this package's ``free`` plan (``--odc true``: each rank's total balanced, one sync per step);
+* ``limit``: the physical limit, mean per-rank compute with zero communication, MEASURED: W independent single
+  processes (no process group, no FSDP) run at the same time, each the whole global step of the ``free`` plan's
+  sampler (same samples per step); a rank's share is the step time / W. Running W of them at once keeps the machine
+  as loaded as a W-rank job.
+
+The planned arms pack several samples into one microbatch; on SFT they collate padding-free (``--padding_free
+true``: one packed row, no padding computed), while the random / batch_rebalance arms run one sample per microbatch
+(unpadded either way). TRL 1.16 has no padding-free DPO, so planned DPO microbatches are padded.
+
+Every process records its steps' microbatch shapes (``ODC_TRACE_DIR``, `odc_accelerate.telemetry.StepTrace`); they are
+kept in ``results.json`` for ``python -m benchmarks.sim validate-e2e``.
+
+Repeats are interleaved (every arm once, then every arm again, ...), so that machine noise hits all arms alike. With
+``ODC_TIME_COLLECTIVES=1`` the trainer logs for every run, per optimizer step: step time, real (non-padding) tokens
+of all ranks, per-rank busy and wait (seconds blocked in collectives or ODC barriers; FSDP2's collectives are made
+synchronous to be timed, see `odc_accelerate.telemetry`) and the bubble. Per run the first ``--warmup`` steps are
+dropped; tokens/s = real tokens of the measured steps / their summed step time; the reported figure of an arm is the
+median over repeats (per-rank peak RSS: the maximum). Speedups are ratios of tokens/s: arms with a different sampler
+see different samples in a step, so equal tokens, not equal steps, are what compares.
+
+Memory allocator: by default (``--allocator caching``) every arm runs with glibc set to keep freed blocks for reuse
+(`benchmarks.e2e.environment`); ``--allocator system`` measures with glibc's defaults.
+
+Writes ``OUT/results.json``, ``OUT/table.txt``, ``OUT/README_snippet.md``, ``OUT/e2e_<workload>.png`` (with
+matplotlib) and every run's log and ``trainer_state.json`` under ``OUT/runs/``; ``OUT`` defaults to
+``benchmarks/e2e/<workload>/``, where the stored results live. Figures are printed, never asserted.
+
+Modules: `arms` (what runs), `environment` (the runs' environment and allocator), `runner` (launching runs),
+`records` (parsing a run's logs), `aggregate` (statistics over repeats, targets), `report` (tables and files),
+`plot`, and the command line (`cli`).
+"""
+
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent
+"""Stored results: ``RESULTS_DIR / <workload>`` (``results.json`` with step traces, table, snippet, PNG)."""

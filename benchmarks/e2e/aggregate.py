@@ -1,0 +1,106 @@
+"""Statistics over an arm's repeats: medians, speedups (ratios of tokens/s), distance to the limit, targets."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.e2e.arms import ARMS, BASELINES
+
+TARGETS = {"odc_vs_fsdp2_random": 1.3, "odc_vs_fsdp2_rebalance": 1.15, "odc_bubble_pct_max": 5.0}
+"""Targets of ODC + plan (checked and reported, never asserted)."""
+
+
+def aggregate(runs: dict[str, list[dict]], world: int) -> dict:
+    """Per-arm medians over repeats, speedups (ratios of tokens/s), distance to the limit, targets.
+
+    Args:
+        runs (`dict[str, list[dict]]`): arm name -> the records of its runs (`benchmarks.e2e.records.make_record`,
+            with their ``repeat``).
+        world (`int`): ranks of one run.
+    """
+    arms: dict[str, dict] = {}
+    for name, arm_runs in runs.items():
+        sums = [r["summary"] for r in arm_runs]
+        med = {
+            "repeats": len(arm_runs),
+            "step_s": statistics.median(s["step_s_median"] for s in sums),
+            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in sums),
+            "bubble_pct": statistics.median(s["bubble_pct"] for s in sums),
+            "busy_s": [statistics.median(s["busy_s"][r] for s in sums) for r in range(world)],
+            "wait_s": [statistics.median(s["wait_s"][r] for s in sums) for r in range(world)],
+            "peak_rss_mb": [
+                max(r["peak_rss_mb"][i] for r in arm_runs) for i in range(len(arm_runs[0]["peak_rss_mb"]))
+            ],
+            "microbatches": [min(s["microbatches"][0] for s in sums), max(s["microbatches"][1] for s in sums)],
+            "tokens_per_s_runs": [s["tokens_per_s"] for s in sums],
+            "step_s_runs": [s["step_s_median"] for s in sums],
+        }
+        med["label"] = ARMS[name].label
+        # A trainer that did not time this arm's collectives logs wait = 0 on every step: say so, claim no bubble.
+        med["wait_measured"] = ARMS[name].config is None or any(w > 0 for s in sums for w in s["wait_s"])
+        if not med["wait_measured"]:
+            med["bubble_pct"], med["wait_s"] = None, None
+        arms[name] = med
+    for a in arms.values():
+        for base in BASELINES:
+            if base in arms:
+                a[f"speedup_vs_{base}"] = a["tokens_per_s"] / arms[base]["tokens_per_s"]
+        if "limit" in arms:
+            # < 1: slower than the limit; 1 - this is the share of the limit's throughput the arm loses
+            a["of_limit"] = a["tokens_per_s"] / arms["limit"]["tokens_per_s"]
+    out: dict[str, Any] = {"arms": arms}
+    if "odc" in arms:
+        odc = arms["odc"]
+        # A second, cruder limit: tokens over ODC's mean busy time (compute plus ODC's own copies and adds).
+        out["limit_from_odc_busy_tokens_per_s"] = statistics.median(
+            r["summary"]["tokens_per_s"] / (1.0 - r["summary"]["bubble_pct"] / 100.0) for r in runs["odc"]
+        )
+        targets = {}
+        for base, key in (("fsdp2_random", "odc_vs_fsdp2_random"), ("fsdp2_rebalance", "odc_vs_fsdp2_rebalance")):
+            if base in arms:
+                value = odc[f"speedup_vs_{base}"]
+                targets[key] = {"value": value, "target": f">= {TARGETS[key]}", "met": value >= TARGETS[key]}
+                # The spread: each repeat's ratio, from the two arms' runs that ran next to each other.
+                pairs = zip(_by_repeat(runs["odc"]), _by_repeat(runs[base]), strict=False)
+                targets[key]["per_repeat"] = [
+                    o["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for o, b in pairs
+                ]
+        bubble = odc["bubble_pct"]
+        targets["odc_bubble_pct"] = {
+            "value": bubble,
+            "target": f"<= {TARGETS['odc_bubble_pct_max']}",
+            "met": None if bubble is None else bubble <= TARGETS["odc_bubble_pct_max"],
+        }
+        out["targets"] = targets
+    out["timeline"] = {name: _timeline(arm_runs, world, name == "limit") for name, arm_runs in runs.items()}
+    return out
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose tokens/s is the median (the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["summary"]["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _by_repeat(runs: list[dict]) -> list[dict]:
+    return sorted(runs, key=lambda r: r.get("repeat", 0))
+
+
+def _timeline(arm_runs: list[dict], world: int, limit: bool) -> dict:
+    """One representative step: the median-step-time step of the median run (per rank: busy, then wait)."""
+    run = _median_run(arm_runs)
+    steps = run["steps"][0] if limit else run["steps"]
+    measured = steps[len(steps) - run["summary"]["steps_measured"] :]
+    target = statistics.median(s["step_s"] for s in measured)
+    step = min(measured, key=lambda s: abs(s["step_s"] - target))
+    if limit:
+        share = step["step_s"] / world
+        return {
+            "repeat": run["repeat"],
+            "step": step["step"],
+            "step_s": share,
+            "busy_s": [share] * world,
+            "wait_s": [0.0] * world,
+        }
+    return {k: step[k] for k in ("step", "step_s", "busy_s", "wait_s")} | {"repeat": run["repeat"]}

@@ -1,0 +1,111 @@
+"""What the end-to-end benchmark runs: the arms (how a step is split and communicated) and the workloads (examples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to run the example: an accelerate config of the workload plus script arguments.
+
+    Attributes:
+        name (`str`): key in the results.
+        label (`str`): what tables and plots show.
+        config (`str` or `None`): accelerate config file in the workload's ``configs`` folder; `None`: the limit (W
+            single processes without accelerate).
+        args (`tuple[str, ...]`): extra script arguments.
+        planned (`bool`): samples per step go through this package's sampler (``--odc_samples_per_step``).
+    """
+
+    name: str
+    label: str
+    config: str | None
+    args: tuple[str, ...] = ()
+    planned: bool = False
+
+
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        Arm("fsdp2_random", "FSDP2 + random", "fsdp2_cpu.yaml"),
+        Arm(
+            "fsdp2_rebalance",
+            "FSDP2 + batch_rebalance",
+            "fsdp2_cpu.yaml",
+            ("--train_sampling_strategy", "batch_rebalance"),
+        ),
+        Arm("fsdp2_lockstep", "FSDP2 + plan lockstep", "fsdp2_cpu.yaml", ("--odc_plan", "lockstep"), planned=True),
+        Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true"), planned=True),
+        Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
+    )
+}
+BASELINES = ("fsdp2_random", "fsdp2_rebalance")
+"""The arms every other arm's speedup is reported against."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One example script and its default sizes. To add a benchmark, add an entry to `WORKLOADS`.
+
+    Attributes:
+        name (`str`): the command line's workload argument and the results folder's name.
+        script (`str`), configs (`str`): paths relative to the repository root.
+        batch (`int`), grad_accum (`int`), max_length (`int`), max_steps (`int`): defaults of the full run.
+        arms (`tuple[str, ...]`): arms run by default (the limit is added unless ``--no_limit``).
+        replaced (`dict`): argument values the offline example silently replaces (its CPU defaults): refused.
+        args (`tuple[str, ...]`): script arguments for every arm.
+        planned_args (`tuple[str, ...]`): script arguments for the arms on this package's plan (which pack several
+            samples into one microbatch).
+        unsupported (`dict[str, str]`): arms that cannot run on this workload, with the reason.
+    """
+
+    name: str
+    script: str
+    configs: str
+    batch: int
+    grad_accum: int
+    max_length: int
+    max_steps: int
+    arms: tuple[str, ...] = ("fsdp2_random", "fsdp2_rebalance", "fsdp2_lockstep", "odc")
+    replaced: dict[str, int] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    planned_args: tuple[str, ...] = ()
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "sft": Workload(
+        "sft",
+        "examples/sft/train.py",
+        "examples/sft/configs",
+        batch=1,
+        grad_accum=4,
+        max_length=512,
+        max_steps=6,
+        replaced={"max_length": 1024, "per_device_train_batch_size": 8},
+        # A plan packs several samples into one microbatch: padding-free collation (one packed row, each sequence
+        # attending to itself) computes no padding. The FSDP2 random / batch_rebalance arms run one sample per
+        # microbatch, which has no padding either way.
+        planned_args=("--padding_free", "true"),
+    ),
+    "dpo": Workload(
+        "dpo",
+        "examples/dpo/train.py",
+        "examples/dpo/configs",
+        batch=1,
+        grad_accum=2,
+        max_length=512,
+        max_steps=5,
+        arms=("fsdp2_random", "fsdp2_lockstep", "odc"),
+        replaced={"max_length": 1024, "per_device_train_batch_size": 8},
+        unsupported={
+            "fsdp2_rebalance": "transformers' BatchRebalanceSampler reads lengths from an `input_ids` or `length` "
+            "column; TRL's tokenized preference data has prompt_ids / chosen_ids / rejected_ids only, so the Trainer "
+            "raises before training (it would need a `length` column added after tokenization)",
+        },
+    ),
+}
+
+QUICK = dict(arms=("fsdp2_random", "odc"), repeats=1, max_steps=2, warmup=1, max_length=64, batch=1, grad_accum=2)
+"""Defaults of ``--quick``: a tiny run for tests."""

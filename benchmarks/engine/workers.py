@@ -1,0 +1,104 @@
+"""What runs inside the engine benchmark's 2 ranks: one model, optimizer and engine per arm, and the workers."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+ARMS = ("fsdp", "odc", "odc_layersync", "limit")
+WORKLOADS = ("balanced", "imbalanced")
+
+
+def _rank_plan(workload: str, rank: int, long: int, short: int) -> list[int]:
+    if workload == "balanced" or rank == 0:
+        return [long, short]
+    return [short, long]
+
+
+class _Arm:
+    """One arm's model, optimizer and engine inside a worker process."""
+
+    def __init__(self, arm: str, cfg: dict[str, Any]) -> None:
+        import torch
+
+        from odc_accelerate import ODCEngine
+        from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+
+        self.model = build_model(ToyConfig(**cfg), seed=0)
+        self.engine = None
+        if arm != "limit":
+            self.model = shard_model(self.model)
+            if arm.startswith("odc"):
+                self.engine = ODCEngine(self.model, sync_every_hook=arm == "odc_layersync", timeout=600)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, batches: list, n_global: int, world_size: int) -> tuple[float, float]:
+        """One optimizer step between two barriers; returns (seconds, seconds blocked in ODC barriers)."""
+        import torch.distributed as dist
+
+        from odc_accelerate import loss_scale
+        from odc_accelerate.testing.models import token_loss_sum
+
+        dist.barrier()
+        start = time.perf_counter()
+        for ids in batches:
+            loss, _ = token_loss_sum(self.model, ids)
+            (loss * loss_scale(n_global, world_size)).backward()
+        if self.engine is not None:
+            self.engine.pre_optimizer_step()
+        self.optim.step()
+        self.optim.zero_grad()
+        if self.engine is not None:
+            self.engine.post_optimizer_step()
+        elapsed = time.perf_counter() - start
+        dist.barrier()
+        wait = self.engine.last_step_stats.wait_s if self.engine is not None else 0.0
+        return elapsed, wait
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _batches(workload: str, rank: int, opts: dict[str, Any], vocab: int, gen) -> tuple[list, int]:
+    import torch
+
+    lengths = _rank_plan(workload, rank, opts["long"], opts["short"])
+    batches = [torch.randint(0, vocab, (1, n + 1), generator=gen) for n in lengths]
+    return batches, 2 * sum(lengths)  # both ranks hold the same lengths in total
+
+
+def timing_worker(rank: int, world_size: int, cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """Every arm in the same process pair, interleaved step by step, so machine noise hits all arms alike."""
+    import torch
+
+    arms = {arm: _Arm(arm, cfg) for arm in ARMS}
+    gen = torch.Generator().manual_seed(1234 + rank)
+    times = {a: {w: [] for w in WORKLOADS} for a in ARMS}
+    waits = {a: {w: [] for w in WORKLOADS} for a in ARMS}
+    for step in range(opts["warmup"] + opts["steps"]):
+        order = ARMS[step % len(ARMS) :] + ARMS[: step % len(ARMS)]  # rotate: no arm always runs first
+        for arm in order:
+            for workload in WORKLOADS if step % 2 else WORKLOADS[::-1]:
+                batches, n_global = _batches(workload, rank, opts, cfg["vocab"], gen)
+                elapsed, wait = arms[arm].step(batches, n_global, world_size)
+                if step >= opts["warmup"]:
+                    times[arm][workload].append(elapsed)
+                    waits[arm][workload].append(wait)
+    for a in arms.values():
+        a.close()
+    return {"times": times, "waits": waits}
+
+
+def memory_worker(rank: int, world_size: int, arm: str, cfg: dict[str, Any], opts: dict[str, Any]) -> float:
+    """Peak RSS (MB) of a process that runs only ``arm`` (peak RSS cannot be split between arms of one process)."""
+    import torch
+
+    model = _Arm(arm, cfg)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for _ in range(2):
+        for workload in WORKLOADS:
+            model.step(*_batches(workload, rank, opts, cfg["vocab"], gen), world_size)
+    model.close()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

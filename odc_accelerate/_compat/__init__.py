@@ -1,0 +1,282 @@
+"""The shared scaffold of the compat modules: one checked place per library for the internals odc_accelerate uses.
+
+Every private internal of torch, accelerate, transformers and TRL that odc_accelerate reads, calls, overrides or
+patches goes through one module of this package (`fsdp` for torch, `accelerate`, `transformers`, `trl`), and each of
+those modules uses the helpers below, so that they all fail the same way:
+
+* `TESTED` holds, per library, the versions odc_accelerate was tested with; every message derives its version text
+  from it, and `untested_warning` says when the installed version is not among them.
+* `require` / `import_attr` fetch an internal or raise `CompatError` naming what is missing, the installed version
+  and the tested ones; `check_signature` does the same for a parameter that a private function must accept by name
+  (internals are called by keyword, so a renamed or reordered parameter fails loudly instead of binding wrongly).
+* `patch_attribute` is the one way to patch: it records the original on the wrapper, wraps an attribute once however
+  often it is called, and `restore_attribute` / `patched_attribute` undo it.
+
+Importing this package (or any of its modules) patches nothing; patches are explicit calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "TESTED",
+    "CompatError",
+    "check_signature",
+    "import_attr",
+    "installed_version",
+    "is_patched",
+    "is_tested",
+    "missing_message",
+    "original_of",
+    "patch_attribute",
+    "patched_attribute",
+    "require",
+    "restore_attribute",
+    "tested_text",
+    "untested_warning",
+    "version_tuple",
+]
+
+#: (major, minor) versions of each library that odc_accelerate was tested with, by import name. pyproject.toml pins
+#: the same series.
+TESTED: dict[str, tuple[tuple[int, int], ...]] = {
+    "torch": ((2, 13),),
+    "accelerate": ((1, 15),),
+    "transformers": ((5, 23),),
+    "trl": ((1, 16),),
+}
+
+# How messages spell a library where it differs from its import name, and the extra of odc_accelerate that installs
+# a supported version of it.
+_DISPLAY = {"trl": "TRL"}
+_EXTRA = {"accelerate": "hf", "transformers": "hf", "trl": "hf"}
+
+
+class CompatError(RuntimeError):
+    """The installed torch, accelerate, transformers or TRL lacks an internal that odc_accelerate relies on, or it
+    changed shape."""
+
+
+# ----------------------------------------------------------------------------------------------------------- versions
+def version_tuple(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string: ``"2.13.0+cpu"`` -> ``(2, 13)``, ``"5.23.0.dev0"`` -> ``(5, 23)``.
+
+    Raises:
+        ValueError: ``version`` does not start with ``<major>.<minor>``.
+    """
+    match = re.match(r"\s*v?(\d+)\.(\d+)", str(version))
+    if match is None:
+        raise ValueError(f"cannot read a major.minor version from {version!r}")
+    return int(match[1]), int(match[2])
+
+
+def installed_version(library: str) -> str:
+    """The ``__version__`` of the installed (imported) ``library``."""
+    return str(importlib.import_module(library).__version__)
+
+
+def tested_text(library: str) -> str:
+    """The tested versions of ``library`` as text: ``"2.13"`` (or ``"2.13, 2.14"``)."""
+    return ", ".join(f"{major}.{minor}" for major, minor in TESTED[library])
+
+
+def is_tested(library: str) -> bool:
+    """Whether the installed ``library`` is one of the `TESTED` versions (an unreadable version is not)."""
+    try:
+        return version_tuple(installed_version(library)) in TESTED[library]
+    except ValueError:
+        return False
+
+
+def _display(library: str) -> str:
+    return _DISPLAY.get(library, library)
+
+
+def untested_warning(library: str, detail: str | None = None) -> str | None:
+    """A warning for the installed ``library`` if it is not a tested version (else None); ``detail`` says what
+    may go wrong."""
+    if is_tested(library):
+        return None
+    name = _display(library)
+    installed = installed_version(library)
+    text = f"odc_accelerate was tested with {name} {tested_text(library)}; {name} {installed} is untested."
+    return f"{text} {detail}" if detail else text
+
+
+def missing_message(what: str, *, library: str, advice: str | None = None) -> str:
+    """The text of a `CompatError` for the internal ``what`` of ``library`` that is missing or changed."""
+    name = _display(library)
+    extra = f" (pip install 'odc_accelerate[{_EXTRA[library]}]')" if library in _EXTRA else ""
+    text = (
+        f"odc_accelerate needs the {name} internal `{what}`, which {name} {installed_version(library)} does not have "
+        f"(tested with {name} {tested_text(library)}). Install a supported {name}{extra} or upgrade odc_accelerate."
+    )
+    return f"{text} {advice}" if advice else text
+
+
+# ----------------------------------------------------------------------------------------------------------- lookups
+def require(obj: Any, attr: str, *, library: str, where: str, advice: str | None = None) -> Any:
+    """``getattr(obj, attr)``, or a `CompatError` naming ``<where>.<attr>`` and the installed and tested versions.
+
+    Args:
+        obj (`Any`): the module, class or object that should have ``attr``.
+        attr (`str`): the attribute.
+        library (`str`): import name of the library ``obj`` belongs to (a key of `TESTED`).
+        where (`str`): how the message names ``obj``, e.g. ``"accelerate.state.PartialState"``.
+        advice (`str`, *optional*): a sentence appended to the message (what the user can do instead).
+    """
+    if not hasattr(obj, attr):
+        raise CompatError(missing_message(f"{where}.{attr}", library=library, advice=advice))
+    return getattr(obj, attr)
+
+
+def import_attr(module: str, attr: str, *, library: str) -> Any:
+    """``module.attr``, imported; a `CompatError` naming what is missing if the module or the attribute is absent."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        raise CompatError(missing_message(f"module {module}", library=library)) from err
+    return require(mod, attr, library=library, where=module)
+
+
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _keyword_parameters(func: Callable) -> set[str] | None:
+    """Names ``func`` accepts as keywords; None if its signature cannot be read."""
+    try:
+        return {name for name, p in inspect.signature(func).parameters.items() if p.kind in _KEYWORD_KINDS}
+    except (TypeError, ValueError):
+        pass
+    # Extension functions (pybind11) carry their signature only as the first line of the docstring:
+    # "name(self: T, rank: int, sizes: Tuple[int, ...], storage_offset: int = 0) -> Tensor".
+    doc = (getattr(func, "__doc__", None) or "").lstrip().split("\n", 1)[0]
+    start = doc.find("(")
+    if start < 0:
+        return None
+    pieces, depth, piece = [], 0, ""
+    for char in doc[start + 1 :]:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        if char == "," and depth == 0:
+            pieces.append(piece)
+            piece = ""
+        else:
+            piece += char
+    pieces.append(piece)
+    names = (p.split(":")[0].split("=")[0].strip() for p in pieces)  # "rank: int = 0" -> "rank"
+    return {n for n in names if n.isidentifier()}
+
+
+def check_signature(func: Callable, required_params: Iterable[str], *, library: str, where: str | None = None) -> None:
+    """Raise a `CompatError` unless ``func`` accepts every name of ``required_params`` as a keyword argument.
+
+    Args:
+        func (`Callable`): the private function or method (unbound) that odc_accelerate calls, wraps or overrides.
+        required_params (`Iterable[str]`): the parameters odc_accelerate passes or reads by name.
+        library (`str`): import name of the library ``func`` belongs to (a key of `TESTED`).
+        where (`str`, *optional*, defaults to ``func.__qualname__``): how the message names ``func``.
+    """
+    where = where or getattr(func, "__qualname__", repr(func))
+    have = _keyword_parameters(func)
+    if have is None:
+        raise CompatError(missing_message(f"{where}(...) with a readable signature", library=library))
+    for name in required_params:
+        if name not in have:
+            raise CompatError(missing_message(f"{where}({name}=...)", library=library))
+
+
+# ----------------------------------------------------------------------------------------------------------- patches
+_ABSENT = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Patch:
+    wrapper: Callable
+    original: Any  # what `getattr(owner, name)` returned before: what the wrapper calls
+    restore: Any  # what the owner itself held under the name (`_ABSENT`: inherited, or an instance attribute)
+
+
+def _own(owner: Any, name: str) -> Any:
+    return getattr(owner, "__dict__", {}).get(name, _ABSENT)
+
+
+def _patch_of(value: Any) -> _Patch | None:
+    func = getattr(value, "__func__", value)  # a patched method read through an instance is a bound method
+    patch = getattr(func, "_odc_patch", None)
+    # `functools.wraps` copies `__dict__`: a foreign wrapper around ours carries our record but is not ours.
+    return patch if isinstance(patch, _Patch) and patch.wrapper is func else None
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    """Whether ``owner`` itself holds an odc_accelerate wrapper under ``name``."""
+    return _patch_of(_own(owner, name)) is not None
+
+
+def original_of(value: Any) -> Any:
+    """The original that an odc_accelerate wrapper wraps; ``value`` itself if it is not such a wrapper."""
+    patch = _patch_of(value)
+    return value if patch is None else patch.original
+
+
+def patch_attribute(
+    owner: Any, name: str, make_wrapper: Callable[[Any], Callable], *, library: str, where: str
+) -> Callable:
+    """Replace ``owner.<name>`` with ``make_wrapper(original)``, once. Returns the wrapper in place.
+
+    Idempotent: if ``owner`` already holds an odc_accelerate wrapper under ``name``, nothing changes and that wrapper
+    is returned (``make_wrapper`` is not called), so a second call never wraps the wrapper. The original is recorded
+    on the wrapper (`original_of`) and put back by `restore_attribute`.
+
+    Args:
+        owner (`Any`): the module, class or instance to patch.
+        name (`str`): the attribute to replace; it must exist (else `CompatError`, see `require`).
+        make_wrapper (`Callable`): builds the replacement (a function) from the current value.
+        library (`str`): import name of the library ``owner`` belongs to (a key of `TESTED`).
+        where (`str`): how messages name ``owner``.
+    """
+    current = require(owner, name, library=library, where=where)
+    own = _own(owner, name)
+    if _patch_of(own) is not None:
+        return own
+    wrapper = make_wrapper(current)
+    wrapper._odc_patch = _Patch(wrapper=wrapper, original=current, restore=own)  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+    return wrapper
+
+
+def restore_attribute(owner: Any, name: str) -> bool:
+    """Undo `patch_attribute` on ``owner.<name>``. Returns whether there was a patch to undo."""
+    patch = _patch_of(_own(owner, name))
+    if patch is None:
+        return False
+    if patch.restore is _ABSENT:
+        delattr(owner, name)  # the name was inherited (or looked up through the class): let the lookup find it again
+    else:
+        setattr(owner, name, patch.restore)
+    return True
+
+
+@contextlib.contextmanager
+def patched_attribute(
+    owner: Any, name: str, make_wrapper: Callable[[Any], Callable], *, library: str, where: str
+) -> Iterator[Callable]:
+    """`patch_attribute` for the duration of a ``with`` block; a patch that was already in place stays."""
+    already = is_patched(owner, name)
+    wrapper = patch_attribute(owner, name, make_wrapper, library=library, where=where)
+    try:
+        yield wrapper
+    finally:
+        if not already:
+            restore_attribute(owner, name)

@@ -1,0 +1,275 @@
+"""Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
+
+Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
+serve four things:
+
+* **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
+  with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
+  ``ACCELERATE_USE_CPU``, as ``MULTI_CPU`` with the FSDP plugin dropped. The patches of
+  ``PartialState._prepare_backend`` and ``AcceleratorState.__init__`` fix both, and only them: when a process was
+  started by a multi-process launcher (``LOCAL_RANK`` set, ``WORLD_SIZE > 1``), no accelerator device is present and
+  FSDP was requested, the process group is created with gloo and the state becomes ``DistributedType.FSDP`` with the
+  requested plugin on the CPU device. A GPU run never reaches either branch.
+* **Engine creation.** The ODC engine must attach right after accelerate ``fully_shard``-s the model, i.e. after
+  ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, which ``Accelerator._prepare_fsdp2`` calls through the name it
+  imported into ``accelerate.accelerator``: that name is wrapped to call ``on_prepared``. ``Accelerator.__init__`` is
+  wrapped to build a default FSDP plugin (``default_plugin``) when none is passed.
+* **Teardown.** ``Accelerator.end_training`` is wrapped to call ``before_end_training`` (closing the engine while the
+  process group exists) and ``after_end_training`` (releasing what still holds the group once it is destroyed).
+* **PEFT models.** ``accelerate.utils.fsdp_utils._find_final_norm`` is wrapped so that the FSDP2 wrapping groups a
+  PEFT model's LM head with its final norm, as accelerate does for plain models (otherwise TRL's fused LM head
+  all-gathers it per microbatch).
+
+The tested accelerate versions are ``TESTED["accelerate"]`` in :mod:`odc_accelerate._compat`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import check_signature, is_patched, patch_attribute, require, restore_attribute, untested_warning
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["install", "uninstall"]
+
+_LIBRARY = "accelerate"
+
+
+@dataclass
+class _Callbacks:
+    """What the installed wrappers call; replaced by every :func:`install`."""
+
+    on_prepared: Callable[[Any, Any], None] | None = None
+    before_end_training: Callable[[Any], None] | None = None
+    after_end_training: Callable[[Any], None] | None = None
+    default_plugin: Callable[[], Any] | None = None
+
+
+_CALLBACKS = _Callbacks()
+
+
+def _require(obj: Any, attr: str, where: str) -> Any:
+    return require(obj, attr, library=_LIBRARY, where=where)
+
+
+def _env_true(name: str) -> bool:
+    """Whether an environment variable holds a true value (true/1/yes/on)."""
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _launched_multiprocess() -> bool:
+    return int(os.environ.get("LOCAL_RANK", -1)) != -1 and int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One internal that :func:`install` wraps."""
+
+    owner: Any
+    name: str
+    where: str  # how messages name the owner
+    wrap: Callable[[Callable], Callable]  # builds the wrapper from the original
+    params: tuple[str, ...]  # parameters the wrapper passes by keyword or reads from the caller's arguments
+
+
+def _targets() -> list[_Target]:
+    import accelerate.accelerator as accelerator_mod
+    from accelerate import Accelerator
+    from accelerate import state as state_mod
+    from accelerate.utils import fsdp_utils
+
+    partial_state = _require(state_mod, "PartialState", "accelerate.state")
+    accel_state = _require(state_mod, "AcceleratorState", "accelerate.state")
+    _require(partial_state, "_shared_state", "accelerate.state.PartialState")
+    wrap_state_init = functools.partial(_wrap_state_init, partial_state=partial_state)
+    return [
+        _Target(
+            partial_state,
+            "_prepare_backend",
+            "accelerate.state.PartialState",
+            _wrap_prepare_backend,
+            ("cpu", "sagemaker_dp", "backend"),
+        ),
+        _Target(accel_state, "__init__", "accelerate.state.AcceleratorState", wrap_state_init, ("fsdp_plugin",)),
+        _Target(fsdp_utils, "_find_final_norm", "accelerate.utils.fsdp_utils", _wrap_find_final_norm, ("model",)),
+        _Target(
+            accelerator_mod,
+            "fsdp2_prepare_model",
+            "accelerate.accelerator",
+            _wrap_prepare_model,
+            ("accelerator", "model"),
+        ),
+        _Target(Accelerator, "end_training", "accelerate.Accelerator", _wrap_end_training, ()),
+        _Target(Accelerator, "__init__", "accelerate.Accelerator", _wrap_accelerator_init, ("fsdp_plugin",)),
+    ]
+
+
+def install(
+    *,
+    on_prepared: Callable[[Any, Any], None] | None = None,
+    before_end_training: Callable[[Any], None] | None = None,
+    after_end_training: Callable[[Any], None] | None = None,
+    default_plugin: Callable[[], Any] | None = None,
+) -> None:
+    """Patch accelerate for ODC: FSDP2 on CPU, the PEFT final norm, and the four callbacks.
+
+    Idempotent: each internal is wrapped once however often this is called; every call replaces all four callbacks
+    (a callback left `None` is not called). Call it before the process group is created (before ``Accelerator``,
+    ``PartialState`` or the Trainer's arguments), so that the CPU patches see the launch.
+
+    Args:
+        on_prepared (`Callable[[Accelerator, nn.Module], None]`, *optional*):
+            Called every time accelerate has just FSDP2-wrapped a model (``fsdp2_prepare_model`` returned).
+        before_end_training (`Callable[[Accelerator], None]`, *optional*):
+            Called at the start of ``Accelerator.end_training``, while the process group exists.
+        after_end_training (`Callable[[Accelerator], None]`, *optional*):
+            Called once ``Accelerator.end_training`` has returned (the process group is destroyed).
+        default_plugin (`Callable[[], FullyShardedDataParallelPlugin | None]`, *optional*):
+            When ``Accelerator()`` gets no ``fsdp_plugin`` (and no positional arguments) and the launch asked for
+            FSDP (``ACCELERATE_USE_FSDP``), its result, if not `None`, is used as the plugin. This is how
+            environment-only configuration (``odc-accelerate launch`` exports ``ODC_*`` variables) reaches code that
+            builds a plain ``Accelerator()``.
+
+    Raises:
+        `~odc_accelerate._compat.CompatError`: an internal is missing or its parameters changed; nothing is patched.
+    """
+    global _CALLBACKS
+    targets = _targets()
+    if not all(is_patched(t.owner, t.name) for t in targets):
+        for t in targets:  # every check before the first patch: a failure leaves accelerate untouched
+            original = _require(t.owner, t.name, t.where)
+            check_signature(original, t.params, library=_LIBRARY, where=f"{t.where}.{t.name}")
+        detail = "The patched internals are checked, but their behaviour may differ."
+        if (warning := untested_warning(_LIBRARY, detail)) is not None:
+            logger.warning(warning)
+    _CALLBACKS = _Callbacks(on_prepared, before_end_training, after_end_training, default_plugin)
+    for t in targets:
+        patch_attribute(t.owner, t.name, t.wrap, library=_LIBRARY, where=t.where)
+
+
+def uninstall() -> None:
+    """Put back every original that :func:`install` replaced and forget the callbacks. Idempotent."""
+    global _CALLBACKS
+    for t in _targets():
+        restore_attribute(t.owner, t.name)
+    _CALLBACKS = _Callbacks()
+
+
+# ----------------------------------------------------------------------------------------------------------- wrappers
+def _wrap_prepare_backend(original: Callable) -> Callable:
+    from accelerate.utils import DistributedType
+
+    @functools.wraps(original)
+    def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None):
+        chosen_backend, distributed_type = original(self, cpu=cpu, sagemaker_dp=sagemaker_dp, backend=backend)
+        if (
+            distributed_type == DistributedType.NO
+            and _launched_multiprocess()
+            and _env_true("ACCELERATE_USE_FSDP")
+            and backend in (None, "gloo")
+        ):
+            # A launcher started several processes for FSDP, but there is no GPU: without this every process would
+            # silently train its own copy of the model.
+            logger.info("FSDP requested on a machine without accelerator devices: using gloo on CPU.")
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen_backend, distributed_type
+
+    return _prepare_backend
+
+
+def _wrap_state_init(original: Callable, *, partial_state: Any) -> Callable:
+    from accelerate.utils import DistributedType
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if getattr(self, "distributed_type", None) != DistributedType.MULTI_CPU:
+            return
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is None and _env_true("ACCELERATE_USE_FSDP"):
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin()
+        if plugin is None:
+            return
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                "FSDP on CPU is only supported with FSDP2 by odc_accelerate: set `fsdp_version: 2` in the accelerate "
+                "config's fsdp_config (or FullyShardedDataParallelPlugin(fsdp_version=2))."
+            )
+        mixed_precision = getattr(self, "_mixed_precision", "no")
+        if mixed_precision != "no":
+            if plugin.mixed_precision_policy is None and mixed_precision == "bf16":
+                # On CPU, reduce gradients in fp32 (accelerate's default reduces in bf16): gloo's bf16 sums round at
+                # every add, and ODC accumulates a whole step's microbatches in reduce_dtype before the fold. Plain
+                # FSDP2 and ODC get the same policy, so their results stay comparable bit for bit.
+                import torch
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+                )
+            plugin.set_mixed_precision(mixed_precision)
+        self.fsdp_plugin = plugin
+        self.distributed_type = DistributedType.FSDP
+        partial_state._shared_state["distributed_type"] = DistributedType.FSDP
+        logger.info("FSDP2 on CPU with gloo (mixed precision: %s).", mixed_precision)
+
+    return __init__
+
+
+def _wrap_find_final_norm(original: Callable) -> Callable:
+    # ``fsdp2_prepare_model`` puts ``[final_norm, lm_head]`` in one FSDP2 group, so that the norm's forward unshards
+    # the LM head before TRL's fused LM head reads ``lm_head.weight`` directly. ``_find_final_norm`` only looks at
+    # ``model.<base_model_prefix>``'s children, which on a ``PeftModel`` is the ``*ForCausalLM`` (no norm there): the
+    # head then sits alone in a group no forward ever unshards, and every fused-head forward all-gathers it with
+    # ``DTensor.full_tensor()`` (a collective per microbatch; with ODC's unequal microbatch counts, a hang). The
+    # wrapper looks through ``get_base_model()`` first.
+    @functools.wraps(original)
+    def _find_final_norm(model: Any) -> Any:
+        unwrap = getattr(model, "get_base_model", None)
+        return original(model=unwrap() if callable(unwrap) else model)
+
+    return _find_final_norm
+
+
+def _wrap_prepare_model(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def fsdp2_prepare_model(accelerator: Any, model: Any) -> Any:
+        model = original(accelerator=accelerator, model=model)
+        if _CALLBACKS.on_prepared is not None:
+            _CALLBACKS.on_prepared(accelerator, model)
+        return model
+
+    return fsdp2_prepare_model
+
+
+def _wrap_end_training(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def end_training(self: Any) -> None:
+        if _CALLBACKS.before_end_training is not None:
+            _CALLBACKS.before_end_training(self)
+        original(self)
+        if _CALLBACKS.after_end_training is not None:
+            _CALLBACKS.after_end_training(self)
+
+    return end_training
+
+
+def _wrap_accelerator_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        make = _CALLBACKS.default_plugin
+        if make is not None and kwargs.get("fsdp_plugin") is None and not args and _env_true("ACCELERATE_USE_FSDP"):
+            plugin = make()
+            if plugin is not None:
+                kwargs["fsdp_plugin"] = plugin
+        original(self, *args, **kwargs)
+
+    return __init__

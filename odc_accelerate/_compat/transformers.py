@@ -1,0 +1,130 @@
+"""Every transformers Trainer internal that odc_accelerate overrides or reads, in one place, checked at start-up.
+
+The Trainer has no public hook to pass an Accelerator plugin, to loop a rank's own microbatches inside one optimizer
+step, to know the epoch a dataloader is built for, or to act after a checkpoint is loaded; the ODC mixin overrides
+the private methods below. :func:`check` verifies they exist (with the keyword arguments the mixin relies on) and
+raises naming what is missing, so a transformers upgrade fails at trainer construction instead of training wrongly.
+
+The tested transformers versions are ``TESTED["transformers"]`` in :mod:`odc_accelerate._compat`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from . import check_signature, patch_attribute, require, untested_warning
+
+logger = logging.getLogger(__name__)
+
+_LIBRARY = "transformers"
+
+#: marks a dataloader that fast-forwards itself on resume: the Trainer's ``skip_first_batches`` returns it unchanged
+SKIPS_ITSELF_ATTR = "_odc_skips_itself"
+
+# method -> parameters the mixin passes or reads
+_METHODS = {
+    "create_accelerator_and_postprocess": (),
+    "_build_accelerator_args": (),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "_run_epoch": (
+        "epoch",
+        "train_dataloader",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    ),
+    "_load_from_checkpoint": ("resume_from_checkpoint",),
+    "_track_num_input_tokens": ("inputs",),
+    "_remove_unused_columns": ("dataset",),
+    "floating_point_ops": ("inputs",),
+}
+
+
+def check() -> None:
+    """Raise `~odc_accelerate._compat.CompatError` if a Trainer internal the ODC mixin overrides is missing or
+    changed shape."""
+    from transformers import Trainer
+
+    detail = "The Trainer internals it overrides are checked, but their behaviour may differ."
+    if (warning := untested_warning(_LIBRARY, detail)) is not None:
+        logger.warning(warning)
+    for name, params in _METHODS.items():
+        method = require(Trainer, name, library=_LIBRARY, where="transformers.Trainer")
+        check_signature(method, params, library=_LIBRARY, where=f"transformers.Trainer.{name}")
+
+
+def loss_shifts_labels(trainer: Any) -> bool:
+    """Whether the model's loss shifts labels (causal LM): then label tokens are counted over ``labels[..., 1:]``."""
+    return bool(getattr(trainer, "_loss_shifts_labels", True))
+
+
+def count_label_tokens(trainer: Any, batch: dict) -> int:
+    """Label tokens of one collated microbatch, counted as the Trainer's ``_get_num_items_in_batch`` counts them."""
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    elif "labels" in batch:
+        labels = batch["labels"][..., 1:] if loss_shifts_labels(trainer) else batch["labels"]
+    else:
+        return 0
+    return int(labels.ne(-100).sum())
+
+
+def passthrough_skip_first_batches() -> None:
+    """Make the Trainer's resume-time ``skip_first_batches`` a no-op for dataloaders marked with `SKIPS_ITSELF_ATTR`.
+
+    On resume the Trainer re-creates the dataloader through accelerate's ``skip_first_batches`` (imported into
+    ``transformers.trainer``), which cannot wrap a dataloader whose sampler yields whole steps. The ODC mixin
+    fast-forwards its deterministic sampler itself (``load_state_dict``), so such a loader is returned unchanged.
+    Idempotent: the name is wrapped once.
+    """
+    import transformers.trainer as trainer_mod
+
+    where = "transformers.trainer"
+    original = require(trainer_mod, "skip_first_batches", library=_LIBRARY, where=where)
+    check_signature(original, ("dataloader", "num_batches"), library=_LIBRARY, where=f"{where}.skip_first_batches")
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+            if getattr(dataloader, SKIPS_ITSELF_ATTR, False):
+                return dataloader
+            return original(dataloader=dataloader, num_batches=num_batches)
+
+        return skip_first_batches
+
+    patch_attribute(trainer_mod, "skip_first_batches", wrap, library=_LIBRARY, where=where)
+
+
+def batch_rebalance_global_plans(
+    lengths: list[int], effective_batch_size: int, dp_size: int, grad_accum: int
+) -> list[list[list[list[int]]]]:
+    """Every rank's microbatches from transformers' ``BatchRebalanceSampler``, step by step (for benchmarks).
+
+    The sampler computes the whole step's assignment on every rank (``_assign``) and yields its own row
+    (``_yield_global_batch``); capturing the row list once gives all ranks' plans without building one sampler per
+    rank. ``shuffle=False``: the caller passes lengths already in its step order.
+    """
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    where = "transformers.trainer_pt_utils.BatchRebalanceSampler"
+    for attr, params in (("_assign", ("indices", "lengths")), ("_yield_global_batch", ("batch_indices",))):
+        method = require(BatchRebalanceSampler, attr, library=_LIBRARY, where=where)
+        check_signature(method, params, library=_LIBRARY, where=f"{where}.{attr}")
+
+    class _Capture(BatchRebalanceSampler):
+        def _yield_global_batch(self, batch_indices):
+            yield self._assign(indices=batch_indices, lengths=[self.lengths[i] for i in batch_indices])
+
+    sampler = _Capture(
+        lengths=list(lengths),
+        effective_batch_size=effective_batch_size,
+        dp_size=dp_size,
+        grad_accum=grad_accum,
+        shuffle=False,
+        rank=0,
+        drop_last=True,
+    )
+    return list(sampler)

@@ -1,0 +1,392 @@
+"""`ODCConfig`: every ODC option, defined once.
+
+Each option is one field of `ODCConfig`. Its metadata names the same option on every other surface:
+
+* ``key``: the key in an accelerate config file's ``fsdp_config`` (``odc_transport: shm``), which is also the
+  training-argument field and command-line flag of the ODC trainers (``--odc_transport shm``);
+* ``env``: the environment variable (``ODC_TRANSPORT``) that ``odc-accelerate launch`` exports from the config file
+  for the worker processes.
+
+`ODCConfig.from_sources` resolves the options of one run: explicit values (constructor or training arguments) win
+over the ``fsdp_config`` section, which wins over the environment, which wins over the defaults. The plugin
+(`~odc_accelerate.integrations.accelerate.ODCPlugin`), the TRL configs (`~odc_accelerate.integrations.trl`), the
+Trainer mixin and the launcher all derive from this class.
+"""
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
+
+__all__ = ["ODCConfig", "check_positive_int", "str_to_bool"]
+
+# Which surface switched ODC on, recorded in `ODCConfig.source` (run reports say where a setting came from).
+SOURCES = ("default", "args", "fsdp_config", "env")
+
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f")
+
+
+def str_to_bool(value: Any, name: str = "value") -> bool:
+    """Parse a boolean option given as a `bool` or a string such as ``"true"``, ``"0"`` or ``"off"``.
+
+    Raises:
+        ValueError: ``value`` is neither, naming ``name``.
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name} must be a boolean (true/false), got {value!r}.")
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as an `int` if it is a positive integer (an integer-valued string counts), else a `ValueError`
+    naming ``name``."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _option(default: Any, key: str, env: str, help: str, kind: type) -> Any:
+    # ``kind`` is the option's value type; the field's annotation also admits None ("not set here").
+    return field(default=None, metadata={"key": key, "env": env, "help": help, "default": default, "kind": kind})
+
+
+# Spellings that still work for one release, each with a FutureWarning: old name -> option.
+_DEPRECATED_KEYS = {"odc_balance": "plan"}
+_DEPRECATED_SECTION_KEYS = {"balance": "plan"}
+_DEPRECATED_ENV = {"ODC_BALANCE": "plan"}
+
+
+@dataclass(kw_only=True)
+class ODCConfig:
+    """Settings of On-Demand Communication for one run.
+
+    Fields left `None` are "not set": `ODCConfig.from_sources` fills them from the next source, and construction
+    fills what is still unset with the defaults below, then validates.
+
+    Args:
+        enable (`bool`, *optional*, defaults to `False`; key `odc`, env `ODC_ENABLE`):
+            Run FSDP2 with ODC's one-sided gathers and scatter-accumulates instead of its per-layer collectives.
+            Needs an FSDP2 launch (``distributed_type: FSDP``, ``fsdp_version: 2``). `ODCPlugin` defaults to `True`.
+        transport (`str`, *optional*, defaults to `"auto"`; key `odc_transport`, env `ODC_TRANSPORT`):
+            How ranks reach each other's shards: ``auto``, ``shm``, ``network``, ``hierarchical`` or ``cuda`` (see
+            `odc_accelerate.transport`). In Python a `~odc_accelerate.transport.Transport` instance is accepted too.
+        timeout (`float`, *optional*, defaults to 600; key `odc_timeout`, env `ODC_TIMEOUT`):
+            Seconds any ODC wait may last before `ODCTimeoutError` names the rank that did not arrive.
+        max_tokens_per_microbatch (`int`, *optional*; key `odc_max_tokens_per_microbatch`, env
+            `ODC_MAX_TOKENS_PER_MICROBATCH`):
+            Token budget of one microbatch for the length-balanced plan; unset, the trainer uses ``max_length``.
+        plan (`str`, *optional*; key `odc_plan`, env `ODC_PLAN`):
+            How each optimizer step's samples are split into microbatches over the ranks. ``"free"``: per-rank
+            totals balanced, each rank runs as many microbatches as its share needs (needs ODC). ``"lockstep"``:
+            every rank runs the same number of microbatches, each slot balanced (what plain FSDP2 needs). Defaults to
+            ``"free"`` with ODC; set without ODC, plain FSDP2 trains on the planned microbatches (for comparisons).
+        samples_per_step (`int`, *optional*; key `odc_samples_per_step`, env `ODC_SAMPLES_PER_STEP`):
+            Samples of one optimizer step over all ranks; unset, ``per_device_train_batch_size x
+            gradient_accumulation_steps x world size``.
+        trace_dir (`str`, *optional*; key `odc_trace_dir`, env `ODC_TRACE_DIR`):
+            Write one JSON line per optimizer step to ``<trace_dir>/trace_rank<r>.jsonl``: the step's microbatch
+            shapes and its time (see `odc_accelerate.telemetry.StepTrace`).
+        time_collectives (`bool`, *optional*, defaults to `False`; key `odc_time_collectives`, env
+            `ODC_TIME_COLLECTIVES`):
+            On plain FSDP2 runs, time FSDP2's collectives (run synchronously) and the blocking ``torch.distributed``
+            calls, so that per-rank wait is reported (see `odc_accelerate.telemetry.CollectiveTimer`).
+
+    Attributes:
+        source (`str`): where ``enable`` was set: ``"args"``, ``"fsdp_config"``, ``"env"`` or ``"default"``.
+    """
+
+    enable: bool | None = _option(False, "odc", "ODC_ENABLE", "Run FSDP2 with On-Demand Communication (ODC).", bool)
+    transport: Any = _option(
+        "auto", "odc_transport", "ODC_TRANSPORT", "ODC transport: auto, shm, network, hierarchical or cuda.", str
+    )
+    timeout: float | None = _option(
+        600.0, "odc_timeout", "ODC_TIMEOUT", "Seconds an ODC wait may last before naming the missing rank.", float
+    )
+    max_tokens_per_microbatch: int | None = _option(
+        None,
+        "odc_max_tokens_per_microbatch",
+        "ODC_MAX_TOKENS_PER_MICROBATCH",
+        "Token budget of one microbatch for the length-balanced plan (default: max_length).",
+        int,
+    )
+    plan: str | None = _option(
+        None,
+        "odc_plan",
+        "ODC_PLAN",
+        "Microbatch plan of each step: 'free' (balanced per-rank totals, any microbatch count per rank; needs ODC) "
+        "or 'lockstep' (equal counts, each slot balanced). Defaults to 'free' with ODC; without ODC, plain FSDP2 "
+        "trains on the planned microbatches.",
+        str,
+    )
+    samples_per_step: int | None = _option(
+        None,
+        "odc_samples_per_step",
+        "ODC_SAMPLES_PER_STEP",
+        "Samples per optimizer step over all ranks (default per_device_train_batch_size x "
+        "gradient_accumulation_steps x world size).",
+        int,
+    )
+    trace_dir: str | None = _option(
+        None, "odc_trace_dir", "ODC_TRACE_DIR", "Write per-step microbatch shapes and times to this folder.", str
+    )
+    time_collectives: bool | None = _option(
+        False,
+        "odc_time_collectives",
+        "ODC_TIME_COLLECTIVES",
+        "Plain FSDP2: time collectives (run synchronously) to report per-rank wait.",
+        bool,
+    )
+    source: str = field(default="default", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in option_fields():
+            if getattr(self, f.name) is None:
+                setattr(self, f.name, f.metadata["default"])
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def balanced(self) -> bool:
+        """Whether steps are planned by the length-balanced sampler (always with ODC)."""
+        return self.plan is not None
+
+    def options(self) -> dict[str, Any]:
+        """The option fields as a dict (``source`` excluded)."""
+        return {f.name: getattr(self, f.name) for f in option_fields()}
+
+    def to_env(self) -> dict[str, str]:
+        """The options as ``ODC_*`` environment variables (unset options left out)."""
+        out = {}
+        for f in option_fields():
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.metadata["env"]] = _env_text(value)
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Coerce option values to their types and raise one `ValueError` naming the option to change."""
+        from .transport import TRANSPORTS, Transport
+
+        self.enable = str_to_bool(self.enable, _name("enable"))
+        self.time_collectives = str_to_bool(self.time_collectives, _name("time_collectives"))
+        if not isinstance(self.transport, Transport):
+            if self.transport not in TRANSPORTS:
+                raise ValueError(
+                    f"Unknown {_name('transport')} {self.transport!r}; choose one of {', '.join(TRANSPORTS)}."
+                )
+        try:
+            timeout = float(self.timeout)
+        except (TypeError, ValueError):
+            timeout = -1.0
+        if isinstance(self.timeout, bool) or not timeout > 0:
+            raise ValueError(f"{_name('timeout')} must be a positive number of seconds, got {self.timeout!r}.")
+        self.timeout = timeout
+        for name in ("max_tokens_per_microbatch", "samples_per_step"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_positive_int(getattr(self, name), _name(name)))
+        if self.enable and self.plan is None:
+            self.plan = "free"
+        if self.plan is not None:
+            from .planning import normalize_plan
+
+            self.plan = normalize_plan(self.plan, where=_name("plan"))
+        if self.trace_dir is not None:
+            self.trace_dir = os.fspath(self.trace_dir)
+        if self.source not in SOURCES:
+            raise ValueError(f"ODCConfig.source must be one of {', '.join(SOURCES)}, got {self.source!r}.")
+
+    # ------------------------------------------------------------------ resolution
+    @classmethod
+    def from_sources(
+        cls,
+        *,
+        overrides: Mapping[str, Any] | None = None,
+        args: Any = None,
+        fsdp_config: Mapping[str, Any] | str | None = None,
+        env: Mapping[str, str] | None = None,
+        enable_default: bool = False,
+    ) -> "ODCConfig":
+        """Resolve the options of one run, first source that sets an option wins.
+
+        Args:
+            overrides (`Mapping[str, Any]`, *optional*):
+                Explicit values by field name (e.g. the `ODCPlugin` constructor's); `None` values count as unset.
+            args (*optional*):
+                Training arguments with fields named by the options' keys (``args.odc``, ``args.odc_transport``,
+                ...; `None` = unset). Their ``fsdp_config`` is read when ``fsdp_config`` is not given.
+            fsdp_config (`Mapping` or `str`, *optional*):
+                An ``fsdp_config`` mapping, or the path of a JSON file holding one (``--fsdp_config file.json``).
+                ODC options appear as flat keys (``odc: true``, ``odc_transport: shm``) or as one ``odc`` section
+                (``"odc": {"enable": true, "transport": "shm"}``).
+            env (`Mapping[str, str]`, *optional*, defaults to `os.environ`):
+                ``ODC_*`` variables (``odc-accelerate launch`` exports the config file's keys this way).
+            enable_default (`bool`, *optional*, defaults to `False`):
+                The value of ``enable`` when no source sets it.
+
+        Raises:
+            ValueError: an invalid value or an unknown ``odc*`` key, naming it.
+        """
+        layers: list[tuple[str, dict[str, Any]]] = []
+        if overrides:
+            unknown = set(overrides) - {f.name for f in option_fields()}
+            if unknown:
+                raise TypeError(f"Unknown ODC option(s): {', '.join(sorted(unknown))}.")
+            layers.append(("args", {k: v for k, v in overrides.items() if v is not None}))
+        if args is not None:
+            layers.append(("args", _from_args(args)))
+            if fsdp_config is None:
+                fsdp_config = getattr(args, "fsdp_config", None)
+        if fsdp_config:
+            layers.append(("fsdp_config", options_from_fsdp_config(_load_mapping(fsdp_config))))
+        layers.append(("env", _from_env(os.environ if env is None else env)))
+
+        values: dict[str, Any] = {}
+        source = "default"
+        for name in (f.name for f in option_fields()):
+            for layer_source, layer in layers:
+                if name in layer:
+                    values[name] = layer[name]
+                    if name == "enable":
+                        source = layer_source
+                    break
+        if "enable" not in values:
+            values["enable"] = enable_default
+        return cls(**values, source=source)
+
+
+# ---------------------------------------------------------------------- field helpers
+def option_fields() -> Iterator[Field]:
+    """The option fields of `ODCConfig` (those with a config key), in definition order."""
+    return (f for f in fields(ODCConfig) if "key" in f.metadata)
+
+
+def _name(field_name: str) -> str:
+    f = next(f for f in option_fields() if f.name == field_name)
+    return f"{f.metadata['key']} ({f.metadata['env']})"
+
+
+def _env_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}.", FutureWarning, 3)
+
+
+def _from_args(args: Any) -> dict[str, Any]:
+    out = {}
+    for f in option_fields():
+        value = getattr(args, f.metadata["key"], None)
+        if value is not None:
+            out[f.name] = value
+    for old, name in _DEPRECATED_KEYS.items():
+        value = getattr(args, old, None)
+        if value is not None:
+            _deprecated(f"--{old}", f"--{_key(name)}")
+            out.setdefault(name, value)
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out = {}
+    for f in option_fields():
+        value = env.get(f.metadata["env"])
+        if value:  # an empty variable counts as unset
+            out[f.name] = value
+    for old, name in _DEPRECATED_ENV.items():
+        if env.get(old):
+            _deprecated(old, _field(name).metadata["env"])
+            out.setdefault(name, env[old])
+    return out
+
+
+def _key(name: str) -> str:
+    return _field(name).metadata["key"]
+
+
+def _field(name: str) -> Field:
+    return next(f for f in option_fields() if f.name == name)
+
+
+def _load_mapping(config: Mapping[str, Any] | str) -> Mapping[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        # TrainingArguments only loads --fsdp_config when --fsdp is set; the ODC options count either way.
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise ValueError(f"fsdp_config must be a mapping or a JSON file path, got {type(config).__name__}.")
+    return config
+
+
+def options_from_fsdp_config(fsdp_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ODC options an ``fsdp_config`` mapping sets, by field name.
+
+    Reads flat keys (``odc``, ``odc_transport``, ...) and an ``odc`` section given as a mapping of field names
+    (``{"enable": true, "transport": "shm"}``).
+
+    Raises:
+        ValueError: an ``odc*`` key or section key that is not an ODC option, listing the known ones.
+    """
+    by_key = {f.metadata["key"]: f.name for f in option_fields()}
+    names = {f.name for f in option_fields()}
+    out: dict[str, Any] = {}
+    section = fsdp_config.get("odc")
+    if isinstance(section, Mapping):
+        for key, value in section.items():
+            if key in _DEPRECATED_SECTION_KEYS:
+                _deprecated(f"fsdp_config's odc.{key}", f"odc.{_DEPRECATED_SECTION_KEYS[key]}")
+                key = _DEPRECATED_SECTION_KEYS[key]
+            if key not in names:
+                raise ValueError(
+                    f"Unknown key {key!r} in fsdp_config's odc section; known keys: {', '.join(sorted(names))}."
+                )
+            out[key] = value
+    elif section is not None:
+        out["enable"] = str_to_bool(section, "fsdp_config's odc")
+    for key, value in fsdp_config.items():
+        if not key.startswith("odc") or key == "odc":
+            continue
+        if key in _DEPRECATED_KEYS:
+            _deprecated(f"fsdp_config key {key}", _key(_DEPRECATED_KEYS[key]))
+            out.setdefault(_DEPRECATED_KEYS[key], value)
+        elif key in by_key:
+            out[by_key[key]] = value
+        else:
+            raise ValueError(f"Unknown ODC key {key!r} in fsdp_config; known keys: {', '.join(by_key)}.")
+    return out
+
+
+def env_from_fsdp_config(fsdp_config: Mapping[str, Any]) -> dict[str, str]:
+    """The ``ODC_*`` variables that carry an ``fsdp_config``'s ODC options to worker processes (launcher)."""
+    return {
+        _field(name).metadata["env"]: _env_text(value) for name, value in options_from_fsdp_config(fsdp_config).items()
+    }
+
+
+def training_args_fields() -> list[tuple[str, Any, Any]]:
+    """``(name, type, field)`` triples declaring every option as a training-argument field named by its key
+    (``odc``, ``odc_transport``, ...; default `None` = not set), plus the deprecated spellings. For
+    `dataclasses.make_dataclass`; the TRL configs are built from them."""
+    out = []
+    for f in option_fields():
+        kind = f.metadata["kind"]
+        out.append((f.metadata["key"], kind | None, field(default=None, metadata={"help": f.metadata["help"]})))
+    for old, name in _DEPRECATED_KEYS.items():
+        kind = _field(name).metadata["kind"]
+        help_text = f"Deprecated spelling of --{_key(name)} (removed in the next release)."
+        out.append((old, kind | None, field(default=None, metadata={"help": help_text})))
+    return out

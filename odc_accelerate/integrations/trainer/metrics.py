@@ -1,0 +1,243 @@
+"""What the balanced step reports: metric gathers reduced once per step, and per-step timing.
+
+* `DeferredGather` answers ``accelerator.gather`` / ``gather_for_metrics`` locally during microbatches (TRL makes
+  several per microbatch; a collective there would make ranks with fewer microbatches hang) and records what went
+  through; `reduce_step_metrics` turns the records of all ranks into global sums with one all-reduce.
+* `StepTimer` times each optimizer step per rank (step, busy, wait), optionally times plain FSDP2's collectives and
+  writes step traces, and turns a logging interval's steps into the ``odc/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_GATHERS_PER_MICROBATCH", "DeferredGather", "StepMetrics", "StepTimer", "reduce_step_metrics"]
+
+# Fixed, since a rank with no microbatch must join the same all-reduce as the others.
+MAX_GATHERS_PER_MICROBATCH = 32
+
+
+class DeferredGather:
+    """Stands in for ``accelerator.gather`` / ``gather_for_metrics`` during microbatches: answers with the local value.
+
+    A gather of a tensor returns ``[world * n, ...]`` rows; answering with this rank's rows only keeps shapes valid for
+    sums, means and ratios. For every tensor that goes through, the sum and the element count are recorded per call
+    position, so that one all-reduce at the step boundary gives global sums and means over the whole step.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[float, float]]] = []  # per microbatch: (sum, count) of each gathered tensor
+        self.current: list[tuple[float, float]] | None = None
+
+    def start_microbatch(self) -> None:
+        self.current = []
+        self.calls.append(self.current)
+
+    def __call__(self, input_data: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(input_data, torch.Tensor):
+            if self.current is not None:
+                self.current.append((float(input_data.detach().double().sum()), float(input_data.numel())))
+            return input_data.reshape(1) if input_data.dim() == 0 else input_data
+        if isinstance(input_data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in input_data):
+            return type(input_data)(self(t) for t in input_data)
+        return input_data  # objects: this rank's own, like a one-process gather
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    """One step's metric gathers over all ranks.
+
+    ``local_sums[i]`` / ``global_sums[i]`` are the sums over this rank's / all ranks' microbatches of the tensor passed
+    to the i-th gather of a microbatch, ``global_counts[i]`` its number of elements over all ranks (so that
+    ``global_sums[i] / global_counts[i]`` is a mean over the whole step).
+    """
+
+    local_sums: list[float]
+    global_sums: list[float]
+    global_counts: list[float]
+    local_microbatches: int
+    global_microbatches: int
+    gathers_per_microbatch: int
+
+
+class _Packet:
+    """Named slices of the one float64 vector all-reduced at the step boundary.
+
+    Layout: ``sums[slots] | counts[slots] | microbatches | uneven | width | width_sq | has_work``. Ranks agree that
+    every microbatch with work made the same number of gathers iff ``(sum width)^2 == ranks_with_work x sum width^2``
+    (equality in Cauchy-Schwarz), decided alike on every rank from the reduced vector.
+    """
+
+    SCALARS = ("microbatches", "uneven", "width", "width_sq", "has_work")
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.size = 2 * slots + len(self.SCALARS)
+
+    def sums(self, v: torch.Tensor) -> torch.Tensor:
+        return v[: self.slots]
+
+    def counts(self, v: torch.Tensor) -> torch.Tensor:
+        return v[self.slots : 2 * self.slots]
+
+    def index(self, name: str) -> int:
+        return 2 * self.slots + self.SCALARS.index(name)
+
+
+def reduce_step_metrics(
+    deferred: DeferredGather,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None,
+    device: torch.device | str,
+    slots: int = MAX_GATHERS_PER_MICROBATCH,
+) -> StepMetrics | None:
+    """Reduce a step's deferred gathers over all ranks with one call of ``reduce_sum`` (`None`: a single process).
+
+    Returns `None` (and warns) when microbatches made different numbers of gathers: their meaning by position would
+    differ, so the step's metrics stay local.
+
+    Raises:
+        RuntimeError: a microbatch made more than ``slots`` gathers.
+    """
+    packet = _Packet(slots)
+    width = max((len(c) for c in deferred.calls), default=0)
+    if width > slots:
+        raise RuntimeError(f"ODC defers at most {slots} metric gathers per microbatch, got {width}.")
+    uneven = any(len(c) != width for c in deferred.calls)
+    local = torch.zeros(packet.size, dtype=torch.float64)
+    if not uneven:
+        for c in deferred.calls:
+            packet.sums(local)[:width] += torch.tensor([v for v, _ in c], dtype=torch.float64)
+            packet.counts(local)[:width] += torch.tensor([n for _, n in c], dtype=torch.float64)
+    local[packet.index("microbatches")] = len(deferred.calls)
+    local[packet.index("uneven")] = float(uneven)
+    local[packet.index("width")] = float(width)
+    local[packet.index("width_sq")] = float(width * width)
+    local[packet.index("has_work")] = float(bool(deferred.calls))
+    total = local.to(device)
+    if reduce_sum is not None:
+        total = reduce_sum(total)
+    total = total.cpu()
+    width_sum = float(total[packet.index("width")])
+    width_sq = float(total[packet.index("width_sq")])
+    ranks_with_work = float(total[packet.index("has_work")])
+    if float(total[packet.index("uneven")]) > 0 or width_sum * width_sum != ranks_with_work * width_sq:
+        logger.warning("ODC: microbatches made different numbers of metric gathers; their metrics are local.")
+        return None
+    return StepMetrics(
+        local_sums=packet.sums(local).tolist(),
+        global_sums=packet.sums(total).tolist(),
+        global_counts=packet.counts(total).tolist(),
+        local_microbatches=len(deferred.calls),
+        global_microbatches=int(total[packet.index("microbatches")]),
+        gathers_per_microbatch=round(width_sum / ranks_with_work) if ranks_with_work else 0,
+    )
+
+
+class StepTimer:
+    """Per-rank timing of optimizer steps, reported per logging interval as ``odc/*`` metrics.
+
+    A step runs from `start` (its microbatches fetched) to `end` (after the optimizer). Wait is what the ODC engine
+    spent in its step-boundary barriers or, on plain FSDP2 with ``time_collectives``, what a
+    `~odc_accelerate.telemetry.CollectiveTimer` counted; busy = step - wait.
+
+    Args:
+        rank (`int`): this process's rank (names the trace file).
+        trace_dir (`str`, *optional*): write a `~odc_accelerate.telemetry.StepTrace` there.
+        time_collectives (`bool`, *optional*, defaults to `False`): time plain FSDP2's collectives.
+    """
+
+    def __init__(self, rank: int, trace_dir: str | None = None, time_collectives: bool = False) -> None:
+        self.rank = rank
+        self.trace_dir = trace_dir
+        self.time_collectives = time_collectives
+        self.pending: list[dict[str, float]] = []
+        self.step: dict[str, Any] = {}
+        self.timer: Any = None  # telemetry.CollectiveTimer on timed plain-FSDP2 runs
+        self.trace: Any = None  # telemetry.StepTrace, created at the first step
+
+    def start(self, model: Any, engine: Any, microbatches: list[Any], start: float) -> None:
+        """Begin a step at ``start`` (``time.perf_counter()``) with this rank's ``microbatches``."""
+        from ...telemetry import microbatch_shape
+        from .data import input_tokens
+
+        self.step = {
+            "start": start,
+            "microbatches": len(microbatches),
+            "tokens": sum(input_tokens(mb) for mb in microbatches),
+        }
+        if self.time_collectives and self.timer is None and engine is None:
+            from ..._compat import fsdp as fsdp_compat
+            from ...telemetry import CollectiveTimer
+
+            if fsdp_compat.is_fsdp2(model):
+                self.timer = CollectiveTimer(model)
+        if self.trace_dir is not None:
+            if self.trace is None:
+                from ...telemetry import StepTrace
+
+                self.trace = StepTrace(self.trace_dir, self.rank)
+            self.step["shapes"] = [microbatch_shape(mb) for mb in microbatches]
+
+    def end(self, engine: Any, end: float) -> None:
+        """Close the step begun by `start` at ``end``; a no-op when no step is open."""
+        if "start" not in self.step:
+            return
+        step_s = end - self.step["start"]
+        if engine is not None:
+            stats = engine.last_step_stats
+            wait = float(stats.wait_s) if stats is not None else 0.0
+        else:
+            wait = self.timer.take() if self.timer is not None else 0.0
+        self.pending.append(
+            {
+                "step_s": step_s,
+                "wait_s": wait,
+                "busy_s": step_s - wait,
+                "microbatches": float(self.step["microbatches"]),
+                "tokens": float(self.step["tokens"]),
+            }
+        )
+        if self.trace is not None:
+            self.trace.record(self.step.get("shapes", []), step_s, step_s - wait, wait)
+        self.step = {}
+
+    def interval_metrics(
+        self, gather: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device | str
+    ) -> dict[str, float]:
+        """The ``odc/*`` metrics of the steps ended since the last call (one ``gather`` of a row per rank)."""
+        pending, self.pending = self.pending, []
+        keys = ("step_s", "busy_s", "wait_s")
+        local = [sum(p[k] for p in pending) for k in keys]
+        mbs = [p["microbatches"] for p in pending]
+        tokens = sum(p["tokens"] for p in pending)
+        row = torch.tensor(local + [min(mbs), max(mbs), tokens], dtype=torch.float64, device=device)
+        rows = row[None]
+        if gather is not None:
+            rows = gather(row[None])  # step boundary: one gather per logged interval
+        rows = rows.reshape(-1, row.numel()).cpu()
+        step_s = float(rows[:, 0].max())
+        tokens = float(rows[:, 5].sum())  # input tokens of every rank
+        out: dict[str, float] = {
+            "odc/tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else 0.0,
+            "odc/step_s": round(step_s / len(pending), 4),
+            "odc/microbatches_min": int(rows[:, 3].min()),
+            "odc/microbatches_max": int(rows[:, 4].max()),
+            "odc/bubble_pct": round(100.0 * (1.0 - float(rows[:, 1].mean()) / step_s), 2) if step_s > 0 else 0.0,
+        }
+        for r in range(rows.shape[0]):
+            out[f"odc/busy_s_rank{r}"] = round(float(rows[r, 1]), 4)
+            out[f"odc/wait_s_rank{r}"] = round(float(rows[r, 2]), 4)
+        return out
+
+    def close(self) -> None:
+        """Put back what the collective timer patched. Idempotent."""
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.close()

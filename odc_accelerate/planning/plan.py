@@ -1,0 +1,223 @@
+"""The step planner: split one optimizer step's samples over ranks and microbatches with balanced cost.
+
+Pure functions over numpy arrays (no torch, no torch.distributed), so every rank can compute the same global plan
+from the same inputs without talking to the others. Two plans, after how a step's cost adds up:
+
+- ``"free"`` (`odc_accelerate.planning.free`): with On-Demand Communication ranks never wait for each other inside a
+  step, so a step costs the largest per-rank total. Ranks may run different numbers of microbatches.
+- ``"lockstep"`` (`odc_accelerate.planning.lockstep`): plain FSDP2 synchronises every rank at every layer of every
+  microbatch, so a step costs the sum over microbatch slots of the slot's costliest microbatch. Every rank runs the
+  same number of microbatches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from ..config import check_positive_int
+from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
+from .free import plan_free
+from .lockstep import plan_lockstep
+from .packing import Plan
+
+__all__ = [
+    "PLANS",
+    "Plan",
+    "PlanName",
+    "as_lengths",
+    "check_oversize",
+    "normalize_plan",
+    "plan_from_costs",
+    "plan_step",
+]
+
+PlanName = Literal["free", "lockstep"]
+PLANS: tuple[str, ...] = get_args(PlanName)
+"""The plan names, the default first."""
+
+# Old spellings, accepted with a FutureWarning for one release.
+_RENAMED_PLANS = {"odc": "free"}
+
+_BUDGET = "`max_tokens_per_microbatch` (the most tokens one forward/backward can hold in memory)"
+
+
+def normalize_plan(plan: str, where: str = "plan", *, mode: str | None = None) -> PlanName:
+    """Check a plan name and return its current spelling.
+
+    The old spellings keep working for one release with a `FutureWarning`: the value ``"odc"`` (now ``"free"``) and the
+    keyword ``mode=`` (now ``plan=``; callers hand its value on as ``mode``).
+
+    Args:
+        plan (`str`):
+            One of `PLANS`.
+        where (`str`, *optional*, defaults to `"plan"`):
+            The option's name in messages, e.g. ``"odc_plan (ODC_PLAN)"``.
+        mode (`str`, *optional*):
+            Value of a deprecated ``mode=`` keyword; it replaces ``plan``, which must then be left at its default.
+
+    Raises:
+        ValueError: the name is not one of `PLANS`.
+    """
+    if mode is not None:
+        _deprecated("`mode=`", "`plan=`")
+        if plan != PLANS[0]:
+            raise TypeError(f"Pass `plan={plan!r}` alone, without the deprecated `mode={mode!r}`.")
+        plan = mode
+    if isinstance(plan, str) and plan in _RENAMED_PLANS:
+        _deprecated(f"{where} {plan!r}", repr(_RENAMED_PLANS[plan]))
+        plan = _RENAMED_PLANS[plan]
+    if plan not in PLANS:
+        raise ValueError(f"Unknown {where} {plan!r}; choose one of {', '.join(map(repr, PLANS))}.")
+    return plan
+
+
+def _deprecated(old: str, new: str) -> None:
+    # stacklevel 4: the user's call of the public function that called `normalize_plan`.
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}.", FutureWarning, 4)
+
+
+def as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``lengths`` as a 1-D int64 array of token counts, or a `ValueError` saying what is wrong with it.
+
+    Whole-number floats are accepted; negative, fractional or non-finite values are not.
+
+    Args:
+        lengths (`Sequence[int]` or `np.ndarray`): token count of every sample.
+    """
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"`lengths` must be a 1-D sequence of token counts, got shape {arr.shape}.")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise ValueError(f"`lengths` must hold integer token counts, got dtype {arr.dtype}.")
+    if arr.min() < 0:
+        bad = int(np.argmin(arr))
+        raise ValueError(f"`lengths` must be non-negative, but lengths[{bad}] = {int(arr[bad])}.")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_oversize(
+    lengths: np.ndarray, max_tokens_per_microbatch: int, index_map: Sequence[int] | None = None
+) -> None:
+    """Raise a `ValueError` naming the first sample longer than the microbatch budget, if any.
+
+    Args:
+        lengths (`np.ndarray`): token counts.
+        max_tokens_per_microbatch (`int`): the budget.
+        index_map (`Sequence[int]`, *optional*): index to report for each position (e.g. dataset indices).
+    """
+    over = np.flatnonzero(np.asarray(lengths) > max_tokens_per_microbatch)
+    if over.size:
+        pos = int(over[0])
+        idx = pos if index_map is None else int(index_map[pos])
+        raise ValueError(
+            f"Sample {idx} has {int(lengths[pos])} tokens, more than max_tokens_per_microbatch="
+            f"{max_tokens_per_microbatch} ({over.size} sample(s) in all). Raise the budget, truncate or filter "
+            "these samples, or pass allow_oversize=True to give each its own microbatch."
+        )
+
+
+def plan_step(
+    lengths: Sequence[int] | np.ndarray,
+    world_size: int,
+    max_tokens_per_microbatch: int = 8192,
+    cost: CostSpec | QuadraticCost = "auto",
+    plan: PlanName = "free",
+    *,
+    model_config: Any = None,
+    allow_oversize: bool = True,
+    mode: str | None = None,
+) -> Plan:
+    """Plan one optimizer step: split samples over ranks and microbatches with balanced cost.
+
+    Every index of ``lengths`` appears exactly once in the plan. A microbatch never holds more than
+    ``max_tokens_per_microbatch`` tokens, except a single sample longer than that, which gets a microbatch of
+    its own (or raises with ``allow_oversize=False``).
+
+    - ``plan="free"`` (LB-Mini in the ODC paper): minimises the largest per-rank total cost (LPT greedy, then moves and
+      swaps out of the most loaded rank until none helps), then packs each rank's samples into as few microbatches as
+      the budget allows (first-fit decreasing on tokens). Ranks may get different numbers of microbatches; a rank
+      gets no microbatch at all only when there are fewer samples than ranks.
+    - ``plan="lockstep"`` (LB-Micro): every rank gets the same number of microbatches and slot k of every rank
+      runs at the same time, so the planner minimises ``sum_k max_r cost(plan[r][k])``: it fills slots one at a
+      time up to the level set by the costliest remaining sample while single samples dominate, spreads the rest
+      over equal-cost microbatches (LPT), and then moves or swaps samples out of each slot's costliest microbatch.
+      Within a slot, microbatches go to ranks so that the per-rank totals are balanced too. A microbatch is an
+      empty list only where that cannot be avoided: when the step holds fewer samples than
+      ``world_size * number_of_slots`` (e.g. fewer samples than ranks).
+
+    Args:
+        lengths (`Sequence[int]` or `np.ndarray`):
+            Token count of every sample of the step.
+        world_size (`int`):
+            Number of data-parallel ranks.
+        max_tokens_per_microbatch (`int`, *optional*, defaults to 8192):
+            Token budget of one microbatch.
+        cost (`"auto"`, `"tokens"`, `QuadraticCost` or callable, *optional*, defaults to `"auto"`):
+            Cost of one sample as a function of its length, see `resolve_cost`. ``"auto"`` derives it from
+            ``model_config`` (linear FLOPs + causal attention, `cost_from_config`) or, without a config, uses the
+            published 7B fit ``4.348 x^2 + 8.768 x`` with ``x = L / 32000``.
+        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`):
+            Balance per-rank totals (with ODC) or every microbatch slot (plain FSDP2).
+        model_config (`PretrainedConfig`, *optional*):
+            Model configuration used by ``cost="auto"``.
+        allow_oversize (`bool`, *optional*, defaults to `True`):
+            Whether a sample longer than the budget may get a microbatch of its own. With `False` such a sample
+            raises a `ValueError` (naming it) before any planning.
+        mode (`str`, *optional*):
+            Deprecated spelling of ``plan``.
+
+    Returns:
+        `list[list[list[int]]]`: ``plan[r]`` is the list of microbatches of rank ``r``, each a list of indices
+        into ``lengths``.
+    """
+    lengths_arr = as_lengths(lengths)
+    world_size = check_positive_int(world_size, "`world_size`")
+    max_tokens_per_microbatch = check_positive_int(max_tokens_per_microbatch, _BUDGET)
+    plan = normalize_plan(plan, mode=mode)
+    if not allow_oversize:
+        check_oversize(lengths_arr, max_tokens_per_microbatch)
+    costs = check_costs(resolve_cost(cost, model_config)(lengths_arr))
+    return _dispatch(costs, lengths_arr, world_size, max_tokens_per_microbatch, plan)
+
+
+def plan_from_costs(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    world_size: int,
+    max_tokens_per_microbatch: int,
+    plan: PlanName = "free",
+    *,
+    mode: str | None = None,
+) -> Plan:
+    """`plan_step` on precomputed costs (only the plan name is checked; the sampler computes costs once per dataset).
+
+    Args:
+        costs (`np.ndarray`): float64 cost of each sample.
+        tokens (`np.ndarray`): int64 token count of each sample.
+        world_size (`int`): number of ranks.
+        max_tokens_per_microbatch (`int`): token budget of one microbatch.
+        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`): see `plan_step`.
+        mode (`str`, *optional*): deprecated spelling of ``plan``.
+    """
+    plan = normalize_plan(plan, mode=mode)
+    return _dispatch(costs, tokens, world_size, max_tokens_per_microbatch, plan)
+
+
+def _dispatch(costs: np.ndarray, tokens: np.ndarray, world_size: int, budget: int, plan: PlanName) -> Plan:
+    costs = np.asarray(costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if costs.size == 0:
+        return [[] for _ in range(world_size)]
+    if plan == "free" or world_size == 1:
+        # On one rank nobody waits for anybody: both plans reduce to packing into as few microbatches as possible.
+        return plan_free(costs, tokens, world_size, budget)
+    return plan_lockstep(costs, tokens, world_size, budget)

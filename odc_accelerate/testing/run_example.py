@@ -1,0 +1,199 @@
+"""Run a training script unchanged, with the instrumentation the tests and benchmarks read, added from outside.
+
+    accelerate launch --config_file CFG odc_accelerate/testing/run_example.py examples/sft/train.py ARGS
+    python odc_accelerate/testing/run_example.py examples/sft/train.py ARGS
+
+executes the script as ``__main__`` with ``ARGS`` (as ``python script ARGS`` would). Every ODC trainer the script
+builds (any `ODCTrainerMixin` subclass) gets:
+
+* a run report, ``<output_dir>/odc_run_rank<r>.json``, written when training ends: distributed type, FSDP plugin,
+  ODC engine, transport and last-step hook counts, the resolved `ODCConfig`, the DPO reference engine if any;
+* with ``ODC_COUNT_DIST_CALLS=1``, the torch.distributed calls made during each microbatch of a balanced step
+  (``microbatch_dist_calls`` in the report; ODC must make none);
+* with ``ODC_DUMP_PARAMS=1``, rank 0 saves the weights before FSDP2 shards them (``initial_params.pt``) and the full
+  final weights (``final_params.pt``), for the parity tests;
+
+and, with ``ODC_BENCH_RSS_DIR`` set, ``rss_rank<RANK>.json`` there when the process ends, even on an error: ``ru_maxrss``
+of this process (peak resident memory, including the shared-memory pages it touched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import resource
+import runpy
+import sys
+from typing import Any
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") == "1"
+
+
+class RunReport:
+    """Instrumentation of one trainer (see the module docstring)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.microbatch_dist_calls: list[dict[str, int]] = []
+
+    def dump_initial_params(self) -> None:
+        import torch
+
+        trainer = self.trainer
+        if not _flag("ODC_DUMP_PARAMS") or not trainer.accelerator.is_main_process:
+            return
+        initial = {n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()}
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+        torch.save(initial, os.path.join(trainer.args.output_dir, "initial_params.pt"))
+
+    def write(self) -> None:
+        """Write the report (collective with ``ODC_DUMP_PARAMS=1``: the final weights are gathered)."""
+        import torch
+
+        from odc_accelerate.telemetry import timed_dist_functions
+
+        trainer = self.trainer
+        state = trainer.accelerator.state
+        plugin = getattr(state, "fsdp_plugin", None)
+        engine = trainer.odc_engine
+        stats = engine.last_step_stats if engine is not None else None
+        report: dict[str, Any] = {
+            "rank": trainer.accelerator.process_index,
+            "world_size": trainer.accelerator.num_processes,
+            "distributed_type": str(state.distributed_type),
+            "fsdp_plugin": type(plugin).__name__ if plugin is not None else None,
+            "fsdp_version": getattr(plugin, "fsdp_version", None),
+            "engine": type(engine).__name__ if engine is not None else None,
+            "transport": type(engine.transport).__name__ if engine is not None and engine.transport else None,
+            "engine_param_groups": len(engine.param_groups) if engine is not None else None,
+            # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
+            "engine_last_step": dataclasses.asdict(stats) if stats is not None else None,
+            "odc_config": {**trainer.odc_config.options(), "source": trainer.odc_config.source},
+            "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+            "microbatch_dist_calls": self.microbatch_dist_calls,
+            "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
+        }
+        if hasattr(trainer, "odc_reference_engine"):  # DPO
+            ref_engine = trainer.odc_reference_engine
+            report.update(
+                reference_engine=type(ref_engine).__name__ if ref_engine is not None else None,
+                reference_frozen=bool(ref_engine.frozen) if ref_engine is not None else None,
+                reference_gathers=ref_engine.stats.gathers if ref_engine is not None else 0,
+                reference_kept=trainer.ref_model is not None,
+                precompute_ref_log_probs=bool(getattr(trainer.args, "precompute_ref_log_probs", False)),
+            )
+        out = trainer.args.output_dir
+        if _flag("ODC_DUMP_PARAMS"):
+            params = {}
+            for name, p in trainer.model.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                params[name] = full.detach().to(torch.float32).cpu()
+            if trainer.accelerator.is_main_process:
+                torch.save(params, os.path.join(out, "final_params.pt"))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"odc_run_rank{report['rank']}.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+def _report_callback(report: RunReport) -> Any:
+    from transformers import TrainerCallback
+
+    class RunReportCallback(TrainerCallback):
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            report.write()
+
+    return RunReportCallback()
+
+
+def instrument_trainers() -> None:
+    """Give every `ODCTrainerMixin` trainer built from now on in this process a `RunReport`."""
+    from odc_accelerate.integrations.trainer import ODCTrainerMixin
+    from odc_accelerate.testing.dist_counter import count_dist_calls
+
+    original_init = ODCTrainerMixin.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.odc_run_report = RunReport(self)
+        self.odc_run_report.dump_initial_params()  # before train(): the model is not sharded yet
+        # Added after ODCCallback: its on_train_end has closed the collective timer when the report is written.
+        self.add_callback(_report_callback(self.odc_run_report))
+        if _flag("ODC_COUNT_DIST_CALLS"):
+            _count_microbatches(self, count_dist_calls)
+
+    ODCTrainerMixin.__init__ = __init__
+
+
+def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
+    """Count the torch.distributed calls of each microbatch: wrap, on this trainer only, the ``training_step`` the
+    balanced loop calls once per microbatch (the next one after `ODCTrainerMixin` in the MRO)."""
+    from odc_accelerate.integrations.trainer import ODCTrainerMixin
+
+    mro = type(trainer).__mro__
+    after = mro[mro.index(ODCTrainerMixin) + 1 :]
+    owner = next(cls for cls in after if "training_step" in vars(cls))
+    microbatch_step = vars(owner)["training_step"]
+    mixin_step = ODCTrainerMixin.training_step
+
+    def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        if not isinstance(inputs, list):
+            return mixin_step(trainer, model, inputs, num_items_in_batch)
+        # The mixin's loop calls super().training_step, which resolves on the class: route it through the counter.
+        with _CountedMethod(owner, microbatch_step, trainer, count_dist_calls):
+            return mixin_step(trainer, model, inputs, num_items_in_batch)
+
+    trainer.training_step = training_step
+
+
+class _CountedMethod:
+    def __init__(self, owner: type, original: Any, trainer: Any, count_dist_calls: Any) -> None:
+        self.owner, self.original, self.trainer, self.count = owner, original, trainer, count_dist_calls
+
+    def __enter__(self) -> None:
+        original, trainer, count = self.original, self.trainer, self.count
+
+        @functools.wraps(original)
+        def counted(this: Any, *args: Any, **kwargs: Any) -> Any:
+            if this is not trainer:
+                return original(this, *args, **kwargs)
+            with count() as counts:
+                result = original(this, *args, **kwargs)
+            trainer.odc_run_report.microbatch_dist_calls.append(dict(counts))
+            return result
+
+        self.owner.training_step = counted
+
+    def __exit__(self, *exc: Any) -> None:
+        self.owner.training_step = self.original
+
+
+def _write_rss(directory: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"rss_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "pid": os.getpid(), "peak_rss_mb": round(peak_mb, 1)}, f)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python odc_accelerate/testing/run_example.py SCRIPT [ARGS...]")
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = [script, *sys.argv[2:]]
+    sys.path[0] = os.path.dirname(script)  # as `python script` sets it
+    try:
+        instrument_trainers()
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        directory = os.environ.get("ODC_BENCH_RSS_DIR")
+        if directory:
+            _write_rss(directory)
+
+
+if __name__ == "__main__":
+    main()

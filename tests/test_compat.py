@@ -1,0 +1,277 @@
+"""The compat scaffold (`odc_accelerate._compat`): messages, signature checks, idempotent patches."""
+
+import functools
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from odc_accelerate import _compat
+from odc_accelerate._compat import (
+    TESTED,
+    CompatError,
+    check_signature,
+    import_attr,
+    is_patched,
+    original_of,
+    patch_attribute,
+    patched_attribute,
+    require,
+    restore_attribute,
+    untested_warning,
+    version_tuple,
+)
+
+
+def test_version_tuple_reads_major_minor_of_real_version_strings():
+    assert version_tuple("2.13.0+cpu") == (2, 13)
+    assert version_tuple("5.23.0.dev0") == (5, 23)
+    assert version_tuple("1.16rc1") == (1, 16)
+    with pytest.raises(ValueError, match="major.minor"):
+        version_tuple("nightly")
+
+
+def test_installed_libraries_are_the_tested_ones():
+    # The environment the tests run in is the supported one: a version bump must update TESTED (and pyproject).
+    for library in TESTED:
+        assert untested_warning(library) is None, library
+
+
+def test_untested_version_warns_with_both_versions(monkeypatch):
+    monkeypatch.setitem(TESTED, "torch", ((1, 0), (1, 1)))
+    warning = untested_warning("torch", "Results may differ.")
+    import torch
+
+    assert warning is not None
+    assert "tested with torch 1.0, 1.1" in warning and str(torch.__version__) in warning
+    assert warning.endswith("Results may differ.")
+
+
+def test_tested_text_derives_from_the_tuple(monkeypatch):
+    monkeypatch.setitem(TESTED, "trl", ((1, 16), (1, 17)))
+    assert _compat.tested_text("trl") == "1.16, 1.17"
+
+
+def test_require_names_what_is_missing_and_the_versions():
+    import accelerate
+
+    holder = types.SimpleNamespace(present=1)
+    assert require(holder, "present", library="accelerate", where="x.Holder") == 1
+    with pytest.raises(CompatError) as info:
+        require(holder, "_gone", library="accelerate", where="x.Holder", advice="Do this instead.")
+    text = str(info.value)
+    assert "`x.Holder._gone`" in text
+    assert f"accelerate {accelerate.__version__} does not have" in text
+    assert f"tested with accelerate {_compat.tested_text('accelerate')}" in text
+    assert "pip install 'odc_accelerate[hf]'" in text and text.endswith("Do this instead.")
+    assert isinstance(info.value, RuntimeError)  # callers that catch RuntimeError keep working
+
+
+def test_import_attr_names_a_missing_module_or_attribute():
+    assert import_attr("functools", "partial", library="torch") is functools.partial
+    with pytest.raises(CompatError, match="`module torch.no_such_module`"):
+        import_attr("torch.no_such_module", "x", library="torch")
+    with pytest.raises(CompatError, match="`functools._no_such_name`"):
+        import_attr("functools", "_no_such_name", library="torch")
+
+
+def test_check_signature_names_the_missing_parameter():
+    def private(self, tensor, *, group=None, **kwargs):
+        return None
+
+    def positional_only(tensor, /):
+        return None
+
+    check_signature(private, ("tensor", "group"), library="torch", where="Thing._private")
+    with pytest.raises(CompatError, match=r"`Thing\._private\(dtype=\.\.\.\)`"):
+        check_signature(private, ("tensor", "dtype"), library="torch", where="Thing._private")
+    # A positional-only parameter cannot be passed by keyword: it counts as missing.
+    with pytest.raises(CompatError, match=r"positional_only\(tensor=\.\.\.\)"):
+        check_signature(positional_only, ("tensor",), library="torch")
+
+
+def test_check_signature_reads_extension_docstrings():
+    # pybind11 functions have no inspectable signature; the first line of their docstring carries it.
+    doc = "get_buffer(self: Mem, rank: int, sizes: Tuple[int, ...], storage_offset: int = 0) -> Tensor\n"
+    extension = type("Extension", (), {"__doc__": doc})()  # not callable: inspect.signature fails, as for builtins
+    check_signature(extension, ("rank", "sizes", "storage_offset"), library="torch", where="Mem.get_buffer")
+    with pytest.raises(CompatError, match=r"Mem\.get_buffer\(dtype=\.\.\.\)"):
+        check_signature(extension, ("dtype",), library="torch", where="Mem.get_buffer")
+    from odc_accelerate._compat import fsdp
+
+    # The real one: symmetric memory's handle.get_buffer is such a function (checked without touching a GPU).
+    assert fsdp.symmetric_memory_unavailable_reason() is None
+
+
+_RENAMED_TORCH_PARAMETER = """
+import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+
+def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", divisor=None,
+                                 force_sum_reduction_for_comms=False):
+    raise AssertionError("never called")
+
+collectives._get_gradient_divide_factors = _get_gradient_divide_factors
+try:
+    import odc_accelerate._compat.fsdp
+except Exception as err:
+    print(type(err).__name__, err)
+else:
+    print("imported")
+"""
+
+
+def test_fsdp_module_refuses_a_torch_whose_private_function_renamed_a_parameter():
+    from odc_accelerate._compat import fsdp
+
+    assert fsdp.version_warning() is None  # this torch is the tested one and the import checks passed
+    out = subprocess.run(
+        [sys.executable, "-c", _RENAMED_TORCH_PARAMETER], capture_output=True, text=True, timeout=300, check=True
+    )
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("CompatError"), last
+    assert "_get_gradient_divide_factors(factor=...)" in last
+
+
+def _target():
+    def original(x, y=0):
+        return ("original", x, y)
+
+    return types.SimpleNamespace(func=original), original
+
+
+def test_patch_attribute_wraps_once_and_restores():
+    owner, original = _target()
+    calls = []
+
+    def make(current):
+        calls.append(current)
+
+        @functools.wraps(current)
+        def wrapper(x, y=0):
+            return ("wrapped", current(x=x, y=y))
+
+        return wrapper
+
+    first = patch_attribute(owner, "func", make, library="torch", where="owner")
+    second = patch_attribute(owner, "func", make, library="torch", where="owner")
+    assert first is second and owner.func is first
+    assert calls == [original]  # the factory ran once: the wrapper was not wrapped again
+    assert owner.func(1) == ("wrapped", ("original", 1, 0))
+    assert original_of(owner.func) is original and is_patched(owner, "func")
+    assert restore_attribute(owner, "func") and owner.func is original
+    assert not restore_attribute(owner, "func") and not is_patched(owner, "func")
+
+
+def test_patch_attribute_on_an_instance_shadows_the_class_and_restores_the_lookup():
+    class Trainer:
+        def step(self, n):
+            return n
+
+    trainer = Trainer()
+    with patched_attribute(trainer, "step", lambda current: lambda n: current(n) + 100, library="trl", where="t"):
+        assert trainer.step(1) == 101 and Trainer().step(1) == 1
+    assert "step" not in vars(trainer) and trainer.step(1) == 1
+
+
+def test_patched_attribute_keeps_a_patch_that_was_already_there():
+    owner, original = _target()
+    outer = patch_attribute(owner, "func", lambda current: lambda x, y=0: "outer", library="torch", where="o")
+    with patched_attribute(owner, "func", lambda current: lambda x, y=0: "inner", library="torch", where="o") as w:
+        assert w is outer
+    assert owner.func is outer
+
+
+def test_a_foreign_wrapper_around_ours_is_not_mistaken_for_ours():
+    owner, original = _target()
+    ours = patch_attribute(owner, "func", lambda current: lambda x, y=0: "ours", library="torch", where="o")
+
+    @functools.wraps(ours)  # copies our wrapper's __dict__, patch record included
+    def foreign(x, y=0):
+        return ours(x, y)
+
+    owner.func = foreign
+    assert not is_patched(owner, "func")
+    assert original_of(foreign) is foreign
+
+
+def test_patch_attribute_refuses_a_missing_attribute():
+    with pytest.raises(CompatError, match="`owner.absent`"):
+        patch_attribute(types.SimpleNamespace(), "absent", lambda c: c, library="accelerate", where="owner")
+
+
+_ACCELERATE_TARGETS = """
+import json, sys
+import accelerate.accelerator as accelerator_mod
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import fsdp_utils
+
+def current():
+    return {
+        "PartialState._prepare_backend": PartialState.__dict__["_prepare_backend"],
+        "AcceleratorState.__init__": AcceleratorState.__dict__["__init__"],
+        "fsdp_utils._find_final_norm": fsdp_utils._find_final_norm,
+        "accelerator.fsdp2_prepare_model": accelerator_mod.fsdp2_prepare_model,
+        "Accelerator.end_training": Accelerator.__dict__["end_training"],
+        "Accelerator.__init__": Accelerator.__dict__["__init__"],
+    }
+
+def same(a, b):
+    return {k: a[k] is b[k] for k in a}
+
+before = current()
+import odc_accelerate._compat.accelerate as compat
+import odc_accelerate.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers, odc_accelerate._compat.trl
+after_import = current()
+compat.install(on_prepared=print)
+installed = current()
+compat.install(on_prepared=print)
+again = current()
+from odc_accelerate._compat import original_of
+originals = {k: original_of(v) for k, v in again.items()}
+compat.uninstall()
+restored = current()
+print(json.dumps({
+    "after_import": same(before, after_import),
+    "installed": same(before, installed),
+    "again": same(installed, again),
+    "originals": same(before, originals),
+    "restored": same(before, restored),
+}))
+"""
+
+
+def test_importing_compat_patches_nothing_and_install_is_idempotent():
+    # A fresh interpreter: the test process may already have imported (and patched) accelerate.
+    out = subprocess.run(
+        [sys.executable, "-c", _ACCELERATE_TARGETS], capture_output=True, text=True, timeout=300, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(result["after_import"].values()), result["after_import"]
+    assert not any(result["installed"].values()), result["installed"]  # positive control: install patches all six
+    assert all(result["again"].values()), result["again"]  # a second install wraps nothing again
+    assert all(result["originals"].values()), result["originals"]  # each wrapper records accelerate's original
+    assert all(result["restored"].values()), result["restored"]
+
+
+def test_every_library_has_a_tested_version_and_pyproject_pins_it():
+    import pathlib
+    import re
+
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    for library, versions in TESTED.items():
+        assert versions, library
+        pins = re.findall(rf'"{library}>=(\d+)\.(\d+)[^"]*"', pyproject)
+        assert pins, f"pyproject.toml has no pin for {library}"
+        assert all((int(a), int(b)) in versions for a, b in pins), (library, pins, versions)
+
+
+def test_scaffold_is_the_one_error_class():
+    from odc_accelerate._compat import accelerate, fsdp, transformers, trl
+
+    for module in (accelerate, fsdp, transformers, trl):
+        names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Exception)]
+        assert all(vars(module)[n] is CompatError for n in names), (module.__name__, names)
+    assert _compat.CompatError.__mro__[1] is RuntimeError
