@@ -1,20 +1,13 @@
-import os
+"""Markers by folder: everything under ``tests/multiprocess`` is marked ``multiprocess`` (see tests/README.md)."""
+
+from pathlib import Path
 
 import pytest
 
-
-def shm_files_of(pids) -> list[str]:
-    """ODC files in /dev/shm created by any of ``pids`` (file names carry the creator's pid)."""
-    suffixes = tuple(f"_p{pid}.{ext}" for pid in pids for ext in ("seg", "lock"))
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_") and f.endswith(suffixes))
+_MULTIPROCESS = Path(__file__).parent / "multiprocess"
 
 
-@pytest.fixture
-def pid_dir(tmp_path):
-    d = tmp_path / "pids"
-    d.mkdir()
-    return d
-
-
-def read_pids(pid_dir) -> list[int]:
-    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _MULTIPROCESS in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.multiprocess)

@@ -118,3 +118,17 @@ def launch(
     if failures and not allow_failures:
         raise LaunchError(failures, got)
     return [got.get(r, failures.get(r)) for r in range(world_size)]
+
+
+def shm_files_of(pids: list[int]) -> list[str]:
+    """ODC files in ``/dev/shm`` created by any of ``pids`` (the shared-memory transport puts the creator's pid in
+    each file name)."""
+    suffixes = tuple(f"_p{pid}.{ext}" for pid in pids for ext in ("seg", "lock"))
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("odc_") and f.endswith(suffixes))
+
+
+def read_pids(pid_dir: str | os.PathLike) -> list[int]:
+    """The pids that workers wrote to ``pid_dir/rank<r>.pid``."""
+    from pathlib import Path
+
+    return [int(p.read_text()) for p in sorted(Path(pid_dir).glob("rank*.pid"))]

@@ -7,12 +7,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from conftest import read_pids, shm_files_of
 
-from odc_accelerate import ODCEngine, ODCTimeoutError
-from odc_accelerate.loss import loss_scale
-from odc_accelerate.testing import LaunchError, launch
+from odc_accelerate import ODCEngine
+from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
 from odc_accelerate.testing.engine_workers import train
 from odc_accelerate.testing.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
 from odc_accelerate.testing.models import ToyConfig, build_model
@@ -126,26 +123,3 @@ def test_concurrent_accumulation_loses_nothing():
         assert res["peer_pub"] == [r + 1 for r in range(world)]
         assert res["modes"] == ["0o600", "0o600"]
         assert not any(os.path.exists(p) for p in res["paths"])
-
-
-def test_loss_scale():
-    assert loss_scale(400, 4) == pytest.approx(0.01)
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="global_num_tokens"):
-            loss_scale(bad, 2)
-    with pytest.raises(ValueError, match="world_size"):
-        loss_scale(10, 0)
-
-
-def test_loss_scale_makes_rank_average_equal_the_global_token_mean():
-    # Independent check of the algebra: FSDP's mean over ranks of per-rank scaled sums == mean over tokens.
-    gen = torch.Generator().manual_seed(0)
-    token_losses = [torch.rand(n, generator=gen) for n in (3, 17, 40)]  # three ranks, unequal tokens
-    world, total = len(token_losses), sum(t.numel() for t in token_losses)
-    rank_avg = sum(t.sum() * loss_scale(total, world) for t in token_losses) / world
-    torch.testing.assert_close(rank_avg, torch.cat(token_losses).mean())
-
-
-def test_odc_timeout_error_is_exported():
-    err = ODCTimeoutError("x", [3])
-    assert err.ranks == [3] and isinstance(err, RuntimeError)

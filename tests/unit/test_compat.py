@@ -260,7 +260,7 @@ def test_every_library_has_a_tested_version_and_pyproject_pins_it():
     import pathlib
     import re
 
-    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
     for library, versions in TESTED.items():
         assert versions, library
         pins = re.findall(rf'"{library}>=(\d+)\.(\d+)[^"]*"', pyproject)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
 LOOP = ROOT / "odc_accelerate" / "testing" / "accelerate_loop.py"
