@@ -20,7 +20,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-__all__ = ["ODCConfig", "check_positive_int", "str_to_bool"]
+__all__ = [
+    "ODCConfig",
+    "check_positive_int",
+    "env_from_fsdp_config",
+    "option_fields",
+    "options_from_fsdp_config",
+    "str_to_bool",
+    "training_args_fields",
+]
 
 # Which surface switched ODC on, recorded in `ODCConfig.source` (run reports say where a setting came from).
 SOURCES = ("default", "args", "fsdp_config", "env")

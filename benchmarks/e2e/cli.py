@@ -17,8 +17,14 @@ from benchmarks.e2e.runner import run
 
 def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
     """The workload and options of ``argv`` (``[workload, *options, "--", *script_args]``); exits on a bad value."""
+    usage = f"usage: python -m benchmarks.e2e <{'|'.join(WORKLOADS)}> [options] [-- script args]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(
+            f"{usage}\n\nEnd-to-end benchmark of the examples; `python -m benchmarks.e2e sft --help` lists the options."
+        )
+        raise SystemExit(0)
     if not argv or argv[0] not in WORKLOADS:
-        raise SystemExit(f"usage: python -m benchmarks.e2e <{'|'.join(WORKLOADS)}> [options] [-- script args]")
+        raise SystemExit(usage)
     workload = WORKLOADS[argv[0]]
     extra: list[str] = []
     if "--" in argv:

@@ -36,7 +36,12 @@ def _add_stored_results(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in DESCRIPTIONS else "scale"
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.sim {cmd}", description=DESCRIPTIONS[cmd])
+    others = "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items())
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.sim {cmd}",
+        description=DESCRIPTIONS[cmd],
+        epilog=f"Subcommands (scale is the default): {others} `python -m benchmarks.sim CMD --help` for each.",
+    )
     if cmd == "scale":
         p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
         p.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256, 1024])

@@ -2,7 +2,8 @@
 
 Every private internal of torch, accelerate, transformers and TRL that odc_accelerate reads, calls, overrides or
 patches goes through one module of this package (`fsdp` for torch, `accelerate`, `transformers`, `trl`), and each of
-those modules uses the helpers below, so that they all fail the same way:
+those modules uses the helpers below, so that they all fail the same way (`datasets` holds the one `datasets`
+internal read, a speed-up with a public fallback that needs no check):
 
 * `TESTED` holds, per library, the versions odc_accelerate was tested with; every message derives its version text
   from it, and `untested_warning` says when the installed version is not among them.

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import str_to_bool
 from . import check_signature, is_patched, patch_attribute, require, restore_attribute, untested_warning
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ def _require(obj: Any, attr: str, where: str) -> Any:
 
 
 def _env_true(name: str) -> bool:
-    """Whether an environment variable holds a true value (true/1/yes/on)."""
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+    """Whether an environment variable holds a true value (accelerate's spellings: true/1/yes/on)."""
+    return str_to_bool(os.environ.get(name, "false"), name)
 
 
 def _launched_multiprocess() -> bool:

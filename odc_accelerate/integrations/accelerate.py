@@ -93,10 +93,10 @@ class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
         import warnings
 
         if odc is not None:
-            warnings.warn("ODCPlugin(odc=...) is deprecated; use ODCPlugin(enable=...).", FutureWarning, 2)
+            warnings.warn("ODCPlugin(odc=...) is deprecated; use ODCPlugin(enable=...).", FutureWarning, 3)
             self.enable = self.enable if self.enable is not None else odc
         if balance is not None:
-            warnings.warn("ODCPlugin(balance=...) is deprecated; use ODCPlugin(plan=...).", FutureWarning, 2)
+            warnings.warn("ODCPlugin(balance=...) is deprecated; use ODCPlugin(plan=...).", FutureWarning, 3)
             self.plan = self.plan if self.plan is not None else balance
         if self.fsdp_version is not None and int(self.fsdp_version) != 2:
             raise ValueError(
@@ -160,7 +160,7 @@ def prepare_frozen_model(accelerator: Any, model: Any) -> Any:
     """Shard a model that is never trained (e.g. DPO's reference model) per layer, like accelerate shards the policy.
 
     The parameters are frozen (``requires_grad_(False)``) and the model is put in eval mode. Under ODC (an `ODCPlugin`
-    with ``odc=True``) the model is served by a gather-only `ODCEngine` (``frozen=True``): a forward reads the peers'
+    with ``enable=True``) the model is served by a gather-only `ODCEngine` (``frozen=True``): a forward reads the peers'
     shards and makes no collective. Under plain FSDP2 it keeps FSDP2's per-layer all-gathers (no reduce-scatter ever
     runs). Collective: every rank calls it with the same model. The engine is closed by
     ``accelerator.end_training()`` or by `release_frozen_model`.

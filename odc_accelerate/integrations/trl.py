@@ -151,7 +151,7 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
         args, config = self.args, self.odc_config
         if config.enable and getattr(args, "sync_ref_model", False):
             raise ValueError(
-                "sync_ref_model=True is not supported with ODC yet: the reference model is served by a gather-only ODC "
+                "sync_ref_model=True is not supported with ODC: the reference model is served by a gather-only ODC "
                 "engine whose published shards would go stale when TRL overwrites the reference weights. Set "
                 "--sync_ref_model false, or run without --odc."
             )

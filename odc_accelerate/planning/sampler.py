@@ -7,7 +7,6 @@ rank ever talks to another: identical inputs give identical plans.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -16,12 +15,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from .._compat.datasets import arrow_column
 from ..config import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .padded import plan_padded
 from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LengthBalancedBatchSampler", "dataset_lengths"]
 
@@ -90,7 +88,7 @@ def dataset_lengths(
 def _column_lengths(dataset: Any, column: str, columns: list[str]) -> np.ndarray:
     if columns and column not in columns:
         raise ValueError(f"Column {column!r} is not in the dataset; columns are {columns}. Pass `length_column=`.")
-    arrow = _arrow_column(dataset, column)
+    arrow = arrow_column(dataset, column)
     if arrow is not None:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -108,27 +106,6 @@ def _column_lengths(dataset: Any, column: str, columns: list[str]) -> np.ndarray
         return arrow.to_numpy()
     values = dataset[column] if columns else [dataset[i][column] for i in range(len(dataset))]
     return np.asarray([len(v) if hasattr(v, "__len__") else int(v) for v in values], dtype=np.int64)
-
-
-def _arrow_column(dataset: Any, column: str):
-    """The column as a pyarrow array in row order, read from `datasets.Dataset` internals; None if they differ.
-
-    `Dataset.data` is the backing table and `Dataset._indices` (None, or a one-column table) maps rows to it
-    after `.select` / `.shuffle` / `.train_test_split`. Reading them avoids a Python object per row; anything
-    unexpected falls back to the public (slower) path.
-    """
-    table = getattr(dataset, "data", None)
-    if table is None or not hasattr(table, "column") or not hasattr(dataset, "_indices"):
-        return None
-    try:
-        arr = table.column(column)
-        indices = dataset._indices
-        if indices is not None:
-            arr = arr.take(indices.column(0))
-        return arr
-    except Exception:  # noqa: BLE001 - internals changed: use the public path
-        logger.debug("Falling back to row-by-row lengths for column %r", column, exc_info=True)
-        return None
 
 
 class LengthBalancedBatchSampler(Sampler[list[list[int]]]):

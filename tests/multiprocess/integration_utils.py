@@ -63,3 +63,22 @@ def reports(out: Path, prefix: str) -> list[dict]:
 
 def shm_leftovers() -> set[str]:
     return {p for p in glob.glob("/dev/shm/odc_*")}
+
+
+def logged_steps(out: Path) -> list[dict]:
+    """The logged training steps (rows with a loss) of a run's ``trainer_state.json``."""
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h for h in state["log_history"] if "loss" in h]
+
+
+def final_params(out: Path) -> dict:
+    """The full final weights rank 0 saved (``ODC_DUMP_PARAMS=1`` through ``run_example.py``)."""
+    import torch
+
+    return torch.load(out / "final_params.pt")
+
+
+def max_rel(a: dict, b: dict) -> float:
+    """Largest per-tensor max-abs difference of ``a`` from ``b``, relative to ``b``'s max-abs value."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)

@@ -20,7 +20,19 @@ import sys
 
 import pytest
 import torch
-from integration_utils import ROOT, RUN_EXAMPLE, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+from integration_utils import (
+    ROOT,
+    RUN_EXAMPLE,
+    accelerate_launch,
+    base_env,
+    check_ok,
+    final_params,
+    logged_steps,
+    max_rel,
+    reports,
+    run,
+    shm_leftovers,
+)
 
 CONFIGS = ROOT / "examples" / "dpo" / "configs"
 TRAIN = ROOT / "examples" / "dpo" / "train.py"
@@ -86,29 +98,15 @@ def runs(tmp_path_factory):
     return {"out": out, "procs": procs, "shm_before": shm_before}
 
 
-def _history(out) -> list[dict]:
-    state = json.loads((out / "trainer_state.json").read_text())
-    return [h for h in state["log_history"] if "loss" in h]
-
-
-def _params(out) -> dict[str, torch.Tensor]:
-    return torch.load(out / "final_params.pt")
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
-
-
 def _update(out) -> float:
-    a, init = _params(out), torch.load(out / "initial_params.pt")
+    a, init = final_params(out), torch.load(out / "initial_params.pt")
     return sum(float((a[k] - init[k]).norm() ** 2) for k in a) ** 0.5
 
 
 def test_odc_dpo_runs_with_zero_collectives_and_step_metrics(runs):
     check_ok(runs["procs"]["odc"])
     out = runs["out"]["odc"]
-    history = _history(out)
+    history = logged_steps(out)
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
         for key in ("loss", *DPO_METRICS, "odc/tokens_per_s", "odc/bubble_pct", "odc/busy_s_rank1"):
@@ -150,15 +148,15 @@ def test_unequal_counts_match_single_process(runs):
     check_ok(runs["procs"]["single"])
     odc, single = runs["out"]["odc"], runs["out"]["single"]
     assert reports(single, "odc_run_rank")[0]["world_size"] == 1
-    for a, b in zip(_history(odc), _history(single), strict=True):
+    for a, b in zip(logged_steps(odc), logged_steps(single), strict=True):
         # the mean over every pair of the global batch, and DPO's metrics of the whole step
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         for key in DPO_METRICS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["num_tokens"] == b["num_tokens"]
     # rewards moved in step 2 (a check that cannot pass with all-zero metrics)
-    assert _history(single)[1]["rewards/margins"] != 0.0
-    a, b = _params(odc), _params(single)
+    assert logged_steps(single)[1]["rewards/margins"] != 0.0
+    a, b = final_params(odc), final_params(single)
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = _update(single)
     assert update > 0 and diff / update <= 1e-4, (diff, update)
@@ -171,10 +169,10 @@ def test_precomputed_reference_log_probs_match_on_the_fly_reference(runs):
     for r in reports(pre, "odc_run_rank"):
         assert r["precompute_ref_log_probs"] is True
         assert all(c == {} for c in r["microbatch_dist_calls"])
-    for a, b in zip(_history(pre), _history(live), strict=True):
+    for a, b in zip(logged_steps(pre), logged_steps(live), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-3, abs=1e-6)
-    a, b = _params(pre), _params(live)
+    a, b = final_params(pre), final_params(live)
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     assert diff / _update(live) <= 1e-4
 
@@ -186,8 +184,8 @@ def test_bf16_odc_bit_identical_to_plain_fsdp2(runs):
     assert [r["reference_engine"] for r in reports(odc, "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
     for r in reports(odc, "odc_run_rank"):
         assert all(c == {} for c in r["microbatch_dist_calls"])
-    assert [h["loss"] for h in _history(odc)] == [h["loss"] for h in _history(plain)]
-    p_odc, p_plain = _params(odc), _params(plain)
+    assert [h["loss"] for h in logged_steps(odc)] == [h["loss"] for h in logged_steps(plain)]
+    p_odc, p_plain = final_params(odc), final_params(plain)
     assert p_odc.keys() == p_plain.keys()
     for name, expected in p_plain.items():
         assert torch.equal(p_odc[name], expected), name
@@ -198,10 +196,10 @@ def test_fp32_odc_matches_plain_fsdp2(runs):
     check_ok(runs["procs"]["plain_fp32"])
     check_ok(runs["procs"]["odc_fp32"])
     plain, odc = runs["out"]["plain_fp32"], runs["out"]["odc_fp32"]
-    for a, b in zip(_history(odc), _history(plain), strict=True):
+    for a, b in zip(logged_steps(odc), logged_steps(plain), strict=True):
         assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-    assert _max_rel(_params(odc), _params(plain)) <= 1e-6
+    assert max_rel(final_params(odc), final_params(plain)) <= 1e-6
     assert _update(plain) > 0
 
 
@@ -212,12 +210,12 @@ def test_peft_lora_policy_trains_adapters_only_without_collectives(runs):
         assert r["engine"] == "ODCEngine"
         assert r["reference_engine"] is None  # no separate reference model: adapters disabled on the policy
         assert len(r["microbatch_dist_calls"]) >= 2 and all(c == {} for c in r["microbatch_dist_calls"])
-    history = _history(out)
+    history = logged_steps(out)
     # step 1: policy == reference (adapters start at zero), step 2: the trained adapters moved the policy away from
     # the adapters-disabled reference
     assert history[0]["rewards/margins"] == 0.0 and history[0]["loss"] == pytest.approx(0.693147, abs=1e-5)
     assert history[1]["rewards/chosen"] != 0.0 and history[1]["rewards/rejected"] != 0.0
-    final, init = _params(out), torch.load(out / "initial_params.pt")
+    final, init = final_params(out), torch.load(out / "initial_params.pt")
     assert final.keys() == init.keys()
     lora = [k for k in final if "lora_" in k]
     assert lora and any(not torch.equal(final[k], init[k]) for k in lora)

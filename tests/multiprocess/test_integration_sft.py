@@ -28,6 +28,9 @@ from integration_utils import (
     accelerate_launch,
     base_env,
     check_ok,
+    final_params,
+    logged_steps,
+    max_rel,
     reports,
     run,
     shm_leftovers,
@@ -157,15 +160,6 @@ def runs(tmp_path_factory):
     return {"out": out, "procs": procs, "shm_before": shm_before}
 
 
-def _history(out) -> list[dict]:
-    state = json.loads((out / "trainer_state.json").read_text())
-    return [h for h in state["log_history"] if "loss" in h]
-
-
-def _params(out) -> dict[str, torch.Tensor]:
-    return torch.load(out / "final_params.pt")
-
-
 def _last_step_microbatches(out) -> list[int]:
     """Microbatches each rank ran in the last traced step."""
     return [
@@ -174,15 +168,10 @@ def _last_step_microbatches(out) -> list[int]:
     ]
 
 
-def _max_rel(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
-
-
 def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
     check_ok(runs["procs"]["odc"])
     out = runs["out"]["odc"]
-    history = _history(out)
+    history = logged_steps(out)
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
         for key in ("loss", "odc/tokens_per_s", "odc/microbatches_min", "odc/microbatches_max", "odc/bubble_pct"):
@@ -216,7 +205,7 @@ def test_unequal_counts_match_single_process(runs):
     odc, single = runs["out"]["odc"], runs["out"]["single"]
     single_report = reports(single, "odc_run_rank")[0]
     assert single_report["world_size"] == 1 and single_report["engine"] is None
-    h_odc, h_single = _history(odc), _history(single)
+    h_odc, h_single = logged_steps(odc), logged_steps(single)
     for a, b in zip(h_odc, h_single, strict=True):
         # the exact per-token mean over the global batch, and the TRL metrics of the whole step
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -225,11 +214,11 @@ def test_unequal_counts_match_single_process(runs):
         assert a["num_tokens"] == b["num_tokens"]
     # Same weights up to fp32 summation order (different microbatch shapes and reduction order): the difference is
     # a tiny fraction of the training update itself. A per-microbatch mean loss would be off by percents here.
-    a, b, init = _params(odc), _params(single), torch.load(single / "initial_params.pt")
+    a, b, init = final_params(odc), final_params(single), torch.load(single / "initial_params.pt")
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
     assert update > 0 and diff / update <= 1e-4, (diff, update)
-    assert _max_rel(a, b) <= 1e-4
+    assert max_rel(a, b) <= 1e-4
 
 
 def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
@@ -241,7 +230,7 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
     assert [r["engine"] for r in odc_reports] == ["ODCEngine", "ODCEngine"]
     # switched on by the accelerate config's odc keys, exported by `odc-accelerate launch`
     assert all(r["odc_config"]["source"] == "env" and r["odc_config"]["plan"] == "lockstep" for r in odc_reports)
-    h_plain, h_odc = _history(plain), _history(odc)
+    h_plain, h_odc = logged_steps(plain), logged_steps(odc)
     for a, b in zip(h_odc, h_plain, strict=True):
         assert a["odc/microbatches_min"] == a["odc/microbatches_max"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -249,17 +238,17 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
         assert min(b["odc/wait_s_rank0"], b["odc/wait_s_rank1"]) > 0
     # the collective timer is closed when training ends (saving and the final report ran untimed)
     assert [r["timed_dist_functions"] for r in reports(plain, "odc_run_rank")] == [[], []]
-    assert _max_rel(_params(odc), _params(plain)) <= 1e-6
+    assert max_rel(final_params(odc), final_params(plain)) <= 1e-6
 
 
 def test_padding_free_packs_truncated_samples_and_matches_single_process(runs):
     check_ok(runs["procs"]["odc_padding_free"])
     check_ok(runs["procs"]["single"])
     out, single = runs["out"]["odc_padding_free"], runs["out"]["single"]
-    for a, b in zip(_history(out), _history(single), strict=True):
+    for a, b in zip(logged_steps(out), logged_steps(single), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["num_tokens"] == b["num_tokens"]
-    assert _max_rel(_params(out), _params(single)) <= 1e-4
+    assert max_rel(final_params(out), final_params(single)) <= 1e-4
     steps = [
         json.loads(line) for r in (0, 1) for line in (out / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines()
     ]
@@ -282,9 +271,9 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     assert max(microbatches) > 1
     for r in reports(resumed, "odc_run_rank"):
         assert r["engine_last_step"]["scatters"] == r["engine_param_groups"] * microbatches[r["rank"]]
-    assert [h["step"] for h in _history(resumed)][-1] == 2
-    assert _history(resumed)[-1]["loss"] == pytest.approx(_history(runs["out"]["odc"])[-1]["loss"], rel=1e-6)
-    assert _max_rel(_params(resumed), _params(runs["out"]["odc"])) <= 1e-6
+    assert [h["step"] for h in logged_steps(resumed)][-1] == 2
+    assert logged_steps(resumed)[-1]["loss"] == pytest.approx(logged_steps(runs["out"]["odc"])[-1]["loss"], rel=1e-6)
+    assert max_rel(final_params(resumed), final_params(runs["out"]["odc"])) <= 1e-6
 
 
 @pytest.mark.parametrize(
@@ -383,8 +372,8 @@ def test_bf16_odc_bit_identical_to_plain_fsdp2(tmp_path):
     check_ok(odc)
     assert [r["engine"] for r in reports(tmp_path / "odc", "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
     assert [r["engine"] for r in reports(tmp_path / "plain", "odc_run_rank")] == [None, None]
-    assert [h["loss"] for h in _history(tmp_path / "odc")] == [h["loss"] for h in _history(tmp_path / "plain")]
-    p_odc, p_plain = _params(tmp_path / "odc"), _params(tmp_path / "plain")
+    assert [h["loss"] for h in logged_steps(tmp_path / "odc")] == [h["loss"] for h in logged_steps(tmp_path / "plain")]
+    p_odc, p_plain = final_params(tmp_path / "odc"), final_params(tmp_path / "plain")
     assert p_odc.keys() == p_plain.keys()
     for name, expected in p_plain.items():
         assert p_odc[name].dtype == expected.dtype and torch.equal(p_odc[name], expected), name

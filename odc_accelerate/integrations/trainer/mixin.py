@@ -26,7 +26,8 @@ What the mixin changes, and why:
   (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``, ``odc/microbatches_min|max``,
   per-rank ``odc/busy_s_rank<r>`` and ``odc/wait_s_rank<r>``, ``odc/bubble_pct`` (see `metrics.StepTimer`). Plain
   FSDP2 runs through this mixin log the same keys (wait = 0 unless ``odc_time_collectives`` times FSDP2's
-  collectives).
+  collectives). Under ODC, wait is the engine's step-boundary barrier only: the step's metric all-reduce runs
+  before it, so a rank that finished early waits there and that time counts as busy (docs/known_issues.md).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
   sampler is deterministic (seed, epoch, step), so skipping the trained steps resumes the exact data order.
 """
