@@ -115,7 +115,7 @@ class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
 
 def odc_plugin_from_env() -> ODCPlugin | None:
     """The plugin ``odc-accelerate launch`` asks for through ``ODC_ENABLE=true``, else `None`."""
-    if not str_to_bool(os.environ.get("ODC_ENABLE", "false"), "ODC_ENABLE"):
+    if not ODCConfig.from_sources().enable:  # the environment alone: what the launcher exported
         return None
     version = (
         os.environ.get("FSDP_VERSION", "2") if str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")) else None
