@@ -499,7 +499,7 @@ class ODCEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort; the transport has its own finaliser
+    def __del__(self) -> None:  # pragma: no cover - best effort; after set-up the shared memory has no name to leak
         try:
             if self.transport is not None:
                 self.transport.close()

@@ -197,3 +197,28 @@ def frozen_refuses_trainable(rank: int, world_size: int, spec: dict[str, Any]) -
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def names_gone_after_engine_setup(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The job's ``/dev/shm`` names right after ``ODCEngine(...)`` returns (before any step), then plain ODC training
+    of ``spec["plan"]`` (one optimizer step per plan step, as :func:`train` without options) on the unlinked files.
+    """
+    cfg = ToyConfig(**spec.get("cfg", {}))
+    model = shard_model(build_model(cfg, seed=spec.get("seed", 0)))
+    engine = ODCEngine(model, transport="shm", timeout=60.0)
+    job = engine.transport.job_id
+    names = sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"odc_{job}_"))
+    optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
+    for step in make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1)):
+        n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
+        for ids in step[rank]:
+            loss, _ = token_loss_sum(model, ids)
+            (loss * loss_scale(n_global, world_size)).backward()
+        engine.pre_optimizer_step()
+        optim.step()
+        optim.zero_grad()
+        engine.post_optimizer_step()
+    result = {"job_id": job, "names_after_setup": names, "params": full_params(model)}
+    engine.close()
+    dist.barrier()
+    return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -23,6 +24,37 @@ def _outcome(fn) -> tuple[str, str]:
 
 def _job_files(job_id: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"odc_{job_id}_"))
+
+
+def _write_pid(pid_dir: str | None, rank: int) -> None:
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def _unlinked_handles(transport: ShmTransport) -> dict[str, Any]:
+    """What this process holds of the transport's files: its mappings and lock descriptors, as the kernel lists them.
+
+    A file whose name is gone shows as ``<path> (deleted)``. Segment modes come from ``/proc/self/map_files``, which
+    only a privileged process may stat (None otherwise); lock-file modes from the open descriptors.
+    """
+    stem = f"/dev/shm/odc_{transport.job_id}_"
+    maps, seg_modes = [], []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if stem in line:
+                maps.append(line.split(None, 5)[5].strip())
+                try:
+                    st = os.stat(f"/proc/self/map_files/{line.split()[0]}")
+                    seg_modes.append(oct(st.st_mode & 0o777))
+                except PermissionError:
+                    seg_modes.append(None)
+    return {
+        "segment_maps": sorted(maps),
+        "segment_modes": seg_modes,
+        "lock_fds": [os.readlink(f"/proc/self/fd/{fd}") for fd in transport._lock_fds],
+        "lock_modes": [oct(os.fstat(fd).st_mode & 0o777) for fd in transport._lock_fds],
+    }
 
 
 def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[str, str]]:
@@ -106,7 +138,8 @@ def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:
 
 
 def context_exit_cleans_up(rank: int, world_size: int) -> dict[str, Any]:
-    """An exception inside ``with ODCEngine(...)`` removes this rank's files before it propagates."""
+    """An exception inside ``with ODCEngine(...)``: this rank's file names inside the block and after it (none: they
+    are unlinked at the end of set-up), then a plain FSDP2 step (the engine restored FSDP2's collectives)."""
     model = shard_model(build_model(ToyConfig(layers=2)))
     job = None
     try:
@@ -145,8 +178,85 @@ def stress_accumulate(rank: int, world_size: int, adds: int, numel: int) -> dict
         return {
             "acc": mine["acc"].clone().numpy(),
             "peer_pub": [int(t[0]) for t in peer_pub],
-            "modes": [oct(os.stat(p).st_mode & 0o777) for p in transport._paths],
+            **_unlinked_handles(transport),
             "paths": list(transport._paths),
         }
     finally:
         transport.close()
+
+
+def names_gone_after_setup(rank: int, world_size: int, pid_dir: str, adds: int) -> dict[str, Any]:
+    """Right after ``register``: which names of the job are left, what this rank still maps, and whether reads,
+    locked adds and barriers still work on the unlinked files.
+
+    Every rank publishes ``10 * rank + arange(8)`` and adds ``rank + 1`` into every owner's accumulator ``adds``
+    times, so each accumulator ends at ``adds * world_size * (world_size + 1) / 2``.
+    """
+    _write_pid(pid_dir, rank)
+    transport = ShmTransport(rank, world_size, timeout=120)
+    try:
+        mine = transport.register(
+            {"pub": BufferSpec(numel=8, dtype=torch.float32), "acc": BufferSpec(numel=1000, dtype=torch.float64)}
+        )
+        names_after_register = _job_files(transport.job_id)
+        handles = _unlinked_handles(transport)
+        mine["pub"].copy_(torch.arange(8, dtype=torch.float32) + 10 * rank)
+        transport.barrier()
+        reads = []
+        for peer in range(world_size):
+            out = torch.empty(8, dtype=torch.float32)
+            transport.read(peer, "pub", out)
+            reads.append(out.tolist())
+        payload = torch.full((1000,), float(rank + 1), dtype=torch.float64)
+        for i in range(adds):
+            for owner in range(world_size):
+                transport.accumulate((owner + rank + i) % world_size, "acc", payload)
+        transport.barrier()
+        return {
+            "job_id": transport.job_id,
+            "names_after_register": names_after_register,
+            **handles,
+            "reads": reads,
+            "acc": sorted(set(mine["acc"].tolist())),
+            "names_at_end": _job_files(transport.job_id),
+        }
+    finally:
+        transport.close()
+
+
+def train_until_stopped(rank: int, world_size: int, spec: dict[str, Any]) -> int:
+    """Train the toy LM with ODC, one sequence per rank and step, until killed or ``spec["seconds"]`` pass.
+
+    Writes ``rank<r>.pid`` and, after each step, ``rank<r>.steps`` (the number of finished steps) under
+    ``spec["pid_dir"]`` so that a test can signal the ranks mid-run. ``spec["raise_at"] = (rank, step)`` makes that
+    rank raise before that step's barrier. Returns the number of steps run.
+    """
+    from ..loss import loss_scale
+    from .models import token_loss_sum
+
+    pid_dir = spec["pid_dir"]
+    _write_pid(pid_dir, rank)
+    cfg = ToyConfig(layers=2)
+    model = shard_model(build_model(cfg))
+    engine = ODCEngine(model, timeout=spec.get("timeout", 120.0))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    deadline = time.monotonic() + spec["seconds"]
+    steps = 0
+    while time.monotonic() < deadline:
+        ids = torch.randint(0, cfg.vocab, (1, 17), generator=gen)
+        loss, _ = token_loss_sum(model, ids)
+        (loss * loss_scale(16 * world_size, world_size)).backward()
+        if spec.get("raise_at") == (rank, steps):
+            raise RuntimeError(f"rank {rank} fails on purpose at step {steps}")
+        engine.pre_optimizer_step()
+        optim.step()
+        optim.zero_grad()
+        engine.post_optimizer_step()
+        steps += 1
+        marker = os.path.join(pid_dir, f"rank{rank}.steps")
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(steps))
+        os.replace(marker + ".tmp", marker)
+    engine.close()
+    return steps

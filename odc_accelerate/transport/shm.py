@@ -1,18 +1,29 @@
 """Shared-memory transport for ranks on one host (CPU tensors).
 
 Each rank owns one segment file in ``/dev/shm`` holding a small control header (barrier counter,
-pid, process start time) followed by its registered buffers, 64-byte aligned, plus an empty lock
-file. Every rank maps every peer's segment, so:
+set-up flag, pid, process start time) followed by its registered buffers, 64-byte aligned, plus an
+empty lock file. Every rank maps every peer's segment, so:
 
 * ``read`` is a plain copy out of the peer's mapping;
 * ``accumulate`` takes a POSIX record lock on the byte of the owner's lock file that belongs to the
   buffer (``fcntl.lockf``; released by the kernel if the holder dies) and adds in place;
 * ``barrier`` bumps this rank's counter and polls the peers' counters, checking that peers are
-  still alive (a killed rank is noticed at once, not after the timeout).
+  still alive (pid and start time exchanged at set-up; a killed rank is noticed at once, not
+  after the timeout).
 
-Files are created ``0600`` with ``O_EXCL`` under a per-job random id and the owner's pid, removed
-on ``close``, by a finaliser at interpreter exit, by survivors when they detect a dead peer, and by
-the next start on this host for any owner pid that no longer runs.
+File lifetime. The files have names only during ``register``: each rank creates its two files
+(``0600``, ``O_EXCL``, named ``odc_<job>_r<rank>_p<pid>.{seg,lock}`` under a per-job random id and the
+owner's pid), maps every peer's segment and opens every peer's lock file, then raises its set-up flag
+and waits for every peer's. Once all flags are up every file is mapped or open wherever it is needed,
+so each rank unlinks the names of the whole job (whichever rank gets there first removes them). The
+mappings and descriptors stay valid after the unlink, record locks work on them unchanged, and the
+kernel frees the memory when the last rank holding it exits, however it exits (SIGKILL, SIGTERM, an
+exception): no file can outlive the job once ``register`` has returned on any rank.
+
+Before that point a rank that raises removes its own files at once, and a rank that finds a peer dead
+removes the peer's. A process killed during set-up (between creating its files and the unlink) can
+still leave them behind: :func:`cleanup_stale_segments`, run at every start on the host, removes the
+files of any owner pid that no longer runs.
 
 Ordering note: a rank writes its data and then its barrier counter; x86-64 keeps stores in order
 (TSO), which is what makes the counter a valid publication flag here. Weakly ordered CPUs would
@@ -41,7 +52,8 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "odc_"
 _ALIGN = 64
-_HEADER_BYTES = 64  # int64 x 8: [0] barrier counter, [1] pid, [2] start time, rest reserved
+_HEADER_BYTES = 64  # int64 x 8: [0] barrier counter, [1] pid, [2] start time, [3] set-up flag, rest reserved
+_BARRIER, _SETUP = 0, 3  # header slots that peers poll
 _NAME_RE = re.compile(r"^odc_(?P<job>[0-9a-f]+)_r(?P<rank>\d+)_p(?P<pid>\d+)\.(?:seg|lock)$")
 
 
@@ -80,7 +92,8 @@ def _unlink_quietly(paths: list[str]) -> None:
 def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove ODC segment files left by processes of this user that no longer run.
 
-    Called at every transport start, so a job killed with SIGKILL is cleaned up by the next one.
+    Files have names only while the ranks set up (see the module docstring). Called at every transport start, so the
+    files of a process killed during that window are removed by the next start on this host.
 
     Returns:
         `list[str]`: the removed paths.
@@ -193,29 +206,41 @@ class ShmTransport(Transport):
         self._lock_index = {name: index for name, (index, _, _) in layout.items()}
         seg_path, lock_path = self._peer_paths[self.rank]
         self._paths = [seg_path, lock_path]
-        # Remove our files whatever happens to this object (close, GC, interpreter exit).
+        # Until the names are unlinked below, our files go whatever happens to this object (close, GC, exit).
         self._finalizer = weakref.finalize(self, _unlink_quietly, list(self._paths))
-        for path, size in ((seg_path, total), (lock_path, 0)):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        own = torch.from_file(seg_path, shared=True, size=total, dtype=torch.uint8)
-        header = own[:_HEADER_BYTES].view(torch.int64)
-        header[1] = my_pid
-        header[2] = my_start
-        # Every rank's files exist after this point; this is the last collective the transport makes.
-        dist.barrier(group=self._group)
+        try:
+            for path, size in ((seg_path, total), (lock_path, 0)):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            own = torch.from_file(seg_path, shared=True, size=total, dtype=torch.uint8)
+            header = own[:_HEADER_BYTES].view(torch.int64)
+            header[1] = my_pid
+            header[2] = my_start
+            # Every rank's files exist after this point; this is the last collective the transport makes.
+            dist.barrier(group=self._group)
 
-        for peer in range(self.world_size):
-            seg = own if peer == self.rank else self._map(peer, total)
-            self._segments.append(seg)
-            self._headers.append(seg[:_HEADER_BYTES].view(torch.int64))
-            self._views.append(
-                {name: seg[off : off + spec.nbytes].view(spec.dtype) for name, (_, off, spec) in layout.items()}
-            )
-            self._lock_fds.append(os.open(self._peer_paths[peer][1], os.O_RDWR))
+            for peer in range(self.world_size):
+                seg = own if peer == self.rank else self._map(peer, total)
+                self._segments.append(seg)
+                self._headers.append(seg[:_HEADER_BYTES].view(torch.int64))
+                self._views.append(
+                    {name: seg[off : off + spec.nbytes].view(spec.dtype) for name, (_, off, spec) in layout.items()}
+                )
+                self._lock_fds.append(os.open(self._peer_paths[peer][1], os.O_RDWR))
+            # Through the mapped headers, not a collective: a peer that dies here is named at once, and its files
+            # (which it can no longer unlink) are removed.
+            self._meet(_SETUP, 1, "the end of set-up", consequence="")
+        except BaseException:
+            self._finalizer()  # a failed set-up leaves nothing behind, whether or not the caller closes us
+            raise
+        # Every rank has mapped every segment and opened every lock file, so no name is needed any more. Each rank
+        # unlinks all of them (not only its own), so that the names are gone as soon as any rank gets here.
+        self._finalizer()
+        for paths in self._peer_paths:
+            _unlink_quietly(paths)
         logger.info(
             "shm transport up: job %s, rank %d/%d, %.1f MiB per rank",
             self.job_id,
@@ -275,32 +300,36 @@ class ShmTransport(Transport):
     # ------------------------------------------------------------ sync point
     def barrier(self) -> None:
         self._counter += 1
-        target = self._counter
-        self._headers[self.rank][0] = target
+        self._meet(_BARRIER, self._counter, f"barrier #{self._counter}", consequence="; the optimizer step is lost")
+
+    def _meet(self, slot: int, target: int, what: str, consequence: str) -> None:
+        """Set header ``slot`` to ``target`` and wait until every peer's is at least ``target`` (see ``barrier``)."""
+        self._headers[self.rank][slot] = target
         peers = [p for p in range(self.world_size) if p != self.rank]
         deadline = time.monotonic() + self.timeout
         next_liveness = time.monotonic() + 0.05
         spins = 0
         while True:
-            missing = [p for p in peers if int(self._headers[p][0]) < target]
+            missing = [p for p in peers if int(self._headers[p][slot]) < target]
             if not missing:
                 return
             now = time.monotonic()
             if now >= next_liveness:
                 dead = [p for p in missing if not _pid_matches(*self._peer_ids[p])]
                 if dead:
-                    self._remove_peer_files(dead)
+                    # Only a peer that died during set-up can still have names (after it every name is unlinked).
+                    if slot == _SETUP:
+                        self._remove_peer_files(dead)
                     pids = ", ".join(f"rank {p} (pid {self._peer_ids[p][0]})" for p in dead)
                     raise ODCTimeoutError(
-                        f"ODC barrier on rank {self.rank}: {pids} exited before reaching barrier #{target}; "
-                        "the optimizer step is lost",
+                        f"ODC barrier on rank {self.rank}: {pids} exited before reaching {what}{consequence}",
                         dead,
                     )
                 next_liveness = now + 0.05
             if now >= deadline:
                 raise ODCTimeoutError(
                     f"ODC barrier on rank {self.rank} timed out after {self.timeout:.1f}s: rank(s) {missing} "
-                    f"did not arrive at barrier #{target}",
+                    f"did not arrive at {what}",
                     missing,
                 )
             # Spin briefly (barriers of balanced ranks meet within microseconds), then back off so a
@@ -326,6 +355,6 @@ class ShmTransport(Transport):
             except OSError:
                 pass
         self._lock_fds = []
+        # The names went at the end of register (or when it raised): dropping the mappings and descriptors is all
+        # that is left, and the kernel frees the memory once no rank holds it.
         self._views, self._headers, self._segments = [], [], []
-        if self._finalizer is not None:
-            self._finalizer()  # unlinks our files now, and never again at exit

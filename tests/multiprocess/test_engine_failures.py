@@ -81,12 +81,14 @@ def test_killed_rank_is_detected_before_the_timeout_and_files_are_removed(pid_di
     assert len(pids) == 2 and shm_files_of(pids) == []
 
 
-def test_files_are_private_and_removed_on_close_and_at_exit(pid_dir):
+def test_files_are_private_and_none_outlives_set_up_or_exit(pid_dir):
     closed = launch(train, 2, dict(mode="odc", plan=PLAN[:1]), timeout=240)
     for res in closed:
-        assert res["modes"] == ["0o600", "0o600"] and len(res["shm_files"]) == 2
+        # the names are unlinked at the end of set-up: none is left while the engine runs (modes are checked on the
+        # open files in test_concurrent_accumulation_loses_nothing)
+        assert res["modes"] == [] and res["shm_files"] == []
         assert res["shm_files_after_close"] == []
-    # no close() at all: the interpreter exit removes them
+    # no close() at all: nothing is left either (the names went at set-up)
     unclosed = launch(train, 2, dict(mode="odc", plan=PLAN[:1], skip_close=True, pid_dir=str(pid_dir)), timeout=240)
     assert unclosed[0]["job_id"]
     assert shm_files_of(read_pids(pid_dir)) == []
@@ -94,7 +96,7 @@ def test_files_are_private_and_removed_on_close_and_at_exit(pid_dir):
 
 def test_exception_in_engine_context_removes_files_and_restores_fsdp2():
     for res in launch(context_exit_cleans_up, 2, timeout=240):
-        assert len(res["during"]) == 2 and res["after"] == []
+        assert res["during"] == [] and res["after"] == []  # unlinked at the end of set-up
 
 
 def test_next_start_removes_segments_of_dead_processes(tmp_path):
@@ -121,5 +123,8 @@ def test_concurrent_accumulation_loses_nothing():
             expected += count * (base + rank + 1)
         np.testing.assert_array_equal(res["acc"], expected.astype(np.float32))
         assert res["peer_pub"] == [r + 1 for r in range(world)]
-        assert res["modes"] == ["0o600", "0o600"]
+        # every rank's files are private, mapped or open here, and unlinked
+        assert res["lock_modes"] == ["0o600"] * world
+        assert all(mode in ("0o600", None) for mode in res["segment_modes"]), res["segment_modes"]
+        assert len(res["segment_maps"]) == world and all(m.endswith(".seg (deleted)") for m in res["segment_maps"])
         assert not any(os.path.exists(p) for p in res["paths"])
