@@ -224,6 +224,68 @@ def test_peft_lora_policy_trains_adapters_only_without_collectives(runs):
             assert torch.equal(final[k], init[k]), f"frozen base weight {k} changed"
 
 
+def _offline_base():
+    """The example's offline policy before training, rebuilt as examples/dpo/train.py builds it (seed 0)."""
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from odc_accelerate.data import tiny_qwen2_config
+
+    set_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
+
+
+def _assert_same_logits(model, reference, out) -> None:
+    from transformers import AutoTokenizer
+
+    from odc_accelerate.data import load_offline_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)  # saved with the model
+    sentence = "Preference optimization with on-demand communication."
+    batch = tokenizer(sentence, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == load_offline_tokenizer()(sentence)["input_ids"]
+    with torch.no_grad():
+        logits, expected = model.eval()(**batch).logits, reference.eval()(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_odc_dpo_run_saves_a_model_that_loads_with_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    check_ok(runs["procs"]["odc"])
+    out = runs["out"]["odc"]
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    trained = final_params(out)
+    loaded = {name: p.detach() for name, p in model.named_parameters()}
+    assert loaded.keys() == trained.keys()
+    for name, expected in trained.items():
+        assert torch.equal(loaded[name], expected), name
+    reference = _offline_base()
+    reference.load_state_dict(trained, strict=True)
+    _assert_same_logits(model, reference, out)
+
+
+def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
+    # With PEFT, save_model writes the adapter only: it loads onto the base the example starts from.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    check_ok(runs["procs"]["odc_peft"])
+    out = runs["out"]["odc_peft"]
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+    model = PeftModel.from_pretrained(_offline_base(), out)
+    trained, init = final_params(out), torch.load(out / "initial_params.pt")
+    loaded = {name: p.detach() for name, p in model.named_parameters()}
+    assert loaded.keys() == trained.keys()
+    for name, expected in trained.items():
+        if "lora_" not in name:  # the rebuilt base is the one the run started from
+            assert torch.equal(loaded[name], init[name]), name
+        assert torch.equal(loaded[name], expected), name
+    reference = get_peft_model(_offline_base(), LoraConfig.from_pretrained(out))
+    reference.load_state_dict(trained, strict=True)
+    _assert_same_logits(model, reference, out)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -17,6 +17,7 @@ One module-scoped set of runs serves several assertions:
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -49,6 +50,10 @@ COMMON = [
     "128",
     "--optim",
     "sgd",
+    # SGD with momentum has an optimizer state: torch loads a FULL_STATE_DICT optimizer checkpoint only when the
+    # optimizer has one (plain SGD fails with "Expected device to be set"), and the resume test reads it back
+    "--optim_args",
+    "momentum=0.9",
     "--learning_rate",
     "0.5",
     "--seed",
@@ -199,6 +204,36 @@ def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
 
 
+def test_odc_run_saves_a_model_that_loads_with_transformers(runs):
+    # FULL_STATE_DICT in the accelerate config: save_model gathers the full weights and writes them with the config
+    # and the tokenizer, so the output directory loads as is and gives the trained model's logits.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
+
+    check_ok(runs["procs"]["odc"])
+    out = runs["out"]["odc"]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    trained = final_params(out)
+    loaded = {name: p.detach() for name, p in model.named_parameters()}
+    assert loaded.keys() == trained.keys()
+    for name, expected in trained.items():
+        assert torch.equal(loaded[name], expected), name
+    reference = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
+    reference.load_state_dict(trained, strict=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    sentence = "Fully sharded data parallel training with on-demand communication."
+    batch = tokenizer(sentence, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == load_offline_tokenizer()(sentence)["input_ids"]
+    with torch.no_grad():
+        logits, expected_logits = model.eval()(**batch).logits, reference.eval()(**batch).logits
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    # each checkpoint holds the full weights too (and the optimizer state a resume reads)
+    assert (out / "checkpoint-1" / "model.safetensors").is_file()
+
+
 def test_unequal_counts_match_single_process(runs):
     check_ok(runs["procs"]["odc"])
     check_ok(runs["procs"]["single"])
@@ -317,6 +352,54 @@ def test_bad_config_fails_before_training(tmp_path, args, env, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "trainer_state.json").exists()
+
+
+def test_samples_over_budget_warn_once_and_train(tmp_path):
+    # Truncation on, budget below max_length: training goes on (each longer sample alone in its microbatch), with one
+    # warning naming how many samples exceed the budget, the longest, and the two settings that fix it.
+    from odc_accelerate.data import load_offline_tokenizer, offline_sft_dataset
+
+    proc = run(
+        [
+            sys.executable,
+            RUN_EXAMPLE,
+            TRAIN,
+            "--odc_plan",
+            "free",
+            "--max_length",
+            "512",
+            "--odc_max_tokens_per_microbatch",
+            "32",
+            "--max_steps",
+            "1",
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--dataloader_pin_memory",
+            "false",
+            "--output_dir",
+            tmp_path,
+        ]
+    )
+    check_ok(proc)
+    assert [h["step"] for h in logged_steps(tmp_path)] == [1]
+    found = re.findall(
+        r"ODC: (\d+) of (\d+) training samples are longer than the token budget per microbatch \(32 tokens\); the "
+        r"longest has (\d+) tokens",
+        proc.stderr,
+    )
+    assert len(found) == 1, proc.stderr[-3000:]
+    assert "Raise --odc_max_tokens_per_microbatch to at least 512, or lower --max_length to 32." in proc.stderr
+    # Expected figures from the offline text itself, processed as TRL's SFT does: EOS appended, tokenized, truncated.
+    tokenizer = load_offline_tokenizer()
+    texts = offline_sft_dataset()["text"]
+    lengths = [min(512, len(tokenizer(text + tokenizer.eos_token)["input_ids"])) for text in texts]
+    over, total, longest = (int(x) for x in found[0])
+    assert (over, total, longest) == (sum(n > 32 for n in lengths), len(lengths), max(lengths))
+    assert 0 < over < total and longest == 512
 
 
 def test_trl_recipe_yaml_and_cli_switch_odc_on(tmp_path):

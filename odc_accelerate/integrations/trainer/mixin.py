@@ -40,6 +40,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -171,7 +172,32 @@ class ODCTrainerMixin:
                 f"and truncation is off (max_length=None). Raise --odc_max_tokens_per_microbatch to at least {longest} "
                 "or set --max_length to truncate."
             )
+        if longest > budget:
+            self._odc_warn_over_budget(lengths, budget, longest)
         return int(budget)
+
+    def _odc_warn_over_budget(self, lengths: Any, budget: int, longest: int) -> None:
+        """Warn, once per trainer and on the main process only, that some samples exceed the token budget.
+
+        The sampler still runs each of them alone in its own microbatch, so training goes on; on a GPU the budget is
+        what bounds a microbatch's memory, and an over-budget microbatch can run out of memory long after the start.
+        """
+        if getattr(self, "_odc_budget_warned", False) or not self.is_world_process_zero():
+            return
+        self._odc_budget_warned = True
+        over = int((np.asarray(lengths) > budget).sum())
+        logger.warning(
+            "ODC: %d of %d training samples are longer than the token budget per microbatch (%d tokens); the longest "
+            "has %d tokens. Each of them runs alone in a microbatch over the budget, and on a GPU the budget is what "
+            "bounds a microbatch's memory. Raise --odc_max_tokens_per_microbatch to at least %d, or lower --max_length "
+            "to %d.",
+            over,
+            len(lengths),
+            budget,
+            longest,
+            longest,
+            budget,
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         if not self.odc_config.balanced:
