@@ -76,6 +76,7 @@ class ODCTrainerMixin:
         tcompat.passthrough_skip_first_batches()
         self._odc_sampler = None
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
+        self._odc_budget_warned = False  # the over-budget warning is given once per trainer
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))
 
@@ -182,7 +183,7 @@ class ODCTrainerMixin:
         The sampler still runs each of them alone in its own microbatch, so training goes on; on a GPU the budget is
         what bounds a microbatch's memory, and an over-budget microbatch can run out of memory long after the start.
         """
-        if getattr(self, "_odc_budget_warned", False) or not self.is_world_process_zero():
+        if self._odc_budget_warned or not self.is_world_process_zero():
             return
         self._odc_budget_warned = True
         over = int((np.asarray(lengths) > budget).sum())
