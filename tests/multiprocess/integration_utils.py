@@ -82,3 +82,40 @@ def max_rel(a: dict, b: dict) -> float:
     """Largest per-tensor max-abs difference of ``a`` from ``b``, relative to ``b``'s max-abs value."""
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
+
+
+def assert_same_logits(model, reference, out: Path, sentence: str) -> None:
+    """``model`` and ``reference`` give the same logits on ``sentence``, tokenized by the tokenizer saved in ``out``
+    (which must tokenize as the offline tokenizer does)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from odc_accelerate.data import load_offline_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)  # saved with the model
+    batch = tokenizer(sentence, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == load_offline_tokenizer()(sentence)["input_ids"]
+    with torch.no_grad():
+        logits, expected = model.eval()(**batch).logits, reference.eval()(**batch).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def assert_saved_model_is_the_trained_one(out: Path, sentence: str) -> None:
+    """``out`` loads with ``from_pretrained`` (no missing or unexpected weights), holds exactly the final weights
+    (``final_params.pt``) and gives the logits of the offline model built with them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from odc_accelerate.data import tiny_qwen2_config
+
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    trained = final_params(out)
+    loaded = {name: p.detach() for name, p in model.named_parameters()}
+    assert loaded.keys() == trained.keys()
+    for name, expected in trained.items():
+        assert torch.equal(loaded[name], expected), name
+    reference = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
+    reference.load_state_dict(trained, strict=True)
+    assert_same_logits(model, reference, out, sentence)

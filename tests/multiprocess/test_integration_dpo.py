@@ -24,6 +24,8 @@ from integration_utils import (
     ROOT,
     RUN_EXAMPLE,
     accelerate_launch,
+    assert_same_logits,
+    assert_saved_model_is_the_trained_one,
     base_env,
     check_ok,
     final_params,
@@ -234,35 +236,9 @@ def _offline_base():
     return AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
 
 
-def _assert_same_logits(model, reference, out) -> None:
-    from transformers import AutoTokenizer
-
-    from odc_accelerate.data import load_offline_tokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)  # saved with the model
-    sentence = "Preference optimization with on-demand communication."
-    batch = tokenizer(sentence, return_tensors="pt")
-    assert batch["input_ids"][0].tolist() == load_offline_tokenizer()(sentence)["input_ids"]
-    with torch.no_grad():
-        logits, expected = model.eval()(**batch).logits, reference.eval()(**batch).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_odc_dpo_run_saves_a_model_that_loads_with_transformers(runs):
-    from transformers import AutoModelForCausalLM
-
     check_ok(runs["procs"]["odc"])
-    out = runs["out"]["odc"]
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
-    trained = final_params(out)
-    loaded = {name: p.detach() for name, p in model.named_parameters()}
-    assert loaded.keys() == trained.keys()
-    for name, expected in trained.items():
-        assert torch.equal(loaded[name], expected), name
-    reference = _offline_base()
-    reference.load_state_dict(trained, strict=True)
-    _assert_same_logits(model, reference, out)
+    assert_saved_model_is_the_trained_one(runs["out"]["odc"], "Preference optimization with on-demand communication.")
 
 
 def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
@@ -283,7 +259,7 @@ def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
         assert torch.equal(loaded[name], expected), name
     reference = get_peft_model(_offline_base(), LoraConfig.from_pretrained(out))
     reference.load_state_dict(trained, strict=True)
-    _assert_same_logits(model, reference, out)
+    assert_same_logits(model, reference, out, "Preference optimization with on-demand communication.")
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from integration_utils import (
     RUN_EXAMPLE,
     TRAIN,
     accelerate_launch,
+    assert_saved_model_is_the_trained_one,
     base_env,
     check_ok,
     final_params,
@@ -207,29 +208,9 @@ def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
 def test_odc_run_saves_a_model_that_loads_with_transformers(runs):
     # FULL_STATE_DICT in the accelerate config: save_model gathers the full weights and writes them with the config
     # and the tokenizer, so the output directory loads as is and gives the trained model's logits.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
-
     check_ok(runs["procs"]["odc"])
     out = runs["out"]["odc"]
-    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    trained = final_params(out)
-    loaded = {name: p.detach() for name, p in model.named_parameters()}
-    assert loaded.keys() == trained.keys()
-    for name, expected in trained.items():
-        assert torch.equal(loaded[name], expected), name
-    reference = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
-    reference.load_state_dict(trained, strict=True)
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    sentence = "Fully sharded data parallel training with on-demand communication."
-    batch = tokenizer(sentence, return_tensors="pt")
-    assert batch["input_ids"][0].tolist() == load_offline_tokenizer()(sentence)["input_ids"]
-    with torch.no_grad():
-        logits, expected_logits = model.eval()(**batch).logits, reference.eval()(**batch).logits
-    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert_saved_model_is_the_trained_one(out, "Fully sharded data parallel training with on-demand communication.")
     # each checkpoint holds the full weights too (and the optimizer state a resume reads)
     assert (out / "checkpoint-1" / "model.safetensors").is_file()
 
