@@ -247,6 +247,7 @@ class ODCConfig:
 
         Raises:
             ValueError: an invalid value or an unknown ``odc*`` key, naming it.
+            TypeError: ``overrides`` names a field that is not an option.
         """
         layers: list[tuple[str, dict[str, Any]]] = []
         if overrides:
