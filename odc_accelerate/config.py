@@ -175,15 +175,6 @@ class ODCConfig:
         """The option fields as a dict (``source`` excluded)."""
         return {f.name: getattr(self, f.name) for f in option_fields()}
 
-    def to_env(self) -> dict[str, str]:
-        """The options as ``ODC_*`` environment variables (unset options left out)."""
-        out = {}
-        for f in option_fields():
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.metadata["env"]] = _env_text(value)
-        return out
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Coerce option values to their types and raise one `ValueError` naming the option to change."""
@@ -284,7 +275,7 @@ def option_fields() -> Iterator[Field]:
 
 
 def _name(field_name: str) -> str:
-    f = next(f for f in option_fields() if f.name == field_name)
+    f = _field(field_name)
     return f"{f.metadata['key']} ({f.metadata['env']})"
 
 

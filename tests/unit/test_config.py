@@ -100,10 +100,13 @@ def test_telemetry_switches_from_env(monkeypatch, tmp_path):
     assert (config.trace_dir, config.time_collectives) == (str(tmp_path), True)
 
 
-def test_env_round_trip():
-    config = ODCConfig(enable=True, transport="shm", timeout=12.5, max_tokens_per_microbatch=2048, plan="lockstep")
-    again = ODCConfig.from_sources(env=config.to_env())
-    assert again.options() == config.options() and again.source == "env"
+def test_the_launchers_env_resolves_like_the_file_it_came_from():
+    fsdp_config = {"odc": True, "odc_transport": "shm", "odc_timeout": 12.5, "odc_plan": "lockstep"}
+    fsdp_config["odc_max_tokens_per_microbatch"] = 2048
+    via_env = ODCConfig.from_sources(env=env_from_fsdp_config(fsdp_config))
+    via_file = ODCConfig.from_sources(fsdp_config=fsdp_config, env={})
+    assert via_env.options() == via_file.options() and (via_env.source, via_file.source) == ("env", "fsdp_config")
+    assert (via_env.transport, via_env.timeout, via_env.max_tokens_per_microbatch) == ("shm", 12.5, 2048)
 
 
 def test_env_from_fsdp_config_exports_only_what_the_file_sets():
