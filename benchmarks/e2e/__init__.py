@@ -25,8 +25,9 @@ kept in ``results.json`` for ``python -m benchmarks.sim validate-e2e``.
 
 Repeats are interleaved (every arm once, then every arm again, ...), so that machine noise hits all arms alike. With
 ``ODC_TIME_COLLECTIVES=1`` the trainer logs for every run, per optimizer step: step time, real (non-padding) tokens
-of all ranks, per-rank busy and wait (seconds blocked in collectives or ODC barriers; FSDP2's collectives are made
-synchronous to be timed, see `odc_accelerate.telemetry`) and the bubble. Per run the first ``--warmup`` steps are
+of all ranks, per-rank busy (the rank's own forward and backward, less the time blocked in collectives inside them;
+FSDP2's collectives are made synchronous to be timed, see `odc_accelerate.telemetry`), wait (the rest of the step) and
+the bubble (docs/telemetry.md). Per run the first ``--warmup`` steps are
 dropped; tokens/s = real tokens of the measured steps / their summed step time; the reported figure of an arm is the
 median over repeats (per-rank peak RSS: the maximum). Speedups are ratios of tokens/s: arms with a different sampler
 see different samples in a step, so equal tokens, not equal steps, are what compares.

@@ -32,14 +32,13 @@ def plot(result: dict, path: Path, title: str = "") -> bool:
             busy, wait = t["busy_s"][r], t["wait_s"][r]
             ax_t.barh(y, busy, color="tab:blue" if name != "limit" else "tab:green", height=0.8)
             ax_t.barh(y, wait, left=busy, color="tab:red", alpha=0.6, height=0.8)
-            untimed = "" if arms[name]["wait_measured"] else " (wait not timed)"
-            labels.append(f"{arms[name]['label']}{untimed}  r{r}")
+            labels.append(f"{arms[name]['label']}  r{r}")
             ticks.append(y)
             y += 1
         y += 0.6
     ax_t.set_yticks(ticks, labels, fontsize=8)
     ax_t.set_xlabel("seconds in one optimizer step (median step of the median run)")
-    ax_t.set_title("per rank: busy (blue), waiting in collectives / barriers (red)", fontsize=9)
+    ax_t.set_title("per rank: own forward + backward (blue), rest of the step (red)", fontsize=9)
     ax_b.barh(range(len(names)), [arms[n]["tokens_per_s"] for n in reversed(names)], color="tab:gray")
     ax_b.set_yticks(range(len(names)), [arms[n]["label"] for n in reversed(names)], fontsize=8)
     for i, n in enumerate(reversed(names)):

@@ -49,9 +49,10 @@ def summarize_run(steps: list[dict], warmup: int, share: int = 1) -> dict:
         busy = [statistics.fmean(s["busy_s"][r] for s in measured) for r in range(ranks)]
         wait = [statistics.fmean(s["wait_s"][r] for s in measured) for r in range(ranks)]
         mean_busy_total = sum(statistics.fmean(s["busy_s"]) for s in measured)
-    else:  # W copies of the same compute, no communication
-        busy, wait = [total / len(measured)] * ranks, [0.0] * ranks
-        mean_busy_total = total
+    else:  # one process did W ranks' work with no communication: a rank's share is 1/W of its busy and its wait
+        busy = [statistics.fmean(s["busy_s"][0] / share for s in measured)] * ranks
+        wait = [statistics.fmean((s["step_s"] - s["busy_s"][0]) / share for s in measured)] * ranks
+        mean_busy_total = sum(s["busy_s"][0] / share for s in measured)
     return {
         "steps_measured": len(measured),
         "step_s_median": statistics.median(times),

@@ -27,9 +27,9 @@ def table_rows(result: dict) -> list[list[str]]:
             a["label"],
             f"{a['step_s']:.2f}",
             f"{a['tokens_per_s']:.1f}",
-            "-" if limit else "n/m" if a["bubble_pct"] is None else f"{a['bubble_pct']:.1f}",
+            f"{a['bubble_pct']:.1f}",
             _fmt_list(a["busy_s"], ".2f"),
-            "-" if limit else "n/m" if a["wait_s"] is None else _fmt_list(a["wait_s"], ".2f"),
+            _fmt_list(a["wait_s"], ".2f"),
             _fmt_list(a["peak_rss_mb"], ".0f") + (" (1 proc, unsharded)" if limit else ""),
         ]
         row += [f"{a[f'speedup_vs_{b}']:.2f}x" for b in BASELINES if b in arms]
@@ -62,9 +62,6 @@ def targets_text(result: dict) -> list[str]:
     }
     lines = []
     for key, t in result.get("targets", {}).items():
-        if t["value"] is None:
-            lines.append(f"{names[key]:<44}{'n/m':>8}  (target {t['target']}: not measured)")
-            continue
         # three decimals for ratios: at two, 1.295 prints as 1.30x next to "NOT met" for a 1.3 target
         value = f"{t['value']:.3f}x" if "vs" in key else f"{t['value']:.2f}"
         spread = ""
@@ -75,10 +72,6 @@ def targets_text(result: dict) -> list[str]:
         lines.append(
             f"{'limit estimated from ODC mean busy time':<44}{result['limit_from_odc_busy_tokens_per_s']:>8.1f}  "
             "tok/s (busy includes ODC's own copies and adds: a lower bound on the limit's tokens/s)"
-        )
-    if any(not a["wait_measured"] for a in result["arms"].values()):
-        lines.append(
-            "n/m: the trainer logged no wait for this arm (its collectives were not timed), so no bubble is claimed."
         )
     return lines
 

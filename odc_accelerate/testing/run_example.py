@@ -13,6 +13,9 @@ builds (any `ODCTrainerMixin` subclass) gets:
 * with ``ODC_DUMP_PARAMS=1``, rank 0 saves the weights before FSDP2 shards them (``initial_params.pt``) and the full
   final weights (``final_params.pt``), for the parity tests;
 
+* with ``ODC_SLOW_RANK=R`` and ``ODC_SLOW_S=S``, rank ``R`` sleeps ``S`` seconds in the loss of the first microbatch
+  of every even-numbered optimizer step: a known amount of extra compute on one rank, for the telemetry tests;
+
 and, with ``ODC_BENCH_RSS_DIR`` set, ``rss_rank<RANK>.json`` there when the process ends, even on an error: ``ru_maxrss``
 of this process (peak resident memory, including the shared-memory pages it touched).
 """
@@ -125,6 +128,8 @@ def instrument_trainers() -> None:
         self.add_callback(_report_callback(self.odc_run_report))
         if _flag("ODC_COUNT_DIST_CALLS"):
             _count_microbatches(self, count_dist_calls)
+        if int(os.environ.get("ODC_SLOW_RANK", "-1")) == self.args.process_index:
+            _slow_down(self, float(os.environ["ODC_SLOW_S"]))
 
     ODCTrainerMixin.__init__ = __init__
 
@@ -148,6 +153,23 @@ def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
             return mixin_step(trainer, model, inputs, num_items_in_batch)
 
     trainer.training_step = training_step
+
+
+def _slow_down(trainer: Any, seconds: float) -> None:
+    """Make this trainer's rank sleep ``seconds`` in the loss of the first microbatch of each even-numbered step."""
+    import time
+
+    compute_loss = trainer.compute_loss  # the bound method of the class; the instance attribute shadows it
+    slowed: set[int] = set()
+
+    def slow_compute_loss(*args: Any, **kwargs: Any) -> Any:
+        step = trainer.state.global_step + 1  # the optimizer step being computed
+        if step % 2 == 0 and step not in slowed:
+            slowed.add(step)
+            time.sleep(seconds)
+        return compute_loss(*args, **kwargs)
+
+    trainer.compute_loss = slow_compute_loss
 
 
 class _CountedMethod:

@@ -1,0 +1,75 @@
+"""`StepTimer`'s accounting on a hand-driven clock: busy is the microbatches' compute less the time blocked on peers
+inside them, wait is the rest of the step (see tests/multiprocess/test_telemetry_slowed_rank.py for real runs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from odc_accelerate.integrations.trainer import metrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    return clock
+
+
+def _batch(tokens: int) -> dict:
+    return {"input_ids": torch.ones(1, tokens, dtype=torch.long), "attention_mask": torch.ones(1, tokens)}
+
+
+def test_busy_is_compute_less_blocked_time_and_wait_is_the_rest(clock):
+    engine = SimpleNamespace(stats=SimpleNamespace(wait_s=0.0))  # what an ODCEngine exposes: seconds in barriers
+    timer = metrics.StepTimer(rank=0)
+    timer.start(None, engine, [_batch(5), _batch(3)], clock.now)
+    clock.now += 0.25  # fetching the step
+    with timer.compute("cpu"):
+        clock.now += 1.0
+    with timer.compute("cpu"):
+        clock.now += 2.0
+        clock.now += 0.5  # a barrier inside the microbatch (a benchmark's per-hook sync)
+        engine.stats.wait_s += 0.5
+    clock.now += 0.75  # metric reduction, step-boundary barrier, optimizer
+    engine.stats.wait_s += 0.4
+    timer.end(engine, clock.now)
+    out = timer.interval_metrics(None, "cpu")
+    step = 0.25 + 1.0 + 2.5 + 0.75
+    assert out["odc/step_s"] == pytest.approx(step)
+    assert out["odc/busy_s_rank0"] == pytest.approx(3.0)
+    assert out["odc/wait_s_rank0"] == pytest.approx(step - 3.0)
+    assert out["odc/bubble_pct"] == pytest.approx(round(100 * (1 - 3.0 / step), 2))
+    assert out["odc/tokens_per_s"] == pytest.approx(round(8 / step, 1))
+    assert timer.pending == []
+
+
+def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhere(clock):
+    timer = metrics.StepTimer(rank=0)
+    with timer.compute("cpu"):  # no open step: ignored
+        clock.now += 9.0
+    for compute in (1.0, 3.0):
+        timer.start(None, None, [_batch(4)], clock.now)
+        with timer.compute("cpu"):
+            clock.now += compute
+        clock.now += 1.0
+        timer.end(None, clock.now)
+    timer.end(None, clock.now + 5.0)  # no open step: ignored
+    # A peer whose two steps took 10 s of which 7 s compute: rows are [step_s, busy_s, mb_min, mb_max, tokens].
+    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0]], dtype=torch.float64)
+    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
+    assert out["odc/step_s"] == pytest.approx(5.0)  # the slowest rank's interval over 2 steps
+    assert (out["odc/busy_s_rank0"], out["odc/wait_s_rank0"]) == pytest.approx((4.0, 6.0))
+    assert (out["odc/busy_s_rank1"], out["odc/wait_s_rank1"]) == pytest.approx((7.0, 3.0))
+    assert out["odc/bubble_pct"] == pytest.approx(100 * (1 - 5.5 / 10.0))
+    assert out["odc/tokens_per_s"] == pytest.approx(16 / 10.0)
