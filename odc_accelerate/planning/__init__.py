@@ -1,4 +1,5 @@
-"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"``), padded shapes, the sampler.
+"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"``), padded shapes, the sampler
+(map-style datasets) and the streaming planner (streams: `datasets.IterableDataset`).
 
 Everything but the sampler is numpy only; the sampler (a `torch.utils.data.Sampler`) is imported on first use.
 """
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .cost import PUBLISHED_1_5B_COST, PUBLISHED_7B_COST, QuadraticCost, cost_from_config, flops_cost, resolve_cost
 from .padded import padded_microbatch, plan_padded
 from .plan import PLANS, Plan, check_oversize, normalize_plan, plan_from_costs, plan_step
+from .stream import StepRows, StreamingStepPlanner, StreamStep
 
 if TYPE_CHECKING:  # pragma: no cover
     from .sampler import LengthBalancedBatchSampler, dataset_lengths
@@ -20,6 +22,9 @@ __all__ = [
     "LengthBalancedBatchSampler",
     "Plan",
     "QuadraticCost",
+    "StepRows",
+    "StreamStep",
+    "StreamingStepPlanner",
     "check_oversize",
     "cost_from_config",
     "dataset_lengths",

@@ -1,13 +1,25 @@
-"""The balanced step's data path: one dataloader item is one rank's whole optimizer step (its microbatches)."""
+"""The balanced step's data path: one dataloader item is one rank's whole optimizer step (its microbatches).
+
+A map-style dataset is fetched through `StepDataset` with the `LengthBalancedBatchSampler`'s index lists; a stream
+(`datasets.IterableDataset`) through `StreamStepDataset`, which reads the stream and plans each step as it comes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-__all__ = ["StepCollator", "StepDataLoader", "StepDataset", "input_tokens", "merge_for_counting"]
+__all__ = [
+    "StepCollator",
+    "StepDataLoader",
+    "StepDataset",
+    "StreamStepDataset",
+    "input_tokens",
+    "merge_for_counting",
+]
 
 
 class StepDataLoader(DataLoader):
@@ -29,6 +41,79 @@ class StepDataset(Dataset):
 
     def __getitem__(self, microbatches: list[list[int]]) -> list[list[Any]]:
         return [[self.dataset[i] for i in mb] for mb in microbatches]
+
+
+class StreamStepDataset(IterableDataset):
+    """Reads a stream and yields, per optimizer step, this rank's microbatches of rows: ``[[row, row], [row]]``.
+
+    Every rank reads the whole stream in the same order: step ``k`` is its ``k``-th run of ``samples_per_step`` rows,
+    planned by a `odc_accelerate.planning.StreamingStepPlanner`, and each rank keeps its own microbatches. The
+    stream is read in the main process (``num_workers=0``): in a dataloader worker a `datasets.IterableDataset`
+    reads only that worker's shards.
+
+    Args:
+        stream (`Iterable[dict]`):
+            The training rows (`datasets.IterableDataset` or any re-iterable of dicts).
+        planner (`StreamingStepPlanner`):
+            Plans each step.
+        rank (`int`):
+            This process's rank.
+        lengths_fn (`Callable[[list[dict]], lengths]`):
+            The lengths of one step's rows, as for `StreamingStepPlanner.steps`.
+        columns (`Sequence[str]`, *optional*):
+            Keep only these columns of each row (the Trainer's unused-column removal); all by default.
+
+    Attributes:
+        start_step (`int`): the step the next iteration starts at (set before iterating to resume).
+        steps_consumed (`int`): steps handed out so far, counted from the start of the stream.
+    """
+
+    def __init__(
+        self,
+        stream: Iterable[dict],
+        planner: Any,
+        rank: int,
+        lengths_fn: Callable[[list[dict]], Any],
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.planner = planner
+        self.rank = int(rank)
+        self.lengths_fn = lengths_fn
+        self.columns = None if columns is None else list(columns)
+        self.start_step = 0
+        self.steps_consumed = 0
+
+    def __iter__(self) -> Iterator[list[list[dict]]]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "A streamed ODC training set is read in the main process, not in dataloader workers: set "
+                "--dataloader_num_workers 0."
+            )
+        source = _SelectColumns(self.stream, self.columns) if self.columns is not None else self.stream
+        start, self.start_step = self.start_step, 0
+        self.steps_consumed = start
+        for step in self.planner.steps(source, self.lengths_fn, start_step=start):
+            # Counted before the hand-over: the step being trained is included.
+            self.steps_consumed = step.index + 1
+            yield step.microbatches(self.rank)
+
+
+class _SelectColumns:
+    """A stream's rows restricted to some columns; forwards ``set_epoch``."""
+
+    def __init__(self, stream: Iterable[dict], columns: Sequence[str]) -> None:
+        self.stream = stream
+        self.columns = list(columns)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.stream, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        for row in self.stream:
+            yield {k: row[k] for k in self.columns if k in row}
 
 
 class StepCollator:

@@ -24,12 +24,15 @@ What the mixin changes, and why:
   and clipping see the final gradients; `ODCCallback.on_optimizer_step` calls ``engine.post_optimizer_step()``.
 * **Metrics** (logged with the loss, so they land in ``trainer_state.json``'s ``log_history``): ``odc/tokens_per_s``
   (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``, ``odc/microbatches_min|max``,
-  per-rank ``odc/busy_s_rank<r>`` and ``odc/wait_s_rank<r>``, ``odc/bubble_pct`` (see `metrics.StepTimer`). Plain
-  FSDP2 runs through this mixin log the same keys (wait = 0 unless ``odc_time_collectives`` times FSDP2's
-  collectives). Under ODC, wait is the engine's step-boundary barrier only: the step's metric all-reduce runs
-  before it, so a rank that finished early waits there and that time counts as busy (docs/known_issues.md).
+  per-rank ``odc/busy_s_rank<r>`` (the rank's own forward and backward) and ``odc/wait_s_rank<r>`` (the rest of the
+  step: barriers, metric reductions, collectives, the optimizer), ``odc/bubble_pct`` (see `metrics.StepTimer`). Plain
+  FSDP2 runs through this mixin log the same keys, measured the same way; ``odc_time_collectives`` makes FSDP2's
+  waits inside its per-layer collectives count as wait instead of busy.
+* **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
+  time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
-  sampler is deterministic (seed, epoch, step), so skipping the trained steps resumes the exact data order.
+  sampler is deterministic (seed, epoch, step) and a stream is read in its own order, so skipping the trained steps
+  resumes the exact data order.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..._compat import transformers as tcompat
 from ...config import ODCConfig, str_to_bool
 from ..accelerate import ODCPlugin, enable, get_engine
 from .callback import ODCCallback
-from .data import StepCollator, StepDataLoader, StepDataset, merge_for_counting
+from .data import StepCollator, StepDataLoader, StepDataset, StreamStepDataset, merge_for_counting
 from .metrics import DeferredGather, StepMetrics, StepTimer, reduce_step_metrics
 
 logger = logging.getLogger(__name__)
@@ -187,17 +190,33 @@ class ODCTrainerMixin:
             return
         self._odc_budget_warned = True
         over = int((np.asarray(lengths) > budget).sum())
+        # A stream is checked one step at a time: the figures are those of the first step with such samples.
+        what = (
+            "samples of a step of the training stream"
+            if getattr(self, "_odc_streaming", False)
+            else "training samples"
+        )
         logger.warning(
-            "ODC: %d of %d training samples are longer than the token budget per microbatch (%d tokens); the longest "
-            "has %d tokens. Each of them runs alone in a microbatch over the budget, and on a GPU the budget is what "
-            "bounds a microbatch's memory. Raise --odc_max_tokens_per_microbatch to at least %d, or lower --max_length "
-            "to %d.",
+            "ODC: %d of %d %s are longer than the token budget per microbatch (%d tokens); the longest has %d tokens. "
+            "Each of them runs alone in a microbatch over the budget, and on a GPU the budget is what bounds a "
+            "microbatch's memory. Raise --odc_max_tokens_per_microbatch to at least %d, or lower --max_length to %d.",
             over,
             len(lengths),
+            what,
             budget,
             longest,
             longest,
             budget,
+        )
+
+    @staticmethod
+    def _odc_is_stream(dataset: Any) -> bool:
+        """Whether a training set is read as a stream (`datasets.IterableDataset`, a torch `IterableDataset`, anything
+        without length and indexing) rather than through the sampler."""
+        from torch.utils.data import IterableDataset
+
+        return isinstance(dataset, IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
         )
 
     def get_train_dataloader(self) -> DataLoader:
@@ -205,8 +224,11 @@ class ODCTrainerMixin:
             return super().get_train_dataloader()
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        if self._odc_is_stream(self.train_dataset):
+            return self._odc_stream_dataloader(self.train_dataset)
         from ...planning import LengthBalancedBatchSampler
 
+        self._odc_streaming = False
         dataset = self._remove_unused_columns(self.train_dataset, description="training")
         lengths = self._odc_lengths(dataset)
         config = self.odc_config
@@ -235,7 +257,125 @@ class ODCTrainerMixin:
             pin_memory=self.args.dataloader_pin_memory,
         )
 
+    def _odc_stream_dataloader(self, stream: Any) -> DataLoader:
+        """The balanced step loader of a stream (`datasets.IterableDataset`, e.g. ``--dataset_streaming true``).
+
+        Every rank reads the whole stream in the same order; step ``k`` is its ``k``-th run of ``samples_per_step``
+        samples, planned as the sampler plans a step (`odc_accelerate.planning.StreamingStepPlanner`), and each rank
+        keeps its own microbatches. The first step is read here, before training, to check the settings and that
+        every rank reads the same samples; later steps are checked against the token budget as they come.
+        """
+        from ...planning import StreamingStepPlanner
+
+        config, args = self.odc_config, self.args
+        if args.dataloader_num_workers:
+            raise ValueError(
+                "With a streamed training set every rank reads the whole stream in its main process, while each "
+                "dataloader worker would read only some of the stream's shards. Set --dataloader_num_workers 0 (it is "
+                f"{args.dataloader_num_workers}), or load the dataset without streaming."
+            )
+        if config.max_tokens_per_microbatch is None and not getattr(args, "max_length", None):
+            raise ValueError(
+                "The longest sample of a streamed training set is not known before training, so the ODC token budget "
+                "per microbatch cannot be derived from it. Set --odc_max_tokens_per_microbatch, or set --max_length "
+                "(samples are truncated to it and the budget follows from it)."
+            )
+        self._odc_streaming = True
+        samples_per_step = int(config.samples_per_step)
+        columns, lengths = self._odc_stream_first_step(stream, samples_per_step)
+        config.max_tokens_per_microbatch = self._odc_budget(lengths)
+        planner = StreamingStepPlanner(
+            max(1, int(args.world_size)),
+            samples_per_step,
+            config.max_tokens_per_microbatch,
+            plan=config.plan,
+            padded=self._odc_padded(),
+        )
+        steps = StreamStepDataset(
+            stream, planner, int(args.process_index), lengths_fn=self._odc_stream_lengths, columns=columns
+        )
+        # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.
+        return StepDataLoader(
+            steps,
+            batch_size=None,
+            collate_fn=StepCollator(self.data_collator),
+            num_workers=0,
+            pin_memory=args.dataloader_pin_memory,
+        )
+
+    def _odc_stream_lengths(self, rows: list[dict]) -> Any:
+        """Lengths of one step of a stream, as `_odc_lengths` computes them, checked against the fixed token budget."""
+        from ...planning import StepRows
+
+        lengths = self._odc_lengths(StepRows(rows))
+        self._odc_budget(lengths)  # the budget is set: raises for samples it cannot hold, warns for longer ones
+        return lengths
+
+    def _odc_stream_first_step(self, stream: Any, samples_per_step: int) -> tuple[list[str] | None, Any]:
+        """Read the stream's first step on every rank: the columns to keep (the Trainer's unused-column removal) and
+        the step's lengths. Raises, on every rank at once, when the stream holds less than one step, when a rank
+        cannot read it, or when the ranks read different samples (a stream split by rank, or shuffled unseeded)."""
+        import hashlib
+        import itertools
+
+        from ...planning import StepRows
+
+        rows: list[Any] = []
+        columns, lengths, error = None, None, None
+        try:
+            set_epoch = getattr(stream, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(0)  # the first pass, as StreamingStepPlanner.steps reads it
+            rows = list(itertools.islice(iter(stream), samples_per_step))
+            step = StepRows(rows)
+            if rows and self.args.remove_unused_columns:
+                step = self._remove_unused_columns(step, description="training")
+                columns = step.column_names
+            if len(rows) == samples_per_step:
+                lengths = self._odc_lengths(step)
+            digest = int.from_bytes(hashlib.blake2b(repr(step.rows).encode(), digest_size=7).digest(), "little")
+        except Exception as err:  # noqa: BLE001 - re-raised below, once every rank knows (no rank left waiting)
+            error, digest = err, 0
+        mine = [int(error is None), len(rows), digest]
+        table = [mine]
+        if self.accelerator.num_processes > 1:
+            local = torch.tensor([mine], dtype=torch.int64, device=self.args.device)
+            table = self.accelerator.gather(local).view(-1, 3).tolist()
+        if error is not None:
+            raise error
+        failed = [rank for rank, (ok, _, _) in enumerate(table) if not ok]
+        if failed:
+            raise RuntimeError(
+                f"Rank(s) {failed} could not read the first step of the training stream (see their error)."
+            )
+        if len(rows) < samples_per_step:
+            raise ValueError(
+                f"The training stream has {len(rows)} sample(s), fewer than the {samples_per_step} samples of one "
+                "optimizer step (samples_per_step): there is no complete step to train. Use a larger dataset, or lower "
+                "--per_device_train_batch_size / --gradient_accumulation_steps (or --odc_samples_per_step)."
+            )
+        if len({(n, d) for _, n, d in table}) > 1:
+            raise ValueError(
+                "The ranks read different samples at the start of the training stream. ODC plans each step from the "
+                "same samples on every rank, so every rank must read the whole stream in the same order: do not split "
+                "it by rank (datasets.distributed.split_dataset_by_node) and give any shuffle a seed "
+                "(IterableDataset.shuffle(seed=...))."
+            )
+        return columns, lengths
+
     def _run_epoch(self, **kwargs: Any) -> Any:
+        loader = kwargs.get("train_dataloader")
+        steps = loader.dataset if isinstance(loader, StepDataLoader) else None
+        if isinstance(steps, StreamStepDataset):
+            resuming = kwargs.get("resume_from_checkpoint") is not None and kwargs["epoch"] == kwargs.get(
+                "epochs_trained"
+            )
+            if resuming:
+                # Exact resume: each optimizer step trained one step of the stream, so the stream restarts after as
+                # many steps as the checkpoint trained (passes included); ignore_data_skip restarts it from the start.
+                steps.start_step = 0 if self.args.ignore_data_skip else int(self.state.global_step)
+            else:
+                steps.start_step = steps.steps_consumed  # a later Trainer epoch continues the stream where it is
         sampler = self._odc_sampler
         if sampler is not None and isinstance(kwargs.get("train_dataloader"), StepDataLoader):
             # The Trainer only calls set_epoch on samplers it recognises; the plan depends on (seed, epoch, step).
@@ -281,7 +421,9 @@ class ODCTrainerMixin:
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if not isinstance(inputs, list):
-            return super().training_step(model, inputs, num_items_in_batch)
+            # The Trainer's own microbatching (plain runs): one call per microbatch, timed as the balanced path's.
+            with self.odc_step_timer.compute(self.args.device):
+                return super().training_step(model, inputs, num_items_in_batch)
         engine = self.odc_engine
         deferred = DeferredGather()
         real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather
@@ -298,11 +440,15 @@ class ODCTrainerMixin:
             for i, mb in enumerate(inputs):
                 deferred.start_microbatch()
                 sync = sync_each_batch or i == len(inputs) - 1
-                with contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model):
+                with (
+                    contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
+                    self.odc_step_timer.compute(self.args.device),
+                ):
                     total += super().training_step(model, mb, num_items_in_batch)
         finally:
             self._odc_looping = False
             self.accelerator.gather_for_metrics, self.accelerator.gather = real_gathers  # type: ignore[method-assign]
+        # Outside the timed compute: a rank that finished its microbatches early waits here and in the barrier below.
         metrics = reduce_step_metrics(deferred, self._odc_reduce_sum(), self.args.device)
         if metrics is not None:
             self._odc_finalize_metrics(metrics)
