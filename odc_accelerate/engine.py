@@ -16,9 +16,11 @@ call and waits for no peer, so ranks may run different numbers of microbatches, 
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._compat import CompatError
 from ._compat import fsdp as compat
 from .transport import BufferSpec, Transport, create_transport
 
@@ -48,11 +51,14 @@ class StepStats:
     Attributes:
         gather_s: time inside all-gather hooks (reading peers' shards).
         scatter_s: time inside reduce-scatter hooks (adding slices into owners' accumulators).
-        wait_s: time blocked in the step-boundary barriers.
+        wait_s: time blocked in barriers: the step boundary's (and every hook's with ``sync_every_hook``).
         fold_s: time folding the accumulators into ``.grad``.
         publish_s: time publishing the new shards after the optimizer step.
+        flush_s: time waiting, before a barrier, for this rank's own queued device work (its backward, adds and
+            publishes; GPU transports only). Busy, not wait: ``wait_s`` is time blocked on peers only.
         gathers / scatters: hook calls during the step.
         bytes_read / bytes_accumulated: payload moved through the transport.
+        transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
     """
 
     gather_s: float = 0.0
@@ -64,6 +70,8 @@ class StepStats:
     scatters: int = 0
     bytes_read: int = 0
     bytes_accumulated: int = 0
+    flush_s: float = 0.0
+    transport_bytes: int = 0
 
 
 @dataclass
@@ -243,10 +251,10 @@ class ODCEngine:
         try:
             self._buffers = self.transport.register(specs)
             for g in self._groups:
-                # Engine owns the divisor (applied at the fold): sum-only hooks, and a fixed layout.
+                # Engine owns the divisor (applied at the fold): sum-only hooks, and a known layout.
                 module = g.module
                 module.set_force_sum_reduction_for_comms(True)
-                module.set_reduce_scatter_unused_params(True, recurse=False)
+                compat.fix_reduce_scatter_layout(module)
                 module.set_custom_all_gather(_ODCAllGather(self, g.index))
                 if not self.frozen:
                     module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
@@ -257,6 +265,7 @@ class ODCEngine:
             self._state = EngineState.BROKEN
             self.close()
             raise
+        _watch_for_exit(self)
         logger.info(
             "ODC engine on rank %d/%d: %d param groups%s, transport %s",
             self.rank,
@@ -346,7 +355,7 @@ class ODCEngine:
         self._check_usable()
         start = time.perf_counter()
         if self.sync_every_hook:
-            self._barrier(count_wait=False)
+            self._barrier()
         return start
 
     def _gather(self, index: int, output: torch.Tensor) -> None:
@@ -378,11 +387,20 @@ class ODCEngine:
         start = self._enter_hook()
         g = self._groups[index]
         rows = inp.view(self.world_size, -1)
-        if rows.shape[1] != g.reduce_numel or inp.dtype != g.reduce_dtype:
+        # None: the rows have the accumulator's layout. Else (torch 2.11, some params got no gradient) where each
+        # param's segment of the rows goes.
+        spans = compat.reduce_scatter_spans(g.group, compat.get_comms(g.group)[1])
+        expected = g.reduce_numel if spans is None else sum(numel for _, _, numel in spans)
+        if rows.shape[1] != expected or inp.dtype != g.reduce_dtype:
             raise RuntimeError(
                 f"ODC reduce-scatter for {g.fqn}: got {rows.shape[1]} x {inp.dtype} per rank, expected "
-                f"{g.reduce_numel} x {g.reduce_dtype}; trainable parameters changed after ODCEngine()"
+                f"{expected} x {g.reduce_dtype}; trainable parameters changed after ODCEngine()"
             )
+        if spans is not None:
+            full = rows.new_zeros(self.world_size, g.reduce_numel)  # params without a gradient add zeros
+            for src, dst, numel in spans:
+                full[:, dst : dst + numel] = rows[:, src : src + numel]
+            rows = full
         name = f"g{index}"
         # Start with the next rank so that ranks finishing a layer together hit different owners.
         for k in range(1, self.world_size + 1):
@@ -395,8 +413,11 @@ class ODCEngine:
         self.stats.scatter_s += time.perf_counter() - start
 
     def _barrier(self, count_wait: bool = True) -> None:
-        start = time.perf_counter()
         try:
+            start = time.perf_counter()
+            self.transport.flush()  # this rank's own queued work first: not a wait for peers
+            self.stats.flush_s += time.perf_counter() - start
+            start = time.perf_counter()
             self.transport.barrier()
         except BaseException:
             self._state = EngineState.BROKEN
@@ -425,8 +446,9 @@ class ODCEngine:
             if peer != self.rank:
                 self.transport.read(peer, "touched", peer_flags)
                 any_touched |= peer_flags
+        touched_anywhere = any_touched.tolist()  # one device-to-host copy per step, not one per param group
         for g in self._groups:
-            if g.reduce_dtype is None or not any_touched[g.index]:
+            if g.reduce_dtype is None or not touched_anywhere[g.index]:
                 continue
             acc = self._buffers[f"g{g.index}"]
             reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
@@ -461,6 +483,7 @@ class ODCEngine:
         self.stats.publish_s += time.perf_counter() - start
         self._barrier()  # nobody reads a shard before its owner has finished writing it
         if self.steps or self.stats.gathers or self.stats.scatters:
+            self.stats.transport_bytes = self.transport.memory_report().get("total", 0)
             self.last_step_stats = self.stats
         self.stats = StepStats()
         self.steps += 1
@@ -482,16 +505,23 @@ class ODCEngine:
 
     # ------------------------------------------------------------------ tear-down
     def close(self) -> None:
-        """Restore FSDP2's own collectives and release the transport (shared memory is removed). Idempotent."""
-        if self._state == EngineState.CLOSED and self.transport is None:
-            return
-        for g in self._groups:
-            compat.set_comms(g.group, *g.saved_comms)
-            compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-        self._state = EngineState.CLOSED
+        """Restore FSDP2's own collectives and release the transport (shared memory is removed). Idempotent.
+
+        The model keeps working as a plain FSDP2 model while the process group exists. Called after
+        ``dist.destroy_process_group()``, it also drops what every FSDP2 module of the process still holds of the
+        destroyed groups, so that gloo's worker threads end before the interpreter does.
+        """
+        if self._state != EngineState.CLOSED or self.transport is not None:
+            for g in self._groups:
+                compat.set_comms(g.group, *g.saved_comms)
+                compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
+            if self.transport is not None:
+                self._buffers = {}  # views of the transport's memory: a GPU segment is freed when the last one dies
+                self.transport.close()
+                self.transport = None
+            self._state = EngineState.CLOSED
+        self._pg = None  # set-up only; a closed engine must not keep the group (and gloo's threads) alive
+        _release_destroyed_groups()
 
     def __enter__(self) -> ODCEngine:
         return self
@@ -510,3 +540,64 @@ class ODCEngine:
     def param_groups(self) -> list[str]:
         """FQNs of the FSDP2 param groups the engine serves, in registration order."""
         return [g.fqn for g in self._groups]
+
+
+# ---------------------------------------------------------------------- process exit
+# gloo joins its worker threads only when a process group object is freed, and ``destroy_process_group()`` does not
+# free it while FSDP2 modules, their device meshes or an engine still reference it. A worker still running while the
+# interpreter finalises can abort a finished run (``terminate called without an active exception``): a custom loop that
+# ends with ``engine.close(); dist.destroy_process_group()`` and keeps its model in a global would fail at exit.
+_LIVE_ENGINES: weakref.WeakSet[ODCEngine] = weakref.WeakSet()  # weak: the exit handler keeps no engine alive
+_exit_handler_registered = False
+
+
+def _watch_for_exit(engine: ODCEngine) -> None:
+    """Track ``engine`` and register `_release_process_groups_at_exit` (once per process)."""
+    global _exit_handler_registered
+    _LIVE_ENGINES.add(engine)
+    if not _exit_handler_registered:
+        atexit.register(_release_process_groups_at_exit)
+        _exit_handler_registered = True
+
+
+def _default_group_destroyed() -> bool:
+    return dist.is_available() and not dist.is_initialized()
+
+
+def _release_destroyed_groups() -> int:
+    """Once ``dist.destroy_process_group()`` has run, drop every reference FSDP2 modules keep to process groups.
+
+    That frees the groups, so gloo joins its worker threads now. Does nothing while the default process group exists
+    (the model may still be trained with FSDP2); once it is destroyed no FSDP2 module of this process can communicate
+    anyway. A missing torch internal is logged, not raised: training is over.
+
+    Returns:
+        `int`: how many references to process groups were dropped.
+    """
+    if not _default_group_destroyed():
+        return 0
+    try:
+        dropped = compat.release_process_groups([])
+    except CompatError as err:
+        logger.warning(
+            "%s Without it gloo's worker threads may outlive destroy_process_group (rare abort at exit).", err
+        )
+        return 0
+    logger.debug("Released %d references to destroyed process groups.", dropped)
+    return dropped
+
+
+def _release_process_groups_at_exit() -> None:
+    """Exit handler: if the default group was destroyed, close the engines left open and release the groups.
+
+    Runs before the interpreter finalises, while gloo can still join its threads. Holds no engine or model: a live
+    engine is found through `_LIVE_ENGINES`, a live FSDP2 module through torch's registry of module states.
+    """
+    if not _default_group_destroyed():
+        return
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.close()  # an engine left open: its transport goes (nothing can use it without the group)
+        except Exception as err:  # best effort at exit: report, and still release the rest
+            logger.warning("Closing an ODCEngine at exit failed: %s", err)
+    _release_destroyed_groups()

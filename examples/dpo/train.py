@@ -18,6 +18,7 @@ its real continuation, ``rejected`` the continuation of a passage from another t
 
 from __future__ import annotations
 
+from odc_accelerate._compat.transformers import end_training
 from odc_accelerate.integrations.trl import ODCDPOConfig, ODCDPOTrainer
 
 _TRL_DEFAULT_MAX_LENGTH = 1024
@@ -124,8 +125,9 @@ def main(script_args, training_args, model_args, dataset_args):
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
         trainer.accelerator.print(f"🤗 Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
 
-    # Finish the trackers, close the ODC engines (shared memory) and destroy the process group.
-    trainer.end()
+    # Finish the trackers, close the ODC engines (shared memory) and destroy the process group: trainer.end(), or
+    # accelerator.end_training() on transformers before 5.18, which has no Trainer.end.
+    end_training(trainer)
 
 
 def make_parser():

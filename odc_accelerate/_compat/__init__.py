@@ -45,12 +45,12 @@ __all__ = [
     "version_tuple",
 ]
 
-#: (major, minor) versions of each library that odc_accelerate was tested with, by import name. pyproject.toml pins
-#: the same series.
+#: (major, minor) versions of each library that odc_accelerate was tested with, by import name (README, "Supported
+#: versions"). pyproject.toml's ranges start at the oldest one; versions in between and untested run with a warning.
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
-    "torch": ((2, 13),),
+    "torch": ((2, 11), (2, 12), (2, 13), (2, 14)),
     "accelerate": ((1, 15),),
-    "transformers": ((5, 23),),
+    "transformers": ((5, 17), (5, 23)),
     "trl": ((1, 16),),
 }
 

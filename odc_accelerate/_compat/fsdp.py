@@ -7,17 +7,25 @@ functions, and the parameters they are called with (always by keyword), are chec
 :func:`check` verifies the attributes read on live FSDP2 objects at engine start. Each raises
 :class:`~odc_accelerate._compat.CompatError` naming whatever is missing, so a torch upgrade fails loudly at start-up
 instead of training wrongly. The tested torch versions are ``TESTED["torch"]`` in :mod:`odc_accelerate._compat`.
+
+Where the supported releases differ, `PATHS` says which internal each one has; it is read once, from the installed
+torch's version, and every function below that touches such an internal follows it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from . import CompatError, check_signature, import_attr, require, untested_warning
+from . import CompatError, check_signature, import_attr, patch_attribute, require, untested_warning, version_tuple
 
 _LIBRARY = "torch"
 
@@ -82,8 +90,70 @@ def _check_private_functions() -> None:
 
 _check_private_functions()
 
+
+# ----------------------------------------------------------------- what differs between the supported releases
+@dataclass(frozen=True)
+class _Path:
+    """One FSDP2 internal that the supported torch releases do not all have: the first release with it, and what the
+    older ones do instead."""
+
+    internal: str
+    since: tuple[int, int]
+    before: str
+
+
+#: The FSDP2 internals whose presence differs between the supported releases (torch 2.11 to 2.14).
+PATHS: dict[str, _Path] = {
+    "param_groups": _Path(
+        "FSDPState._fsdp_param_groups",
+        (2, 12),
+        "one `FSDPState._fsdp_param_group` per state (None without parameters)",
+    ),
+    "reduce_scatter_unused_params": _Path(
+        "FSDPModule.set_reduce_scatter_unused_params",
+        (2, 13),
+        "a param group's reduce-scatter holds only the params that got a gradient; the engine reads which from "
+        "`foreach_reduce`'s `fsdp_params` and places each one's rows at its own offset",
+    ),
+    "reduce_scatter_process_group": _Path(
+        "FSDPMeshInfo.reduce_scatter_process_group",
+        (2, 13),
+        "the mesh info holds `shard_process_group` only",
+    ),
+}
+
+#: ``(major, minor)`` of the installed torch; every `PATHS` choice is made from it.
+TORCH_VERSION: tuple[int, int] = version_tuple(torch.__version__)
+
+
+def has(feature: str) -> bool:
+    """Whether the installed torch has the `PATHS` internal ``feature`` (decided by its version)."""
+    return TORCH_VERSION >= PATHS[feature].since
+
+
+#: The oldest torch the engine runs on: older releases lack FSDP2 pieces it cannot do without (the comm hooks of
+#: ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` and ``set_force_sum_reduction_for_comms`` as 2.11 has
+#: them) or were never tested.
+MIN_TORCH: tuple[int, int] = (2, 11)
+
+# Public FSDPModule methods the engine calls: present from MIN_TORCH on, checked at engine start all the same.
+_MODULE_METHODS = ("set_force_sum_reduction_for_comms", "set_custom_all_gather", "set_custom_reduce_scatter")
+
+
+def check_torch_release() -> None:
+    """Raise :class:`~odc_accelerate._compat.CompatError` if the installed torch is older than `MIN_TORCH`, naming the
+    release and what it lacks."""
+    if TORCH_VERSION < MIN_TORCH:
+        missing = [f"FSDPModule.{m}" for m in _MODULE_METHODS if not hasattr(FSDPModule, m)]
+        what = f"lacks {', '.join(missing)}" if missing else "was not tested (its FSDP2 internals differ)"
+        raise CompatError(
+            f"ODCEngine needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer: torch {torch.__version__} {what}. "
+            "Install a supported torch (the range in odc_accelerate's pyproject.toml)."
+        )
+
+
 # Attributes read on live objects; checked on the first param group at engine start.
-_STATE_ATTRS = ("_fsdp_param_groups", "_is_root", "_lazy_init")
+_STATE_ATTRS = ("_fsdp_param_groups" if has("param_groups") else "_fsdp_param_group", "_is_root", "_lazy_init")
 _GROUP_ATTRS = (
     "fsdp_params",
     "mesh_info",
@@ -95,7 +165,7 @@ _GROUP_ATTRS = (
     "_module_fqn",
     "gradient_divide_factor",
     "force_sum_reduction_for_comms",
-    "reduce_scatter_unused_params",
+    *(("reduce_scatter_unused_params",) if has("reduce_scatter_unused_params") else ()),
     "_all_gather_comm",
     "_reduce_scatter_comm",
 )
@@ -117,7 +187,12 @@ def check(model: nn.Module) -> None:
 
     Raises :class:`~odc_accelerate._compat.CompatError` naming the first missing piece.
     """
-    groups = [g for _, s in all_states(model) for g in s._fsdp_param_groups]
+    check_torch_release()
+    for method in _MODULE_METHODS:
+        _require(model, method, "FSDPModule")
+    if has("reduce_scatter_unused_params"):
+        _require(model, "set_reduce_scatter_unused_params", "FSDPModule")
+    groups = [g for _, s in all_states(model) for g in param_groups(s)]
     if groups:
         for attr in _GROUP_ATTRS:
             _require(groups[0], attr, "FSDPParamGroup")
@@ -147,12 +222,16 @@ def all_states(root: nn.Module) -> Iterator[Any]:
 
 
 def param_groups(state: Any) -> list[Any]:
-    """The FSDPParamGroups of one FSDP state (several only with per-param meshes)."""
-    return list(state._fsdp_param_groups)
+    """The FSDPParamGroups of one FSDP state (several only with per-param meshes; torch 2.11 keeps at most one)."""
+    if has("param_groups"):
+        return list(_require(state, "_fsdp_param_groups", "FSDPState"))
+    group = _require(state, "_fsdp_param_group", "FSDPState")
+    return [] if group is None else [group]
 
 
 def lazy_init(root: nn.Module) -> None:
     """Run FSDP2's root lazy init now (it normally runs at the first forward); idempotent."""
+    check_torch_release()
     state = fsdp_state(root)
     for attr in _STATE_ATTRS:
         _require(state, attr, "FSDPState")
@@ -196,7 +275,8 @@ def shard_group(group: Any) -> Any:
 
 
 def trainable_params(group: Any) -> list[Any]:
-    """Params that take part in the reduce-scatter, in its order (with ``reduce_scatter_unused_params``)."""
+    """Params that require grad, in the group's order: the layout of the engine's accumulator (and of every
+    reduce-scatter, where torch has ``reduce_scatter_unused_params``)."""
     return [p for p in group.fsdp_params if p.sharded_param.requires_grad]
 
 
@@ -291,13 +371,99 @@ def set_comms(group: Any, all_gather: Any, reduce_scatter: Any) -> None:
     group._reduce_scatter_comm = reduce_scatter
 
 
-def sum_and_unused_flags(group: Any) -> tuple[bool, bool]:
-    return group.force_sum_reduction_for_comms, group.reduce_scatter_unused_params
+def sum_and_unused_flags(group: Any) -> tuple[bool, bool | None]:
+    """``force_sum_reduction_for_comms`` and ``reduce_scatter_unused_params`` of ``group`` (None where torch has no
+    such flag)."""
+    unused = group.reduce_scatter_unused_params if has("reduce_scatter_unused_params") else None
+    return group.force_sum_reduction_for_comms, unused
 
 
-def set_sum_and_unused_flags(group: Any, force_sum: bool, unused: bool) -> None:
+def set_sum_and_unused_flags(group: Any, force_sum: bool, unused: bool | None) -> None:
     group.force_sum_reduction_for_comms = force_sum
-    group.reduce_scatter_unused_params = unused
+    if unused is not None:
+        group.reduce_scatter_unused_params = unused
+
+
+# ----------------------------------------------------------------- the reduce-scatter layout
+# torch 2.13+: `set_reduce_scatter_unused_params(True)` makes every reduce-scatter of a group hold all its trainable
+# params (zeros for those without a gradient), the accumulator's layout. torch 2.11 and 2.12 have no such switch: a
+# reduce-scatter holds only the params that got a gradient in that backward, which `foreach_reduce` receives as
+# `fsdp_params`. There the call's params are recorded (per thread: backward may run on several) for the hook,
+# which runs inside that very call.
+_reduce_call = threading.local()
+_PARAM_GROUP_MODULE = f"{_FSDP}._fsdp_param_group"
+
+
+def _record_reduce_params(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        previous = getattr(_reduce_call, "current", None)
+        _reduce_call.current = (bound.arguments["reduce_scatter_comm"], list(bound.arguments["fsdp_params"]))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _reduce_call.current = previous
+
+    return foreach_reduce
+
+
+def fix_reduce_scatter_layout(module: nn.Module) -> None:
+    """Make the reduce-scatter layout of ``module``'s param group knowable to the engine's hook.
+
+    With ``set_reduce_scatter_unused_params`` (torch 2.13+) every reduce-scatter holds all trainable params; on
+    torch 2.11 and 2.12 FSDP2's ``foreach_reduce`` is wrapped (once per process) to record which params each call
+    holds, read by `reduce_scatter_spans`. The wrapper only records its arguments; FSDP2 runs unchanged.
+    """
+    if has("reduce_scatter_unused_params"):
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        return
+    group_module = importlib.import_module(_PARAM_GROUP_MODULE)
+    original = _require(group_module, "foreach_reduce", _PARAM_GROUP_MODULE)
+    _check_signature(original, ("fsdp_params", "reduce_scatter_comm"), f"{_PARAM_GROUP_MODULE}.foreach_reduce")
+    patch_attribute(group_module, "foreach_reduce", _record_reduce_params, library=_LIBRARY, where=_PARAM_GROUP_MODULE)
+
+
+def reduce_scatter_spans(group: Any, comm: Any) -> list[tuple[int, int, int]] | None:
+    """Where each row segment of the reduce-scatter now running through ``comm`` belongs in the accumulator.
+
+    Returns None when the reduce-scatter has the accumulator's layout (always with ``reduce_scatter_unused_params``),
+    else ``(offset in the row, offset in the accumulator, numel)`` per param it holds, in row order.
+
+    Raises:
+        RuntimeError: before torch 2.13, called outside a ``foreach_reduce`` of ``comm`` (the hook is then not called
+            by FSDP2 as recorded, and the layout cannot be known).
+    """
+    if has("reduce_scatter_unused_params"):
+        return None
+    current = getattr(_reduce_call, "current", None)
+    if current is None or current[0] is not comm:
+        raise RuntimeError(
+            f"ODC could not tell which params the reduce-scatter of {group_fqn(group)} holds: on torch "
+            f"{torch.__version__} it reads them from FSDP2's foreach_reduce, which did not run this hook. "
+            "Construct ODCEngine before the first backward and do not replace FSDP2's reduce-scatter hook."
+        )
+    params = current[1]
+    full = trainable_params(group)
+    if [id(p) for p in params] == [id(p) for p in full]:
+        return None
+    offsets, offset = {}, 0
+    for p in full:
+        offsets[id(p)] = offset
+        offset += p.padded_sharded_param_size.numel()
+    spans, row_offset = [], 0
+    for p in params:
+        if id(p) not in offsets:
+            raise RuntimeError(
+                f"ODC reduce-scatter for {group_fqn(group)}: {p._param_fqn} got a gradient but did not require grad "
+                "when ODCEngine was built; set requires_grad before constructing ODCEngine"
+            )
+        numel = p.padded_sharded_param_size.numel()
+        spans.append((row_offset, offsets[id(p)], numel))
+        row_offset += numel
+    return spans
 
 
 def version_warning() -> str | None:
@@ -309,7 +475,11 @@ def version_warning() -> str | None:
 # Where torch keeps a ProcessGroup alive after destroy_process_group(): a DeviceMesh's registry (shared by a root
 # mesh and the meshes sliced or flattened from it) and FSDP2's per-group mesh infos.
 _MESH_ATTRS = ("_pg_registry", "_root_mesh", "_flatten_mapping")
-_MESH_INFO_PG_ATTRS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")
+_MESH_INFO_PG_ATTRS = (
+    "shard_process_group",
+    "replicate_process_group",
+    *(("reduce_scatter_process_group",) if has("reduce_scatter_process_group") else ()),
+)
 
 
 def release_process_groups(meshes: list[Any]) -> int:
@@ -357,18 +527,20 @@ def release_process_groups(meshes: list[Any]) -> int:
 
 # ----------------------------------------------------------------- symmetric memory (the CUDA transport)
 _SYMM = "torch.distributed._symmetric_memory"
+#: torch's switch that keeps a symmetric-memory rendezvous from binding NVLS multicast (ODC never uses it)
+MULTICAST_OFF_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 
-def _symmetric_memory() -> tuple[Any, Any]:
-    """``empty`` and ``rendezvous`` of torch's symmetric memory, with the handle's ``get_buffer``, checked."""
-    empty = _import(_SYMM, "empty")
-    rendezvous = _import(_SYMM, "rendezvous")
+def _symmetric_memory() -> Any:
+    """torch's ``_SymmetricMemory`` class, with every method the CUDA transport calls checked."""
+    _check_signature(_import(_SYMM, "rendezvous"), ("tensor", "group"), f"{_SYMM}.rendezvous")
     handle_type = _import(_SYMM, "_SymmetricMemory")
-    get_buffer = _require(handle_type, "get_buffer", f"{_SYMM}._SymmetricMemory")
-    _check_signature(empty, ("dtype", "device"), f"{_SYMM}.empty")
-    _check_signature(rendezvous, ("tensor", "group"), f"{_SYMM}.rendezvous")
-    _check_signature(get_buffer, ("rank", "sizes", "dtype", "storage_offset"), f"{_SYMM}._SymmetricMemory.get_buffer")
-    return empty, rendezvous
+    where = f"{_SYMM}._SymmetricMemory"
+    empty_p2p = _require(handle_type, "empty_strided_p2p", where)
+    get_buffer = _require(handle_type, "get_buffer", where)
+    _check_signature(empty_p2p, ("size", "stride", "dtype", "device", "group_name"), f"{where}.empty_strided_p2p")
+    _check_signature(get_buffer, ("rank", "sizes", "dtype", "storage_offset"), f"{where}.get_buffer")
+    return handle_type
 
 
 def symmetric_memory_unavailable_reason() -> str | None:
@@ -381,16 +553,63 @@ def symmetric_memory_unavailable_reason() -> str | None:
     return None
 
 
-def symmetric_segment(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A 1-D uint8 tensor of ``nbytes`` in symmetric memory on ``device`` (collective with `symmetric_rendezvous`)."""
-    empty, _ = _symmetric_memory()
-    return empty(nbytes, dtype=torch.uint8, device=device)  # `size` is variadic: the one positional argument
+def symmetric_backend(device: torch.device) -> str:
+    """The symmetric-memory backend this process allocates with on ``device`` (``"CUDA"``, ``"NCCL"``, ...).
+
+    Both torch's answer (``get_backend``, set by ``set_backend`` or FSDP2's ``set_symm_mem``; absent on some releases)
+    and ``$TORCH_SYMMMEM`` (read when the first block is allocated) are consulted; whichever names a backend other than
+    CUDA wins, so that a refusal errs on the safe side. torch's default is CUDA.
+    """
+    import os  # local: the top of this module is shared with other sections
+
+    get_backend = getattr(_symmetric_memory(), "get_backend", None)
+    named = [get_backend(device) if get_backend is not None else None, os.environ.get("TORCH_SYMMMEM")]
+    others = [str(b) for b in named if b and str(b).upper() != "CUDA"]
+    return others[0] if others else "CUDA"
+
+
+def _without_multicast(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with NVLS multicast disabled for symmetric memory (torch reads the switch at allocation and
+    rendezvous), restoring the caller's setting afterwards."""
+    import os
+
+    previous = os.environ.get(MULTICAST_OFF_ENV)
+    os.environ[MULTICAST_OFF_ENV] = "1"
+    try:
+        return fn()
+    finally:
+        if previous is None:
+            del os.environ[MULTICAST_OFF_ENV]
+        else:
+            os.environ[MULTICAST_OFF_ENV] = previous
+
+
+def symmetric_segment(nbytes: int, device: torch.device, group: Any) -> torch.Tensor:
+    """A 1-D uint8 tensor of ``nbytes`` in symmetric memory on ``device`` for ``group`` (whose ranks then call
+    `symmetric_rendezvous` with it).
+
+    Allocated directly (``empty_strided_p2p``), not through ``_symmetric_memory.empty``: in recent releases (2.13
+    checked) ``empty`` allocates from a per-device memory pool that keeps freed blocks cached, so the segment would
+    outlive the transport. Allocated directly, it goes back to the driver when its last view dies.
+    """
+    handle_type = _symmetric_memory()
+    group_name = group if isinstance(group, str) else group.group_name  # required by some releases, harmless in others
+    return _without_multicast(
+        lambda: handle_type.empty_strided_p2p(
+            size=(nbytes,), stride=(1,), dtype=torch.uint8, device=device, group_name=group_name
+        )
+    )
 
 
 def symmetric_rendezvous(segment: torch.Tensor, group: Any) -> Any:
-    """Collective: exchange the ``segment`` handles of every rank of ``group``; returns the handle for peer views."""
-    _, rendezvous = _symmetric_memory()
-    return rendezvous(tensor=segment, group=group)
+    """Collective: exchange the ``segment`` handles of every rank of ``group``; returns the handle for peer views.
+
+    Multicast is not bound (ODC reads and adds peer to peer only; binding NVLS for a large segment costs set-up time
+    and multicast memory).
+    """
+    _symmetric_memory()
+    rendezvous = _import(_SYMM, "rendezvous")  # the module function: it does whatever set-up this release needs
+    return _without_multicast(lambda: rendezvous(tensor=segment, group=group))
 
 
 def peer_segment(handle: Any, peer: int, nbytes: int) -> torch.Tensor:

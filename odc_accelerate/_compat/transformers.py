@@ -56,6 +56,16 @@ def check() -> None:
         check_signature(method, params, library=_LIBRARY, where=f"transformers.Trainer.{name}")
 
 
+def end_training(trainer: Any) -> None:
+    """Finish the trackers and destroy the process group: ``trainer.end()`` (transformers 5.18+), else
+    ``trainer.accelerator.end_training()``, which is what ``Trainer.end`` calls."""
+    end = getattr(trainer, "end", None)
+    if callable(end):
+        end()
+    else:
+        trainer.accelerator.end_training()
+
+
 def loss_shifts_labels(trainer: Any) -> bool:
     """Whether the model's loss shifts labels (causal LM): then label tokens are counted over ``labels[..., 1:]``."""
     return bool(getattr(trainer, "_loss_shifts_labels", True))

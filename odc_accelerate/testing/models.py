@@ -17,6 +17,9 @@ class ToyConfig:
     heads: int = 4
     layers: int = 3
     mlp_ratio: int = 4
+    # Each block also has a `gate` (registered between the attention and the MLP) that only sequences of odd length
+    # go through: a backward of an even-length sequence gives its params no gradient.
+    gated: bool = False
 
 
 class Block(nn.Module):
@@ -30,6 +33,7 @@ class Block(nn.Module):
         # AdamW would amplify into spurious parameter differences between equivalent runs.
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.gate = nn.Linear(cfg.dim, cfg.dim) if cfg.gated else None
         self.norm2 = nn.LayerNorm(cfg.dim)
         self.up = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
         self.down = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
@@ -39,6 +43,8 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        if self.gate is not None and t % 2 == 1:
+            x = x + self.gate(x)
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 

@@ -4,7 +4,7 @@
 ``"shm"``          CPU tensors, every rank on one host: ``/dev/shm`` mappings and record locks.
 ``"network"``      CPU tensors, any hosts: TCP with an owner-side service thread per rank.
 ``"hierarchical"`` CPU tensors, several hosts: ``"shm"`` within a host, ``"network"`` across hosts.
-``"cuda"``         CUDA tensors, one node: torch symmetric memory (CUDA IPC), per-sender staging slots.
+``"cuda"``         CUDA tensors, one node: torch symmetric memory (CUDA IPC), atomic adds into fp32 accumulators.
 ``"auto"``         picks one of the above (see :func:`create_transport`) and logs the choice.
 =================  ==================================================================================
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .base import HOST_ID_ENV, BufferSpec, ODCTimeoutError, Transport, host_id
-from .cuda import CudaTransport, cuda_unavailable_reason
+from .cuda import CudaTransport, device_refusal, gather_device_facts
 from .hierarchical import HierarchicalTransport, gather_hosts, host_layout
 from .network import NetworkTransport
 from .shm import ShmTransport
@@ -58,10 +58,13 @@ def create_transport(
 
     * CPU tensors, every rank on one host: ``"shm"``;
     * CPU tensors, one rank per host: ``"network"``; several ranks on some host: ``"hierarchical"``;
-    * CUDA tensors, every rank on one host and symmetric memory usable: ``"cuda"``.
+    * CUDA tensors, every rank on one host and the ``"cuda"`` transport usable on every rank (its device checks:
+      GPUs not shared unless allowed, peers visible and peer-accessible with native atomics, CUDA symmetric-memory
+      backend): ``"cuda"``.
 
     Host identity is :func:`~odc_accelerate.transport.host_id` (``$ODC_HOST_ID`` overrides it). The choice is logged
-    at INFO. CUDA tensors across hosts have no transport yet and are refused with an error saying so.
+    at INFO. CUDA tensors have no other transport: across hosts, or where a device check fails, ``"auto"`` logs the
+    reason at ERROR and raises, on every rank, an error saying what to change (or to use plain FSDP2).
     """
     if isinstance(name, Transport):
         return name
@@ -85,10 +88,16 @@ def create_transport(
                     f"ODC has no cross-host transport for CUDA tensors yet (ranks span {len(hosts)} hosts); "
                     "use plain FSDP2 across nodes or keep the ODC group within one node"
                 )
-            missing = cuda_unavailable_reason(device)
+            # Collective, and decided from every rank's facts: all ranks pick or refuse together.
+            missing = device_refusal(gather_device_facts(group, world_size, device))
             if missing:
-                raise RuntimeError(f"ODC transport 'auto' cannot use CUDA symmetric memory here: {missing}")
-            name, reason = "cuda", "CUDA tensors on one host"
+                message = (
+                    f"ODC transport 'auto' found no usable transport for CUDA tensors: {missing}. "
+                    "ODC has no other GPU transport; fix the above or train with plain FSDP2 (ODC off)"
+                )
+                logger.error(message)
+                raise RuntimeError(message)
+            name, reason = "cuda", "CUDA tensors on one host, peers mapped with native atomics"
         elif len(hosts) == 1:
             name, reason = "shm", "CPU tensors, every rank on one host"
         elif all(len(ranks) == 1 for ranks in hosts):

@@ -126,6 +126,18 @@ class Transport(abc.ABC):
             ODCTimeoutError: a rank did not arrive within ``timeout`` or died; names the rank(s).
         """
 
+    def flush(self) -> None:
+        """Wait until the operations this rank enqueued asynchronously (GPU streams) have completed locally.
+
+        ``barrier`` flushes too; calling it first lets a caller tell this rank's own queued work apart from time
+        blocked on peers. Synchronous transports have nothing to flush.
+        """
+        return None
+
+    def memory_report(self) -> dict[str, int]:
+        """Device memory this transport holds, in bytes by purpose plus ``"total"``; empty for host memory."""
+        return {}
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release every resource; idempotent. Peers' buffers stay valid for peers that still use them."""

@@ -1,52 +1,66 @@
 """CUDA transport for the GPUs of one node: torch symmetric memory for data, shared memory for control.
 
-**Unverified on GPUs**: written and unit-tested (the device-independent parts, on CPU) on a machine without a GPU.
+**Not yet run on a GPU**: written against torch's sources; its host-side logic (:mod:`._cuda_plan`) is unit-tested on
+CPU, and ``scripts/gpu_check.sh`` checks it on a GPU.
 
-Data plane. Every rank allocates one segment with ``torch.distributed._symmetric_memory.empty`` (through
-:mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every
-peer's segment after ``rendezvous`` (``handle.get_buffer``; CUDA IPC / NVLink underneath). A segment holds, per
-registered buffer, the buffer itself and, for buffers that receive ``accumulate``, one *staging slot per sender*:
+Data plane. Every rank allocates one segment with torch's symmetric memory (through
+:mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every peer's segment
+after ``rendezvous``. A segment holds the rank's published shards and its gradient accumulators, nothing per peer:
 
 * ``read(peer, name, out)`` is ``out.copy_(peer_view)`` enqueued on the caller's current stream: the published shard
   is already there, so nothing waits for the peer and the host does not block;
-* ``accumulate(owner, name, src)`` is ``owner_slot[me].add_(src)`` enqueued on the current stream: a peer-to-peer
-  read-modify-write of a slot that only this rank ever writes, so no atomics or locks are needed;
-* the owner reduces: after the step's barrier it adds every slot written since the last barrier into its buffer, in
-  sender order, and zeroes those slots, on its current stream.
+* ``accumulate(owner, name, src)`` adds ``src`` straight into the owner's accumulator with atomic adds over the peer
+  mapping (``index_add_``, whose CUDA kernel uses ``atomicAdd``), in chunks that go through a staging pool of fixed
+  size (the index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own adds use the
+  same atomic path, since peers add into the same memory at the same time.
 
-Why staging + owner reduction and not a locked add: GPUs have no remote float atomic add over CUDA IPC that torch
-exposes, and a lock held across an asynchronous kernel would force the sender's host to wait for the add to finish
-before unlocking, stalling the stream pipeline on every layer. Per-sender slots need no lock and no host wait, and
-the fixed reduction order makes gradients bitwise reproducible whatever order the adds arrive in. The cost is
-memory: ``world_size - 1`` slots per accumulated buffer (together the size of an unsharded gradient, in
-``reduce_dtype``) and one extra pass over them per step. Accumulates into a peer therefore become visible in the
-owner's buffer at the next ``barrier``, which is when the engine reads them.
+Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less) + the staging pool
+(``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their device facts
+and refuse together, naming what to change, when: a GPU is shared without ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``,
+a peer's GPU is not visible or not peer-accessible, peer-to-peer atomics are not native (PCIe), the symmetric-memory
+backend is not CUDA, deterministic algorithms are on, or the memory does not fit. Multicast (NVLS) is never bound for
+the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
-dead-peer detection) and a per-rank ledger of how many adds this rank sent into each (owner, buffer), so an owner
-reduces only the slots that changed. ``barrier`` first synchronises the device (every enqueued add and publish has
-landed) and then meets the peers on the host: one device sync per barrier, none per layer.
+dead-peer detection). ``flush`` waits for this rank's own queued GPU work (its adds and publishes land); ``barrier``
+flushes, then meets the peers on the host, so only the second part is time spent waiting for peers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .base import BufferSpec, Transport
+from ._cuda_plan import (
+    OVERLAP_ENV,
+    DeviceFacts,
+    SegmentPlan,
+    StagingPool,
+    device_refusal,
+    memory_refusal,
+    plan_segment,
+    staging_bytes_setting,
+)
+from .base import BufferSpec, Transport, host_id
 from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-#: byte alignment of every buffer and slot in a segment (wide vector loads, any dtype's storage offset)
-ALIGN = 256
+_P2P_NATIVE_ATOMIC = 3  # CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cudaDevP2PAttrNativeAtomicSupported)
 
 
 def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the CUDA transport cannot run here (a sentence naming what is missing), or None if it can."""
+    """Why the CUDA transport cannot run in this process (a sentence naming what is missing), or None if it can.
+
+    Local checks only (torch build, driver, torch's symmetric memory); `gather_device_facts` adds the checks that need
+    every rank.
+    """
     if device is not None and torch.device(device).type != "cuda":
         return f"the model is on {torch.device(device).type}, not cuda"
     if torch.version.cuda is None:
@@ -58,121 +72,63 @@ def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
     return compat.symmetric_memory_unavailable_reason()
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+def _p2p_native_atomics(src: int, dst: int) -> bool | None:
+    """Whether device ``src`` has native atomics into device ``dst``'s memory (CUDA driver), None if unknown."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        a, b, value = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(a), src) or lib.cuDeviceGet(ctypes.byref(b), dst):
+            return None
+        if lib.cuDeviceGetP2PAttribute(ctypes.byref(value), _P2P_NATIVE_ATOMIC, a, b):
+            return None
+        return bool(value.value)
+    except (OSError, AttributeError):
+        return None
 
 
-def slot_index(owner: int, sender: int) -> int:
-    """Which of the owner's ``world_size - 1`` staging slots belongs to ``sender`` (the owner has none for itself)."""
-    if owner == sender:
-        raise ValueError(f"rank {owner} adds into its own buffer directly; it has no staging slot")
-    return sender if sender < owner else sender - 1
+def local_device_facts(device: torch.device | None, settings: tuple = ()) -> DeviceFacts:
+    """This rank's `DeviceFacts` (no collective; a problem found here is carried in ``problem``, not raised)."""
+    problem = cuda_unavailable_reason(device or torch.device("cuda"))
+    common = dict(
+        host=host_id(),
+        settings=settings,
+        allow_overlap=os.environ.get(OVERLAP_ENV) == "1",
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )
+    if problem:
+        return DeviceFacts(problem=problem, **common)
+    from .._compat import fsdp as compat
+
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    visible = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+    access = tuple(i == index or torch.cuda.can_device_access_peer(index, i) for i in range(count))
+    atomics = tuple(True if i == index else _p2p_native_atomics(index, i) for i in range(count))
+    free, _ = torch.cuda.mem_get_info(index)
+    return DeviceFacts(
+        uuid=visible[index],
+        visible=visible,
+        access=access,
+        atomics=atomics,
+        backend=compat.symmetric_backend(torch.device("cuda", index)),
+        free_bytes=int(free),
+        **common,
+    )
 
 
-class StagingLayout:
-    """Byte layout of one rank's segment; identical on every rank.
-
-    Args:
-        specs: the registered buffers, in registration order.
-        world_size: number of ranks.
-    Buffers registered with ``accumulated=True`` receive ``accumulate`` and so get ``world_size - 1`` staging
-    slots each.
-    """
-
-    def __init__(self, specs: Mapping[str, BufferSpec], world_size: int) -> None:
-        self.specs = dict(specs)
-        self.world_size = world_size
-        self.offsets: dict[str, int] = {}
-        self.slot_bases: dict[str, int] = {}
-        self.staged_names = [name for name, spec in specs.items() if spec.accumulated]
-        offset = 0
-        for name, spec in specs.items():
-            self.offsets[name] = offset
-            offset += _aligned(spec.nbytes)
-        for name in self.staged_names:
-            self.slot_bases[name] = offset
-            offset += (world_size - 1) * _aligned(self.specs[name].nbytes)
-        self.total_bytes = max(offset, ALIGN)
-
-    def slot_offset(self, name: str, owner: int, sender: int) -> int:
-        """Byte offset, in ``owner``'s segment, of ``sender``'s staging slot for buffer ``name``."""
-        if name not in self.slot_bases:
-            raise KeyError(f"buffer {name!r} is not staged: nothing may accumulate into it on this transport")
-        return self.slot_bases[name] + slot_index(owner, sender) * _aligned(self.specs[name].nbytes)
-
-    def view(self, segment: torch.Tensor, offset: int, name: str) -> torch.Tensor:
-        spec = self.specs[name]
-        return segment[offset : offset + spec.nbytes].view(spec.dtype)
-
-
-class StagedBuffers:
-    """The data plane over ``segments[r]`` (rank ``r``'s segment as this rank sees it, any device).
-
-    Device-independent: on GPUs the segments are symmetric-memory mappings, in tests plain CPU tensors.
-    """
-
-    def __init__(self, layout: StagingLayout, rank: int, segments: Sequence[torch.Tensor]) -> None:
-        self.layout = layout
-        self.rank = rank
-        world = layout.world_size
-        self.staged_index = {name: k for k, name in enumerate(layout.staged_names)}
-        self.views = [
-            {name: layout.view(seg, layout.offsets[name], name) for name in layout.specs} for seg in segments
-        ]
-        # outgoing[owner][name]: this rank's slot in the owner's segment
-        self.outgoing = [
-            {name: layout.view(segments[o], layout.slot_offset(name, o, rank), name) for name in layout.staged_names}
-            if o != rank
-            else {}
-            for o in range(world)
-        ]
-        # incoming[sender][name]: the sender's slot in this rank's segment
-        own = segments[rank]
-        self.incoming = [
-            {name: layout.view(own, layout.slot_offset(name, rank, s), name) for name in layout.staged_names}
-            if s != rank
-            else {}
-            for s in range(world)
-        ]
-        # sent[owner, k]: adds this rank sent into owner's staged buffer k (published to the owner as a ledger)
-        self.sent = torch.zeros(world, len(layout.staged_names), dtype=torch.int64)
-        self.seen = torch.zeros(world, len(layout.staged_names), dtype=torch.int64)
-
-    def read(self, peer: int, name: str, out: torch.Tensor) -> None:
-        out.copy_(self.views[peer][name].view(out.shape), non_blocking=True)
-
-    def accumulate(self, owner: int, name: str, src: torch.Tensor) -> None:
-        if owner == self.rank:
-            self.views[owner][name].add_(src.reshape(-1))
-            return
-        if name not in self.staged_index:
-            raise KeyError(f"buffer {name!r} is not staged: nothing may accumulate into it on this transport")
-        # Single writer per slot: a plain (peer-to-peer) add, ordered on the caller's stream.
-        self.outgoing[owner][name].add_(src.reshape(-1))
-        self.sent[owner, self.staged_index[name]] += 1
-
-    def dirty(self, ledgers: Mapping[int, torch.Tensor]) -> list[tuple[str, int]]:
-        """(buffer, sender) slots written since the last reduction, from each sender's ``sent[self.rank]`` row."""
-        out = []
-        for sender, row in sorted(ledgers.items()):
-            changed = (row != self.seen[sender]).nonzero().flatten().tolist()
-            self.seen[sender] = row
-            out.extend((self.layout.staged_names[k], sender) for k in changed)
-        return sorted(out, key=lambda item: (self.staged_index[item[0]], item[1]))
-
-    def reduce(self, slots: list[tuple[str, int]]) -> None:
-        """Owner-side reduction: add the given slots into this rank's buffers in sender order, zero them."""
-        own = self.views[self.rank]
-        for name, sender in slots:
-            slot = self.incoming[sender][name]
-            own[name].add_(slot)
-            slot.zero_()
+def gather_device_facts(
+    group: dist.ProcessGroup | None, world_size: int, device: torch.device, settings: tuple = ()
+) -> list[DeviceFacts]:
+    """Collective over ``group``: every rank's `DeviceFacts`, indexed by rank."""
+    facts: list[DeviceFacts] = [None] * world_size  # type: ignore[list-item]
+    dist.all_gather_object(facts, local_device_facts(device, settings), group=group)
+    return facts
 
 
 class CudaTransport(Transport):
-    """One-sided reads and staged accumulates between the GPUs of one node through torch symmetric memory.
+    """One-sided reads and atomic accumulates between the GPUs of one node through torch symmetric memory.
 
-    **Unverified on GPUs** (written on a CPU-only machine; its device-independent logic is unit-tested on CPU).
+    **Not yet run on a GPU** (its host-side logic is unit-tested on CPU; ``scripts/gpu_check.sh`` checks the rest).
 
     Args:
         rank (`int`): this rank.
@@ -180,6 +136,14 @@ class CudaTransport(Transport):
         timeout (`float`, *optional*, defaults to 600.0): seconds a barrier may wait.
         group (`torch.distributed.ProcessGroup`, *optional*): the ODC group, used inside ``register`` only.
         device (`torch.device`, *optional*): this rank's GPU; defaults to the current CUDA device.
+        staging_mib (`float`, *optional*): size of the staging pool in MiB; defaults to ``$ODC_CUDA_STAGING_MIB``, else
+            64. Larger pools mean fewer, longer add kernels; any size is correct.
+        accumulate_dtype (`torch.dtype`, *optional*): dtype of the gradient accumulators. By default 16-bit reduce
+            dtypes are widened to fp32 (a whole step is summed before the fold); pass e.g. ``torch.bfloat16`` to keep
+            them narrow and save memory.
+
+    Buffers registered with ``accumulated=True`` come back in the accumulator dtype, which may be wider than
+    registered; the engine's fold divides in that dtype and then casts to the parameters' dtype.
     """
 
     name = "cuda"
@@ -191,80 +155,139 @@ class CudaTransport(Transport):
         timeout: float = 600.0,
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        *,
+        staging_mib: float | None = None,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(rank, world_size, timeout)
         self._group = group
         self._device = torch.device(device) if device is not None else None
+        self._staging_bytes = staging_bytes_setting(staging_mib)
+        self._accumulate_dtype = accumulate_dtype
         self._control: ShmTransport | None = None
-        self._data: StagedBuffers | None = None
+        self._plan: SegmentPlan | None = None
+        self._pool: StagingPool | None = None
         self._handle = None
         self._segment: torch.Tensor | None = None
-        self._ledger: torch.Tensor | None = None
+        self._views: list[dict[str, torch.Tensor]] = []
         self._closed = False
+        #: seconds spent in `flush` (this rank's own queued GPU work), summed since construction
+        self.flush_s = 0.0
 
     @property
     def job_id(self) -> str | None:
         return self._control.job_id if self._control is not None else None
 
-    def register(self, specs: Mapping[str, BufferSpec]) -> dict[str, torch.Tensor]:
-        device = self._device or (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        )
-        reason = cuda_unavailable_reason(device or torch.device("cuda"))
-        if reason:
-            raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}. Use transport='auto' or a CPU model")
-        from .._compat import fsdp as compat
+    @property
+    def plan(self) -> SegmentPlan | None:
+        """The segment's layout and memory budget (None before ``register``)."""
+        return self._plan
 
-        layout = StagingLayout(specs, self.world_size)
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of GPU memory this transport holds: ``published``, ``accumulator``, ``staging``, ``total``."""
+        if self._plan is None or self._closed:
+            return {}
+        return self._plan.report()
+
+    def register(self, specs: Mapping[str, BufferSpec]) -> dict[str, torch.Tensor]:
+        if self._plan is not None:
+            raise RuntimeError("CudaTransport.register may be called only once")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("CudaTransport.register needs an initialised torch.distributed process group")
+        device = self._device or torch.device("cuda")
+        if device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        # Every check below is made on every rank from the same gathered facts, so all ranks refuse together before
+        # any of them enters the symmetric-memory rendezvous (which has no timeout and raises inside C++).
+        facts = self._gather_facts(device)
+        reason = device_refusal(facts)
+        if reason:
+            raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
+        plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype)
+        reason = memory_refusal(plan, facts)
+        if reason:
+            raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
+        self._plan = plan
         # Control plane first: it also checks that every rank is on this host (CUDA IPC cannot cross hosts).
         self._control = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
-        ledger_spec = BufferSpec(numel=self.world_size * len(layout.staged_names), dtype=torch.int64)
-        self._ledger = self._control.register({"sent": ledger_spec})["sent"]
-        self._segment = compat.symmetric_segment(layout.total_bytes, device)
-        self._segment.zero_()
-        self._handle = compat.symmetric_rendezvous(self._segment, self._group or dist.group.WORLD)
-        segments = [
-            self._segment if peer == self.rank else compat.peer_segment(self._handle, peer, layout.total_bytes)
-            for peer in range(self.world_size)
-        ]
-        self._data = StagedBuffers(layout, self.rank, segments)
-        torch.cuda.synchronize(device)  # zeroed before any peer can add
-        self._control.barrier()
+        self._control.register({})
+        try:
+            segments = self._map_segments(plan.segment_bytes, device)
+            self._segment = segments[self.rank]
+            self._views = [{name: plan.view(seg, name) for name in plan.offsets} for seg in segments]
+            if plan.accumulated:
+                self._pool = StagingPool(plan.chunk_numel, plan.cast_dtype, device, cast=plan.needs_cast)
+            self._sync()  # zeroed before any peer can add
+            self._control.barrier()
+        except BaseException:
+            self.close()
+            raise
         logger.info(
-            "cuda transport up: rank %d/%d on %s, %.1f MiB symmetric memory (%d staged buffers)",
+            "cuda transport up: rank %d/%d on %s; ODC GPU memory per rank %s",
             self.rank,
             self.world_size,
             device,
-            layout.total_bytes / 2**20,
-            len(layout.staged_names),
+            plan.describe(),
         )
-        return dict(self._data.views[self.rank])
+        return dict(self._views[self.rank])
+
+    def _gather_facts(self, device: torch.device) -> list[DeviceFacts]:
+        """Collective: every rank's device facts (the checks run on them before anything is allocated)."""
+        settings = (self._staging_bytes, str(self._accumulate_dtype))
+        return gather_device_facts(self._group, self.world_size, device, settings)
+
+    def _map_segments(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        """Collective: allocate this rank's zeroed segment and map every peer's; element ``r`` is rank ``r``'s."""
+        from .._compat import fsdp as compat
+
+        group = self._group or dist.group.WORLD
+        own = compat.symmetric_segment(nbytes, device, group)
+        own.zero_()
+        self._handle = compat.symmetric_rendezvous(own, group)
+        return [
+            own if peer == self.rank else compat.peer_segment(self._handle, peer, nbytes)
+            for peer in range(self.world_size)
+        ]
+
+    def _sync(self) -> None:
+        if self._segment is not None and self._segment.device.type == "cuda":
+            torch.cuda.synchronize(self._segment.device)
 
     def read(self, peer: int, name: str, out: torch.Tensor) -> None:
-        self._data.read(peer, name, out)
+        out.copy_(self._views[peer][name].view(out.shape), non_blocking=True)
 
     def accumulate(self, owner: int, name: str, src: torch.Tensor) -> None:
-        self._data.accumulate(owner, name, src)
+        if name not in self._plan.accumulated:
+            raise KeyError(f"buffer {name!r} was not registered with accumulated=True: nothing may add into it")
+        self._pool.add(self._views[owner][name], src)
+
+    def flush(self) -> None:
+        """Wait until every add, read and publish this rank enqueued (on any stream) has completed on its GPU."""
+        if self._segment is None:
+            return  # not registered, or closed: nothing of ours is in flight
+        start = time.perf_counter()
+        self._sync()
+        self.flush_s += time.perf_counter() - start
 
     def barrier(self) -> None:
-        data = self._data
-        # Every add and publish this rank enqueued (on any stream) has landed before peers are told so.
-        torch.cuda.synchronize(self._segment.device)
-        self._ledger.copy_(data.sent.view(-1))
+        # This rank's adds must have landed in the owners' memory, and its reads of peers' shards finished, before the
+        # peers hear that it arrived.
+        self.flush()
         self._control.barrier()
-        row = torch.empty(self.world_size, len(data.layout.staged_names), dtype=torch.int64)
-        ledgers = {}
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._control.read(peer, "sent", row.view(-1))
-                ledgers[peer] = row[self.rank].clone()
-        data.reduce(data.dirty(ledgers))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._data = None
+        if self._segment is not None:
+            try:
+                self._sync()  # nothing in flight reads the memory being released
+            except RuntimeError as err:  # pragma: no cover - a broken device: release what we can
+                logger.warning("cuda transport close: device synchronize failed: %s", err)
+        # The segment is freed when its last view dies: ours, the peers' mappings and the handle go here; the caller
+        # must drop the buffers `register` returned (the engine does at close).
+        self._views = []
+        self._pool = None
         self._handle = None
         self._segment = None
         if self._control is not None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from odc_accelerate import ODCEngine
+from odc_accelerate._compat import fsdp as fsdp_compat
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
 from odc_accelerate.testing.engine_workers import train
 from odc_accelerate.testing.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
@@ -34,9 +35,12 @@ CASES = {
 
 
 def test_bad_input_raises_clear_errors_on_every_rank():
-    results = launch(bad_inputs, 2, list(CASES), timeout=240)
+    cases = dict(CASES)
+    if not fsdp_compat.has("param_groups"):
+        del cases["several_param_groups"]  # torch 2.11: one param group per fully_shard call, nothing to refuse
+    results = launch(bad_inputs, 2, list(cases), timeout=240)
     for rank, outcomes in enumerate(results):
-        for case, (kind, words) in CASES.items():
+        for case, (kind, words) in cases.items():
             got_kind, message = outcomes[case]
             assert got_kind == kind, f"rank {rank} {case}: {got_kind}: {message}"
             for word in words:

@@ -437,6 +437,11 @@ def test_bf16_odc_bit_identical_to_plain_fsdp2(tmp_path):
     assert [r["engine"] for r in reports(tmp_path / "odc", "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
     assert [r["engine"] for r in reports(tmp_path / "plain", "odc_run_rank")] == [None, None]
     assert [h["loss"] for h in logged_steps(tmp_path / "odc")] == [h["loss"] for h in logged_steps(tmp_path / "plain")]
+    # TRL's metric gathers, answered locally and fixed at the step boundary (their order is TRL's private internal)
+    for a, b in zip(logged_steps(tmp_path / "odc"), logged_steps(tmp_path / "plain"), strict=True):
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+        assert a["mean_token_accuracy"] == pytest.approx(b["mean_token_accuracy"], abs=1e-6)
+        assert a["num_tokens"] == b["num_tokens"]
     p_odc, p_plain = final_params(tmp_path / "odc"), final_params(tmp_path / "plain")
     assert p_odc.keys() == p_plain.keys()
     for name, expected in p_plain.items():

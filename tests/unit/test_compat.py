@@ -266,9 +266,13 @@ def test_every_library_has_a_tested_version_and_pyproject_pins_it():
     pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
     for library, versions in TESTED.items():
         assert versions, library
-        pins = re.findall(rf'"{library}>=(\d+)\.(\d+)[^"]*"', pyproject)
-        assert pins, f"pyproject.toml has no pin for {library}"
-        assert all((int(a), int(b)) in versions for a, b in pins), (library, pins, versions)
+        pins = re.findall(rf'"{library}>=(\d+)\.(\d+),<(\d+)\.(\d+)"', pyproject)
+        assert pins, f"pyproject.toml has no >=X.Y,<X.Z range for {library}"
+        # The range runs from the oldest tested minor to the newest, no further.
+        for a, b, c, d in pins:
+            assert (int(a), int(b)) == min(versions), (library, pins, versions)
+            newest = max(versions)
+            assert (int(c), int(d)) == (newest[0], newest[1] + 1), (library, pins, versions)
 
 
 def test_scaffold_is_the_one_error_class():
@@ -278,3 +282,90 @@ def test_scaffold_is_the_one_error_class():
         names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Exception)]
         assert all(vars(module)[n] is CompatError for n in names), (module.__name__, names)
     assert _compat.CompatError.__mro__[1] is RuntimeError
+
+
+# ----------------------------------------------------------------------------------------------- torch release paths
+def test_torch_paths_table_matches_the_installed_torch():
+    # Run on every supported torch by scripts/compat.sh: the version each path is chosen by must agree with what this
+    # torch really has (read from its source, which the wheel ships).
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_state
+
+    from odc_accelerate._compat import fsdp
+
+    state_init = inspect.getsource(_fsdp_state.FSDPState.__init__)
+    real = {
+        "param_groups": "self._fsdp_param_groups" in state_init,
+        "reduce_scatter_unused_params": hasattr(FSDPModule, "set_reduce_scatter_unused_params"),
+        "reduce_scatter_process_group": "reduce_scatter_process_group" in inspect.getsource(_fsdp_common),
+    }
+    assert real.keys() == fsdp.PATHS.keys()
+    assert {feature: fsdp.has(feature) for feature in fsdp.PATHS} == real, fsdp.TORCH_VERSION
+    assert "self._fsdp_param_group:" in state_init or real["param_groups"]  # the older path's attribute is there
+
+
+def test_torch_older_than_the_supported_range_is_refused_naming_the_release(monkeypatch):
+    import torch
+
+    from odc_accelerate._compat import fsdp
+
+    fsdp.check_torch_release()  # the installed torch is supported
+    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 10))
+    with pytest.raises(CompatError, match=r"needs torch 2\.11 or newer") as err:
+        fsdp.check_torch_release()
+    assert torch.__version__ in str(err.value)
+
+
+def _fake_param(fqn, numel):
+    import torch
+
+    return types.SimpleNamespace(
+        _param_fqn=fqn,
+        padded_sharded_param_size=torch.Size([numel]),
+        sharded_param=types.SimpleNamespace(requires_grad=True),
+    )
+
+
+def test_reduce_scatter_spans_place_each_param_at_its_accumulator_offset(monkeypatch):
+    # The path of torch < 2.13 (no reduce_scatter_unused_params), on whatever torch runs this: FSDP2's foreach_reduce
+    # is seen through the recording wrapper, and the spans map its rows to the accumulator's layout.
+    from odc_accelerate._compat import fsdp
+
+    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 11))
+    a, frozen, b, c = _fake_param("a", 4), _fake_param("frozen", 2), _fake_param("b", 3), _fake_param("c", 5)
+    frozen.sharded_param.requires_grad = False
+    group = types.SimpleNamespace(fsdp_params=[a, frozen, b, c], _module_fqn="blocks.0")
+    comm, other_comm = object(), object()
+    seen = []
+
+    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm):
+        seen.append(fsdp.reduce_scatter_spans(group, comm))  # what the hook computes, inside the call
+        return "result"
+
+    wrapped = fsdp._record_reduce_params(foreach_reduce)
+    assert wrapped([a, b, c], [], None, None, comm) == "result"  # positional, as FSDP2 calls it
+    assert wrapped([a, c], [], None, None, reduce_scatter_comm=comm) == "result"
+    assert wrapped(fsdp_params=[b], unsharded_grads=[], reduce_scatter_group=None, reduce_scatter_stream=None,
+                   reduce_scatter_comm=comm) == "result"  # fmt: skip
+    # (row offset, accumulator offset, numel); accumulator = a[0:4] b[4:7] c[7:12] (the frozen param has no slot)
+    assert seen == [None, [(0, 0, 4), (4, 7, 5)], [(0, 4, 3)]]
+    with pytest.raises(RuntimeError, match="foreach_reduce"):  # outside a recorded call: refuse, never guess
+        fsdp.reduce_scatter_spans(group, comm)
+    with pytest.raises(RuntimeError, match="foreach_reduce"):
+        wrapped([a], [], None, None, other_comm)  # another group's comm is running, not this one's
+    with pytest.raises(RuntimeError, match="frozen got a gradient"):
+        wrapped([frozen], [], None, None, comm)
+    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 13))
+    assert fsdp.reduce_scatter_spans(group, comm) is None  # set_reduce_scatter_unused_params fixes the layout
+
+
+def test_examples_end_training_falls_back_before_transformers_5_18():
+    from odc_accelerate._compat.transformers import end_training
+
+    calls = []
+    accelerator = types.SimpleNamespace(end_training=lambda: calls.append("accelerator.end_training"))
+    end_training(types.SimpleNamespace(accelerator=accelerator))  # transformers < 5.18: no Trainer.end
+    end_training(types.SimpleNamespace(accelerator=accelerator, end=lambda: calls.append("trainer.end")))
+    assert calls == ["accelerator.end_training", "trainer.end"]

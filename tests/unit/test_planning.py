@@ -232,7 +232,10 @@ def _flop_counted(model, vocab, length):
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
-    return counter.get_total_flops()
+    # The rotary embedding's frequency table is position bookkeeping, left out of the cost model; transformers before
+    # 5.18 builds it with a matmul, which the counter counts.
+    rotary = sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith(".rotary_emb"))
+    return counter.get_total_flops() - rotary
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])

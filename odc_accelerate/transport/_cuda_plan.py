@@ -1,0 +1,427 @@
+"""Host-side plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
+
+Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
+device, so the unit tests exercise it on CPU; :mod:`odc_accelerate.transport.cuda` supplies the GPU facts, the
+symmetric-memory segment and the streams.
+
+The design (see ``docs/transports.md``): every rank's segment holds its published shards and its gradient
+accumulators, and a sender adds its slice straight into the owner's accumulator with native atomic adds over the peer
+mapping (``index_add_``, whose CUDA kernel uses ``atomicAdd``). The only other device memory is a staging pool of a
+fixed, configurable size: the index vector ``index_add_`` needs and one chunk of the accumulator's dtype for casting a
+low-precision gradient before the add. Every add goes through the pool in chunks of at most ``chunk_numel`` elements,
+so the transport's memory is ``published + accumulator + pool`` whatever the world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import BufferSpec
+
+#: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset)
+ALIGN = 256
+#: symmetric-memory blocks are mapped in units of this size (the CUDA VMM granularity on current GPUs)
+SEGMENT_GRANULARITY = 2 * 2**20
+#: staging pool size when neither the constructor nor the environment sets one
+DEFAULT_STAGING_MIB = 64
+#: the largest pool the default may reach; a user may ask for more explicitly
+MAX_DEFAULT_STAGING_MIB = 256
+#: environment variable that sets the staging pool size in MiB
+STAGING_ENV = "ODC_CUDA_STAGING_MIB"
+#: torch's switch that lets several ranks share one GPU (read by symmetric memory's rendezvous)
+OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+#: torch's symmetric-memory backend selector
+BACKEND_ENV = "TORCH_SYMMMEM"
+#: index entries are int32: the pool never holds a chunk this long
+_MAX_CHUNK = 2**31 - 1
+_INDEX_DTYPE = torch.int32
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def staging_bytes_setting(staging_mib: float | None = None) -> int:
+    """The staging pool size in bytes: ``staging_mib`` if given, else ``$ODC_CUDA_STAGING_MIB``, else 64 MiB.
+
+    Raises:
+        ValueError: the setting is not a positive number of MiB (names where it came from).
+    """
+    source = "staging_mib"
+    if staging_mib is None:
+        raw = os.environ.get(STAGING_ENV)
+        if raw is None:
+            return DEFAULT_STAGING_MIB * 2**20
+        source = f"${STAGING_ENV}"
+        try:
+            staging_mib = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of MiB, got {raw!r}") from None
+    if not staging_mib > 0:
+        raise ValueError(f"{source} must be > 0 MiB, got {staging_mib}")
+    return int(staging_mib * 2**20)
+
+
+def accumulator_dtype(spec_dtype: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:
+    """dtype of an accumulator registered as ``spec_dtype``: fp32 for 16-bit floats unless ``requested`` says less.
+
+    A whole step of microbatches is summed in the accumulator before the fold; in bf16 that loses the low bits of every
+    partial sum, so 16-bit reduce dtypes are widened to fp32 (the fold divides in fp32 and then casts to the
+    parameters' dtype). ``requested`` (e.g. ``torch.bfloat16``) keeps a narrower accumulator on purpose.
+    """
+    if requested is not None:
+        if not requested.is_floating_point:
+            raise ValueError(f"accumulate_dtype must be a floating-point dtype, got {requested}")
+        return requested
+    if spec_dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return spec_dtype
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Byte layout of one rank's segment (identical on every rank) and the transport's whole memory budget.
+
+    Attributes:
+        offsets (`dict[str, int]`): byte offset of each buffer in the segment.
+        dtypes (`dict[str, torch.dtype]`): dtype each buffer is stored in (accumulators may be wider than registered).
+        numels (`dict[str, int]`): elements of each buffer.
+        accumulated (`list[str]`): buffers peers add into.
+        segment_bytes (`int`): bytes of the segment as laid out (before the allocator rounds it up).
+        published_bytes (`int`): bytes of the buffers nobody adds into (published shards, flags).
+        accumulator_bytes (`int`): bytes of the accumulators.
+        staging_bytes (`int`): bytes of the staging pool (0 when nothing is accumulated).
+        chunk_numel (`int`): elements per atomic-add chunk, what the pool holds.
+        cast_dtype (`torch.dtype | None`): the accumulators' dtype (None without accumulators).
+        needs_cast (`bool`): some accumulator is wider than its registered dtype, so the pool holds a cast chunk.
+    """
+
+    offsets: dict[str, int]
+    dtypes: dict[str, torch.dtype]
+    numels: dict[str, int]
+    accumulated: list[str]
+    segment_bytes: int
+    published_bytes: int
+    accumulator_bytes: int
+    staging_bytes: int
+    chunk_numel: int
+    cast_dtype: torch.dtype | None = None
+    needs_cast: bool = False
+
+    @property
+    def device_bytes(self) -> int:
+        """What the transport allocates on its GPU: the segment at mapping granularity plus the pool."""
+        segment = -(-self.segment_bytes // SEGMENT_GRANULARITY) * SEGMENT_GRANULARITY
+        return segment + self.staging_bytes
+
+    def report(self) -> dict[str, int]:
+        """The memory report (bytes): ``published``, ``accumulator``, ``staging``, ``total`` (allocated)."""
+        return {
+            "published": self.published_bytes,
+            "accumulator": self.accumulator_bytes,
+            "staging": self.staging_bytes,
+            "total": self.device_bytes,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{_mib(self.device_bytes)} (published {_mib(self.published_bytes)} + accumulator "
+            f"{_mib(self.accumulator_bytes)} + staging {_mib(self.staging_bytes)}, rounded to "
+            f"{_mib(SEGMENT_GRANULARITY)} mappings)"
+        )
+
+    def view(self, segment: torch.Tensor, name: str) -> torch.Tensor:
+        """Buffer ``name`` inside ``segment`` (a 1-D uint8 tensor laid out by this plan)."""
+        start = self.offsets[name]
+        dtype = self.dtypes[name]
+        return segment[start : start + self.numels[name] * dtype.itemsize].view(dtype)
+
+
+def plan_segment(
+    specs: Mapping[str, BufferSpec],
+    staging_bytes: int,
+    accumulate_dtype: torch.dtype | None = None,
+) -> SegmentPlan:
+    """Lay out the segment for ``specs`` and size the staging pool's chunks.
+
+    Args:
+        specs: the registered buffers, in registration order.
+        staging_bytes: the pool's budget (see `staging_bytes_setting`).
+        accumulate_dtype: dtype to store accumulated buffers in; None widens 16-bit floats to fp32.
+
+    Raises:
+        ValueError: the pool cannot hold even one useful chunk, or accumulators disagree on their dtype.
+    """
+    offsets: dict[str, int] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    numels: dict[str, int] = {}
+    accumulated: list[str] = []
+    offset = published = acc_bytes = 0
+    cast_dtype = None
+    needs_cast = False
+    for name, spec in specs.items():
+        dtype = accumulator_dtype(spec.dtype, accumulate_dtype) if spec.accumulated else spec.dtype
+        offsets[name], dtypes[name], numels[name] = offset, dtype, spec.numel
+        offset += _aligned(spec.numel * dtype.itemsize)
+        if spec.accumulated:
+            accumulated.append(name)
+            acc_bytes += spec.numel * dtype.itemsize
+            if cast_dtype is not None and cast_dtype != dtype:
+                raise ValueError(f"accumulators use several dtypes ({cast_dtype} and {dtype}); register one")
+            cast_dtype = dtype
+            needs_cast = needs_cast or dtype != spec.dtype
+        else:
+            published += spec.numel * dtype.itemsize
+    chunk = 0
+    pool = 0
+    if accumulated:
+        # Per chunk element: one int32 index, and one element of the accumulator's dtype where a narrower gradient is
+        # cast before its add.
+        per_element = _INDEX_DTYPE.itemsize + (cast_dtype.itemsize if needs_cast else 0)
+        chunk = min(staging_bytes // per_element, _MAX_CHUNK)
+        if chunk < 1024:
+            raise ValueError(
+                f"the staging pool of {staging_bytes} bytes cannot hold a chunk of 1024 elements "
+                f"({1024 * per_element} bytes); raise staging_mib / ${STAGING_ENV}"
+            )
+        largest = max(specs[name].numel for name in accumulated)
+        chunk = min(chunk, max(largest, 1024))  # no pool larger than the largest accumulator needs
+        pool = chunk * per_element
+    return SegmentPlan(
+        offsets=offsets,
+        dtypes=dtypes,
+        numels=numels,
+        accumulated=accumulated,
+        segment_bytes=max(offset, ALIGN),
+        published_bytes=published,
+        accumulator_bytes=acc_bytes,
+        staging_bytes=pool,
+        chunk_numel=chunk,
+        cast_dtype=cast_dtype,
+        needs_cast=needs_cast,
+    )
+
+
+def chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive chunks of at most ``chunk`` elements covering ``range(numel)``."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be > 0, got {chunk}")
+    for start in range(0, numel, chunk):
+        yield start, min(start + chunk, numel)
+
+
+class StagingPool:
+    """The bounded device memory every accumulate goes through: an index vector and one cast chunk.
+
+    ``index_add_`` on CUDA adds with ``atomicAdd``, so concurrent adds from several ranks into one accumulator are
+    safe; it needs an index (``arange``) and a ``src`` of the accumulator's dtype. Both come from here, reused chunk
+    after chunk on one stream; a call on another stream first waits for the previous user of the pool.
+
+    Args:
+        chunk_numel (`int`): elements per chunk.
+        dtype (`torch.dtype`): the accumulators' dtype.
+        device (`torch.device`): where the pool lives (CPU in tests).
+        cast (`bool`, *optional*, defaults to `True`): hold a cast chunk (needed when gradients are narrower than the
+            accumulators).
+    """
+
+    def __init__(self, chunk_numel: int, dtype: torch.dtype, device: torch.device, cast: bool = True) -> None:
+        self.chunk_numel = chunk_numel
+        self.dtype = dtype
+        self.index = torch.arange(chunk_numel, dtype=_INDEX_DTYPE, device=device)
+        self.cast = torch.empty(chunk_numel if cast else 0, dtype=dtype, device=device)
+        self._cuda = torch.device(device).type == "cuda"
+        self._last_stream = None
+        self._last_use = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes + self.cast.nbytes
+
+    def _enter(self) -> None:
+        if not self._cuda:
+            return
+        stream = torch.cuda.current_stream(self.index.device)
+        if self._last_use is not None and stream != self._last_stream:
+            stream.wait_event(self._last_use)  # the previous stream may still read the cast chunk
+        self._last_stream = stream
+
+    def _exit(self) -> None:
+        if self._cuda:
+            if self._last_use is None:
+                self._last_use = torch.cuda.Event()
+            self._last_use.record(self._last_stream)
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """``dst += src`` (1-D, equal lengths) with atomic adds, in chunks; returns the number of chunks.
+
+        ``dst`` may be a peer's mapped accumulator. A ``src`` of another dtype is cast chunk by chunk into the pool.
+        """
+        if dst.dtype != self.dtype:
+            raise TypeError(f"the staging pool adds into {self.dtype} accumulators, got {dst.dtype}")
+        src = src.reshape(-1)
+        if src.numel() != dst.numel():
+            raise ValueError(f"accumulate of {src.numel()} elements into a buffer of {dst.numel()}")
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError(deterministic_refusal())
+        chunks = 0
+        self._enter()
+        try:
+            for start, stop in chunk_spans(src.numel(), self.chunk_numel):
+                piece = src[start:stop]
+                if piece.dtype != self.dtype:
+                    if not self.cast.numel():
+                        raise TypeError(
+                            f"accumulate of {piece.dtype} into {self.dtype}: this pool holds no cast chunk"
+                        )
+                    self.cast[: stop - start].copy_(piece)
+                    piece = self.cast[: stop - start]
+                dst[start:stop].index_add_(0, self.index[: stop - start], piece)
+                chunks += 1
+        finally:
+            self._exit()
+        return chunks
+
+
+def deterministic_refusal() -> str:
+    return (
+        "torch.use_deterministic_algorithms(True) is on, but the 'cuda' ODC transport adds gradients with atomic adds "
+        "(in deterministic mode torch's index_add_ is not atomic across processes, and atomic adds sum in varying "
+        "order). Turn deterministic algorithms off, or use plain FSDP2"
+    )
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What one rank knows about its GPU and the GPUs it can see; gathered from every rank before anything is allocated.
+
+    Attributes:
+        host (`str`): host identity (`~odc_accelerate.transport.host_id`).
+        problem (`str | None`): why this rank cannot use CUDA symmetric memory at all (no GPU, CPU torch, ...).
+        uuid (`str`): this rank's GPU.
+        visible (`tuple[str, ...]`): UUIDs of every GPU this rank sees, in its device numbering.
+        access (`tuple[bool, ...]`): per visible GPU, whether this rank's GPU can map its memory (peer access; True for
+            its own GPU).
+        atomics (`tuple[bool | None, ...]`): per visible GPU, whether native atomic adds work over that mapping (True for
+            its own GPU; None: could not be queried).
+        backend (`str`): the symmetric-memory backend this process would allocate with.
+        allow_overlap (`bool`): ``$TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES`` is ``1``.
+        deterministic (`bool`): ``torch.are_deterministic_algorithms_enabled()``.
+        free_bytes (`int`): free memory on this rank's GPU.
+        settings (`tuple`): the transport's settings on this rank (staging bytes, accumulator dtype); segments must be
+            laid out identically on every rank.
+    """
+
+    host: str
+    problem: str | None = None
+    uuid: str = ""
+    visible: tuple[str, ...] = ()
+    access: tuple[bool, ...] = ()
+    atomics: tuple[bool | None, ...] = ()
+    backend: str = "CUDA"
+    allow_overlap: bool = False
+    deterministic: bool = False
+    free_bytes: int = 0
+    settings: tuple = ()
+
+
+def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
+    """Why the ranks described by ``facts`` (indexed by rank) cannot run the CUDA transport, or None if they can.
+
+    The same facts give the same answer on every rank, so all ranks refuse together (none is left waiting in a
+    collective). The message names the first problem found and what to change.
+    """
+    for rank, f in enumerate(facts):
+        if f.problem:
+            return f"rank {rank}: {f.problem}"
+    hosts = sorted({f.host for f in facts})
+    if len(hosts) > 1:
+        return (
+            f"the ranks run on {len(hosts)} hosts ({', '.join(hosts)}); CUDA symmetric memory maps peers within one "
+            "node only. Keep the ODC group within a node or use plain FSDP2"
+        )
+    for rank, f in enumerate(facts):
+        if f.settings != facts[0].settings:
+            return (
+                f"rank {rank} configured the 'cuda' ODC transport as {f.settings} (staging bytes, accumulator dtype) "
+                f"but rank 0 as {facts[0].settings}; every rank must use the same staging_mib / ${STAGING_ENV} and "
+                "accumulate_dtype"
+            )
+    for rank, f in enumerate(facts):
+        if f.backend.upper() != "CUDA":
+            return (
+                f"rank {rank} allocates symmetric memory with the {f.backend} backend, but the 'cuda' ODC transport "
+                f"needs the CUDA backend (peer mappings it can add into). Unset ${BACKEND_ENV} (or set it to CUDA) "
+                "and do not enable FSDP2's symmetric-memory option (set_symm_mem), which selects NCCL"
+            )
+    for rank, f in enumerate(facts):
+        if f.deterministic:
+            return f"rank {rank}: {deterministic_refusal()}"
+    by_gpu: dict[str, list[int]] = {}
+    for rank, f in enumerate(facts):
+        by_gpu.setdefault(f.uuid, []).append(rank)
+    shared = {uuid: ranks for uuid, ranks in by_gpu.items() if len(ranks) > 1}
+    if shared:
+        ranks = next(iter(shared.values()))
+        without = [r for r in ranks if not facts[r].allow_overlap]
+        if without:
+            return (
+                f"ranks {ranks} share one GPU, which torch's symmetric memory refuses unless {OVERLAP_ENV}=1 is set "
+                f"(missing on rank(s) {without}). Give each rank its own GPU, or set {OVERLAP_ENV}=1 on every rank "
+                "(tests and single-GPU checks only: the ranks then time-slice the GPU)"
+            )
+    for rank, f in enumerate(facts):
+        for peer, g in enumerate(facts):
+            if peer == rank or g.uuid == f.uuid:
+                continue
+            if g.uuid not in f.visible:
+                return (
+                    f"rank {rank} cannot see rank {peer}'s GPU ({g.uuid}): each rank sees only {len(f.visible)} "
+                    "GPU(s), e.g. CUDA_VISIBLE_DEVICES set per rank, so peers' memory cannot be mapped. Make every GPU "
+                    "of the node visible to every rank and pick the device with torch.cuda.set_device(LOCAL_RANK)"
+                )
+            j = f.visible.index(g.uuid)
+            if not f.access[j]:
+                return (
+                    f"rank {rank}'s GPU cannot access rank {peer}'s GPU peer-to-peer (no NVLink or PCIe P2P between "
+                    "them), so it cannot map its memory. Use plain FSDP2 on this machine"
+                )
+            if f.atomics[j] is None:
+                return (
+                    f"could not query whether rank {rank}'s GPU has native atomic adds into rank {peer}'s GPU "
+                    "(cuDeviceGetP2PAttribute from the CUDA driver failed); the 'cuda' ODC transport needs them. "
+                    "Use plain FSDP2 on this machine"
+                )
+            if not f.atomics[j]:
+                return (
+                    f"rank {rank}'s GPU has no native atomic adds into rank {peer}'s GPU (peer-to-peer over PCIe "
+                    "rather than NVLink); the 'cuda' ODC transport adds gradients with them. Use plain FSDP2 on this "
+                    "machine"
+                )
+    return None
+
+
+def memory_refusal(plan: SegmentPlan, facts: Sequence[DeviceFacts]) -> str | None:
+    """Why ``plan`` does not fit in the GPUs' free memory (ranks sharing a GPU add up), or None if it fits."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, f in enumerate(facts):
+        by_gpu.setdefault(f.uuid, []).append(rank)
+    for ranks in by_gpu.values():
+        need = plan.device_bytes * len(ranks)
+        free = min(facts[r].free_bytes for r in ranks)
+        if need > free:
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks} (one GPU)"
+            return (
+                f"{who} need(s) {_mib(need)} of GPU memory for the 'cuda' ODC transport, {plan.describe()} per rank, "
+                f"but only {_mib(free)} is free. Lower the staging pool (staging_mib / ${STAGING_ENV}), shard over "
+                "more GPUs, or free memory before creating the engine"
+            )
+    return None
