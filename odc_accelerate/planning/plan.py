@@ -80,6 +80,19 @@ def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}.", FutureWarning, 4)
 
 
+def sample_parts(lengths: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(parts, totals)`` of 1-D lengths or of a 2-D ``(samples, k)`` array (``k`` sequences that travel together, e.g.
+    a DPO pair): ``parts`` is ``(samples, k)`` int64, ``totals`` its row sums. Raises `ValueError` as `as_lengths`."""
+    parts = np.asarray(lengths)
+    if parts.ndim == 2:
+        if parts.shape[1] < 1:
+            raise ValueError(f"2-D `lengths` must have at least one column (sequences per row), got {parts.shape}.")
+        parts = as_lengths(parts.reshape(-1)).reshape(parts.shape)
+        return parts, parts.sum(axis=1)
+    totals = as_lengths(lengths)
+    return totals[:, None], totals
+
+
 def as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     """``lengths`` as a 1-D int64 array of token counts, or a `ValueError` saying what is wrong with it.
 

@@ -19,7 +19,7 @@ from .._compat.datasets import arrow_column
 from ..config import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .padded import plan_padded
-from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs
+from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs, sample_parts
 
 __all__ = ["LengthBalancedBatchSampler", "dataset_lengths"]
 
@@ -188,17 +188,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         padded: bool = False,
         mode: str | None = None,
     ):
-        parts = np.asarray(lengths)
-        if parts.ndim == 2:
-            if parts.shape[1] < 1:
-                raise ValueError(
-                    f"2-D `lengths` must have at least one column (sequences per row), got {parts.shape}."
-                )
-            parts = as_lengths(parts.reshape(-1)).reshape(parts.shape)
-            lengths = parts.sum(axis=1)
-        else:
-            lengths = as_lengths(lengths)
-            parts = lengths[:, None]
+        parts, lengths = sample_parts(lengths)
         if lengths.size == 0:
             raise ValueError("The dataset is empty (no lengths): there is nothing to sample.")
         world_size = check_positive_int(world_size, "`world_size`")

@@ -19,7 +19,7 @@ import numpy as np
 from ..config import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .padded import plan_padded
-from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs
+from .plan import Plan, PlanName, check_oversize, normalize_plan, plan_from_costs, sample_parts
 
 logger = logging.getLogger(__name__)
 
@@ -166,17 +166,7 @@ class StreamingStepPlanner:
                 Token count of each sample of the step; a sample of ``k`` sequences that travel together (a DPO
                 pair) is given as ``k`` lengths, as for `LengthBalancedBatchSampler`.
         """
-        parts = np.asarray(lengths)
-        if parts.ndim == 2:
-            if parts.shape[1] < 1:
-                raise ValueError(
-                    f"2-D `lengths` must have at least one column (sequences per row), got {parts.shape}."
-                )
-            parts = as_lengths(parts.reshape(-1)).reshape(parts.shape)
-            totals = parts.sum(axis=1)
-        else:
-            totals = as_lengths(lengths)
-            parts = totals[:, None]
+        parts, totals = sample_parts(lengths)
         budget = self.max_tokens_per_microbatch
         if self.padded:
             # A sample of k sequences is k batch rows, each as wide as the longest of them.
