@@ -24,6 +24,8 @@ _LAZY = {
     "ODCCallback": "odc_accelerate.integrations.trainer",
     "ODCDPOConfig": "odc_accelerate.integrations.trl",
     "ODCDPOTrainer": "odc_accelerate.integrations.trl",
+    "ODCGRPOConfig": "odc_accelerate.integrations.trl_grpo",
+    "ODCGRPOTrainer": "odc_accelerate.integrations.trl_grpo",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -36,6 +38,8 @@ __all__ = [
     "ODCPlugin",
     "ODCDPOConfig",
     "ODCDPOTrainer",
+    "ODCGRPOConfig",
+    "ODCGRPOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
@@ -52,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .integrations.accelerate import ODCPlugin, enable, get_engine
     from .integrations.trainer import ODCCallback, ODCTrainerMixin
     from .integrations.trl import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
+    from .integrations.trl_grpo import ODCGRPOConfig, ODCGRPOTrainer
     from .loss import loss_scale
     from .planning import LengthBalancedBatchSampler, plan_step
     from .transport.base import ODCTimeoutError

@@ -10,8 +10,10 @@ The tested transformers versions are ``TESTED["transformers"]`` in :mod:`odc_acc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import check_signature, patch_attribute, require, untested_warning
@@ -138,3 +140,37 @@ def batch_rebalance_global_plans(
         drop_last=True,
     )
     return list(sampler)
+
+
+@contextlib.contextmanager
+def generation_without_peer_sync(
+    model: Any, sync: bool, around: Callable[[], contextlib.AbstractContextManager]
+) -> Iterator[None]:
+    """Within the block, ``model.generate`` keeps decoding only while this rank has unfinished sequences.
+
+    `transformers.GenerationMixin.generate` turns on ``synced_gpus`` by itself for an FSDP-managed module when the
+    world size is above 1: every rank keeps running forward passes (and one all-reduce per decode step) until the
+    longest completion of any rank is done, because FSDP's per-layer all-gathers need every rank. ODC's gathers are
+    one-sided reads, so with ``sync=False`` each rank passes ``synced_gpus=False`` and stops at its own last token.
+    With ``sync=True`` transformers decides, as without ODC. Either way each ``generate`` call runs inside
+    ``around()`` (the trainer's timing). The wrapper is an attribute of this model instance only, removed at the end.
+    """
+    original = require(model, "generate", library=_LIBRARY, where=f"{type(model).__name__}.generate")
+    check_signature(original, ("synced_gpus",), library=_LIBRARY, where="transformers.GenerationMixin.generate")
+    had_own = "generate" in vars(model)
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if not sync:
+            kwargs["synced_gpus"] = False
+        with around():
+            return original(*args, **kwargs)
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if had_own:
+            model.generate = original
+        else:
+            del model.generate

@@ -2,7 +2,9 @@
 
 SFT and DPO: the order and meaning of the metric gathers each trainer makes per microbatch, and the attributes they
 feed; SFT also: ``SFTTrainer._prepare_dataset`` (padding-free data with ``max_length``); DPO also: the module-level
-``prepare_fsdp`` name DPOTrainer uses for its reference model. The patches last for a ``with`` block only.
+``prepare_fsdp`` name DPOTrainer uses for its reference model; both, on TRL 1.15: the fused LM head's kernel
+(``add_fused_lm_head``, ``_ChunkedLogProbFunction``), given a torch path on CPU. The patches last for a ``with`` block
+only.
 
 TRL's ``SFTTrainer.compute_loss`` calls ``accelerator.gather_for_metrics`` several times per microbatch and folds the
 results into ``self._metrics`` and ``self._total_train_tokens``. The ODC trainer answers those gathers locally during
@@ -18,10 +20,11 @@ import contextlib
 import functools
 import inspect
 import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
-from . import check_signature, patched_attribute, require, untested_warning
+from . import check_signature, installed_version, patched_attribute, require, untested_warning, version_tuple
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,191 @@ def finalize_sft_metrics(
     tp = int(getattr(trainer, "_tp_size", 1) or 1)
     trainer._total_train_tokens += int(g["num_tokens"]) // tp - int(mine["num_tokens"]) // tp
     metrics["num_tokens"] = [trainer._total_train_tokens]
+
+
+# ------------------------------------------------------------------------------------------ fused LM head (TRL 1.15)
+# TRL's SFT and DPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a forward
+# with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without building
+# the logits. In TRL 1.15 that function always runs a Triton kernel (a CPU tensor fails inside Triton) and is None
+# where Triton is missing; TRL 1.16 folds the tiles in torch on devices without Triton. Before 1.16 the trainers built
+# inside `fused_lm_head_torch_path` get that torch path from here.
+_TRL_WITH_TORCH_LM_HEAD = (1, 16)
+_TRITON_DEVICES = ("cuda", "xpu")
+_FUSED_LM_HEAD_TRAINERS = {"sft": "trl.trainer.sft_trainer", "dpo": "trl.trainer.dpo_trainer"}
+# What TRL 1.15's fused forward passes to `_ChunkedLogProbFunction.apply`, positionally, in this order.
+_LOG_PROB_ARGS = (
+    "hidden",
+    "weight",
+    "bias",
+    "targets",
+    "temperature",
+    "chunk_size",
+    "final_logit_softcapping",
+    "logit_scale",
+    "outputs",
+)
+# Logits per token chunk of the torch path (64 MiB in fp32); each chunk is recomputed in the backward pass.
+_CHUNK_LOGITS = 1 << 24
+
+
+def needs_torch_lm_head() -> bool:
+    """Whether the installed TRL's fused LM head lacks a path for devices without Triton (TRL before 1.16)."""
+    return version_tuple(installed_version(_LIBRARY)) < _TRL_WITH_TORCH_LM_HEAD
+
+
+@contextlib.contextmanager
+def fused_lm_head_torch_path(trainer: str) -> Iterator[None]:
+    """Within the block (``SFTTrainer.__init__`` or ``DPOTrainer.__init__``), the fused LM head that TRL puts on the
+    models also runs on devices without Triton (CPU).
+
+    On TRL 1.16 and later (which has that path itself) the block changes nothing. On TRL 1.15 the forward TRL installs
+    on each model (policy and reference) is wrapped: a ``fused_lm_head=True`` call scores the labels with TRL's kernel
+    on CUDA / XPU and with `torch_log_probs` elsewhere. The wrapper belongs to the model instance; TRL's module is
+    patched for the block only (``add_fused_lm_head``) and for the duration of each fused call
+    (``_ChunkedLogProbFunction``).
+
+    Args:
+        trainer (`str`): ``"sft"`` or ``"dpo"``, the trainer whose ``__init__`` runs in the block.
+    """
+    if trainer not in _FUSED_LM_HEAD_TRAINERS:
+        raise ValueError(f"trainer must be one of {sorted(_FUSED_LM_HEAD_TRAINERS)}, not {trainer!r}")
+    if not needs_torch_lm_head():
+        yield
+        return
+    import importlib
+
+    from trl.trainer import utils as trl_utils
+
+    module = importlib.import_module(_FUSED_LM_HEAD_TRAINERS[trainer])
+    where = module.__name__
+    current = require(module, "add_fused_lm_head", library=_LIBRARY, where=where)
+    check_signature(current, ("model",), library=_LIBRARY, where=f"{where}.add_fused_lm_head")
+    kernel = require(trl_utils, "_ChunkedLogProbFunction", library=_LIBRARY, where="trl.trainer.utils")
+    if kernel is not None:  # None: TRL found no Triton, and every fused call takes the torch path
+        check_signature(
+            kernel.forward, _LOG_PROB_ARGS, library=_LIBRARY, where="trl.trainer.utils._ChunkedLogProbFunction.forward"
+        )
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+            original(model, *args, **kwargs)
+            _route_fused_calls(model, trl_utils)
+
+        return add_fused_lm_head
+
+    with patched_attribute(module, "add_fused_lm_head", wrap, library=_LIBRARY, where=where):
+        yield
+
+
+def _route_fused_calls(model: Any, trl_utils: Any) -> None:
+    """Wrap the fused forward TRL just bound to ``model``: fused calls see `_log_prob_function` as TRL's kernel."""
+    fused = model.forward  # TRL's `_fused_forward`, bound to the model
+
+    @functools.wraps(getattr(fused, "__func__", fused))  # keeps the model's signature (`generate` validates it)
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            return fused(*args, **kwargs)
+        with patched_attribute(
+            trl_utils,
+            "_ChunkedLogProbFunction",
+            _log_prob_function,
+            library=_LIBRARY,
+            where="trl.trainer.utils",
+        ):
+            return fused(*args, fused_lm_head=True, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _log_prob_function(kernel: Any) -> Any:
+    class _ChunkedLogProbs:
+        """TRL's ``_ChunkedLogProbFunction`` on CUDA / XPU, `torch_log_probs` elsewhere (or without Triton)."""
+
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            if kernel is not None and args[0].device.type in _TRITON_DEVICES:
+                return kernel.apply(*args)
+            return torch_log_probs(*args)
+
+    return _ChunkedLogProbs
+
+
+def torch_log_probs(
+    hidden: Any,
+    weight: Any,
+    bias: Any,
+    targets: Any,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = ("log_probs",),
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Per-token label scores of the LM head ``hidden @ weight.T + bias``, in torch: TRL's fused LM head kernel
+    without Triton.
+
+    The logits are ``logit_scale * z``, soft-capped (``c * tanh(./c)``) when ``final_logit_softcapping`` is set, then
+    divided by ``temperature``; the projection runs in the autocast dtype (else ``hidden``'s) and everything after it
+    in fp32. The tokens go in chunks of at most ``2**24`` logits, each recomputed in the backward pass, so no more
+    than one chunk of logits is held at a time.
+
+    Args:
+        hidden (`torch.Tensor` of shape `(N, H)`): the hidden states of the scored positions.
+        weight (`torch.Tensor` of shape `(V, H)`): the LM head's weight; ``bias`` (`(V,)` or `None`) its bias.
+        targets (`torch.Tensor` of shape `(N,)`): the label of each position.
+        chunk_size (`int`, *optional*): TRL's vocabulary tile size; unused (a chunk spans the whole vocabulary).
+        outputs (`tuple[str, ...]`): which of ``"entropy"``, ``"log_sum_sq_probs"``, ``"mean_logits"`` and
+            ``"is_top1"`` to compute besides the log-probabilities.
+
+    Returns:
+        ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each of shape `(N,)` (fp32; ``is_top1``
+        bool), `None` for those not in ``outputs``. ``log_probs`` and ``entropy`` are differentiable; ``is_top1`` is
+        whether the label is the first maximum of the logits.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    device = hidden.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    step = max(1, _CHUNK_LOGITS // max(1, int(weight.shape[0])))
+    options = (dtype, temperature, final_logit_softcapping, logit_scale, tuple(outputs))
+    differentiable = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    pieces = []
+    for start in range(0, max(1, int(hidden.shape[0])), step):  # one (maybe empty) chunk at least: outputs exist
+        chunk = (hidden[start : start + step], weight, bias, targets[start : start + step], *options)
+        pieces.append(checkpoint(_score, *chunk, use_reentrant=False) if differentiable else _score(*chunk))
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces, strict=True))
+
+
+def _score(
+    hidden: Any,
+    weight: Any,
+    bias: Any,
+    targets: Any,
+    dtype: Any,
+    temperature: float,
+    softcap: float | None,
+    logit_scale: float,
+    outputs: tuple[str, ...],
+) -> tuple[Any, Any, Any, Any, Any]:
+    import torch
+
+    z = hidden.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z.float() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z * (1 / temperature)
+    log_z = torch.logsumexp(z, dim=-1)
+    log_probs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(-1) if "entropy" in outputs else None
+    with torch.no_grad():  # metrics only: TRL's kernel gives them no gradient either
+        log_sum_sq_probs = torch.logsumexp(2 * z, dim=-1) - 2 * log_z if "log_sum_sq_probs" in outputs else None
+        mean_logits = z.mean(-1) if "mean_logits" in outputs else None
+        is_top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+    return log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1
 
 
 # ----------------------------------------------------------------------------------------------------------- DPO
@@ -180,8 +368,22 @@ def dpo_reference_preparer(prepare: Any) -> Iterator[None]:
     """
     from trl.trainer import dpo_trainer
 
-    where = "trl.trainer.dpo_trainer"
-    current = require(dpo_trainer, "prepare_fsdp", library=_LIBRARY, where=where)
+    with _reference_preparer(dpo_trainer, "trl.trainer.dpo_trainer", prepare):
+        yield
+
+
+@contextlib.contextmanager
+def grpo_reference_preparer(prepare: Any) -> Iterator[None]:
+    """`dpo_reference_preparer` for GRPOTrainer (its reference model, used with ``beta > 0``)."""
+    from trl.trainer import grpo_trainer
+
+    with _reference_preparer(grpo_trainer, "trl.trainer.grpo_trainer", prepare):
+        yield
+
+
+@contextlib.contextmanager
+def _reference_preparer(module: Any, where: str, prepare: Any) -> Iterator[None]:
+    current = require(module, "prepare_fsdp", library=_LIBRARY, where=where)
     check_signature(current, ("model", "accelerator"), library=_LIBRARY, where=f"{where}.prepare_fsdp")
 
     def wrap(original: Any) -> Any:
@@ -194,7 +396,7 @@ def dpo_reference_preparer(prepare: Any) -> Iterator[None]:
 
         return prepare_fsdp
 
-    with patched_attribute(dpo_trainer, "prepare_fsdp", wrap, library=_LIBRARY, where=where):
+    with patched_attribute(module, "prepare_fsdp", wrap, library=_LIBRARY, where=where):
         yield
 
 
@@ -245,3 +447,137 @@ def finalize_dpo_metrics(
     tp = int(getattr(trainer, "_tp_size", 1) or 1)
     trainer._total_train_tokens += int(total["num_tokens"]) // tp - int(mine["num_tokens"]) // tp
     metrics["num_tokens"] = [trainer._total_train_tokens]
+
+
+# ---------------------------------------------------------------------------------------------------------- GRPO
+# How GRPOTrainer._compute_loss normalises each loss type over one microbatch, and therefore what a microbatch's loss
+# is multiplied by so that the step's gradient is that of one process over the whole global batch:
+#   "sequences": a mean over the microbatch's sequences (of per-sequence token means for grpo / sapo, of per-sequence
+#                sums for luspo, of sums over max_completion_length for dr_grpo) -> x rows x world / all sequences;
+#   "tokens":    a mean over the microbatch's loss tokens (bnpo) -> x its tokens x world / all loss tokens;
+#   "global":    a sum over tokens divided by num_items_in_batch / world x grad-accumulation / steps_per_generation
+#                (dapo, cispo, vespo) -> x that normaliser x world / all loss tokens.
+GRPO_LOSS_NORMALISATION = {
+    "grpo": "sequences",
+    "sapo": "sequences",
+    "luspo": "sequences",
+    "dr_grpo": "sequences",
+    "bnpo": "tokens",
+    "dapo": "global",
+    "cispo": "global",
+    "vespo": "global",
+}
+
+# Keys of GRPOTrainer._generate_and_score_completions' output that the ODC trainer re-batches: one value per
+# completion token (right-padded with the given value), or one per completion.
+GRPO_TOKEN_KEYS = {
+    "completion_ids": None,  # the tokenizer's pad token id
+    "completion_mask": 0,
+    "tool_mask": 1,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+}
+GRPO_SAMPLE_KEYS = ("advantages",)
+GRPO_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def check_grpo(trainer: Any) -> None:
+    """Raise `~odc_accelerate._compat.CompatError` if GRPOTrainer lacks an internal the ODC trainer reads or wraps."""
+    detail = (
+        "odc_accelerate re-batches GRPO completions and rescales each loss type as the tested versions normalise "
+        "them; if TRL changed either, the ODC loss may differ from TRL's."
+    )
+    if (warning := untested_warning(_LIBRARY, detail)) is not None:
+        logger.warning(warning)
+    from trl import GRPOTrainer
+
+    where = "trl.GRPOTrainer"
+    for attr in ("_generate_and_score_completions", "_generate", "_compute_loss", "_get_train_sampler"):
+        require(GRPOTrainer, attr, library=_LIBRARY, where=where)
+    for attr in ("_metrics", "loss_type", "beta", "num_generations", "ref_model", "aux_loss_enabled", "use_vllm"):
+        require(trainer, attr, library=_LIBRARY, where=where)
+
+
+def grpo_loss_weight(
+    trainer: Any, rows: int, tokens: float, total_rows: int, total_tokens: float, world_size: int
+) -> float:
+    """What one microbatch's GRPO loss (as TRL computes it) is multiplied by for the exact loss of the whole step.
+
+    Args:
+        trainer: the GRPO trainer (its ``loss_type``, ``current_gradient_accumulation_steps`` and
+            ``args.steps_per_generation``).
+        rows (`int`): completions in the microbatch.
+        tokens (`float`): loss tokens in the microbatch.
+        total_rows (`int`): completions in the whole step, over all ranks.
+        total_tokens (`float`): loss tokens in the whole step, over all ranks.
+        world_size (`int`): ranks FSDP2 averages gradients over.
+    """
+    kind = GRPO_LOSS_NORMALISATION[trainer.loss_type]
+    if kind == "sequences":
+        return rows * world_size / max(total_rows, 1)
+    if kind == "tokens":
+        return max(tokens, 1.0) * world_size / max(total_tokens, 1.0)
+    # The "global" types divide by num_items_in_batch (set to the step's loss tokens) the way TRL scales it.
+    normaliser = (
+        max(total_tokens, 1.0)
+        / world_size
+        * trainer.current_gradient_accumulation_steps
+        / trainer.args.steps_per_generation
+    )
+    return normaliser * world_size / max(total_tokens, 1.0)
+
+
+def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
+    """The ``accelerator.reduce`` / ``gather`` calls GRPOTrainer._compute_loss makes per training microbatch, in call
+    order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max")."""
+    calls: list[tuple[str, str]] = []
+    if trainer.beta != 0.0:
+        calls.append(("kl", "ratio"))
+    calls.append(("entropy", "ratio"))
+    if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        calls += [
+            ("clip_ratio/low_mean", "ratio"),
+            ("clip_ratio/high_mean", "ratio"),
+            ("clip_ratio/region_mean", "ratio"),
+            ("clip_ratio/low_min", "min"),
+            ("clip_ratio/high_max", "max"),
+        ]
+    elif trainer.loss_type == "cispo":
+        calls.append(("cispo_clip_ratio", "ratio"))
+    elif trainer.loss_type == "vespo":
+        calls.append(("vespo/phi_seq_mean", "ratio"))
+    return tuple(calls)
+
+
+def finalize_grpo_metrics(trainer: Any, metrics: Any) -> None:
+    """Replace the per-microbatch GRPO loss metrics of one step (local values) with one global value each, as one
+    process logs them when the global batch is one microbatch; TRL's per-microbatch ``step_time`` becomes the step's.
+    """
+    recorded = trainer._metrics["train"]
+    mbs = metrics.local_microbatches
+    for i, (name, how) in enumerate(grpo_metric_calls(trainer)):
+        if mbs and name in recorded:
+            del recorded[name][-mbs:]
+        if how == "ratio":
+            value = metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
+        elif how == "min":
+            value = metrics.global_mins[i]
+        else:
+            value = metrics.global_maxs[i]
+        recorded[name].append(float(value))
+    times = recorded.get("step_time")
+    if mbs and times is not None and len(times) >= mbs:
+        step_time = sum(times[-mbs:])
+        del times[-mbs:]
+        times.append(step_time)
+
+
+def grpo_sample_each_step_once(sampler: Any, num_iterations: int) -> Any:
+    """Make GRPO's ``RepeatSampler`` yield each generation batch ``num_iterations`` times instead of
+    ``num_iterations x steps_per_generation`` times: under a balanced ODC plan one optimizer step consumes a whole
+    generation batch (the Trainer runs one accumulation step), so TRL's repeats for its accumulation steps would train
+    the same prompts again."""
+    require(sampler, "repeat_count", library=_LIBRARY, where="trl.trainer.utils.RepeatSampler")
+    sampler.repeat_count = int(num_iterations)
+    return sampler

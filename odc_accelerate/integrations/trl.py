@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -30,9 +30,29 @@ from .accelerate import enable, get_frozen_engines, prepare_frozen_model, releas
 from .trainer import ODCTrainerMixin
 from .trainer.metrics import StepMetrics
 
+if TYPE_CHECKING:
+    from .trl_grpo import ODCGRPOConfig, ODCGRPOTrainer
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCDPOConfig", "ODCDPOTrainer", "ODCSFTConfig", "ODCSFTTrainer", "ODCTrainingArgumentsMixin"]
+__all__ = [
+    "ODCDPOConfig",
+    "ODCDPOTrainer",
+    "ODCGRPOConfig",
+    "ODCGRPOTrainer",
+    "ODCSFTConfig",
+    "ODCSFTTrainer",
+    "ODCTrainingArgumentsMixin",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # GRPO lives in its own module (it imports TRL's GRPOTrainer, which SFT and DPO runs do not need).
+    if name in ("ODCGRPOConfig", "ODCGRPOTrainer"):
+        from . import trl_grpo
+
+        return getattr(trl_grpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # The ODC options as training-argument fields (``--odc``, ``--odc_transport``, ...), generated from `ODCConfig` so that

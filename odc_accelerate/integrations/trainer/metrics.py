@@ -28,29 +28,49 @@ MAX_GATHERS_PER_MICROBATCH = 32
 
 
 class DeferredGather:
-    """Stands in for ``accelerator.gather`` / ``gather_for_metrics`` during microbatches: answers with the local value.
+    """Stands in for ``accelerator.gather`` / ``gather_for_metrics`` / ``reduce`` during microbatches: answers with the
+    local value.
 
     A gather of a tensor returns ``[world * n, ...]`` rows; answering with this rank's rows only keeps shapes valid for
-    sums, means and ratios. For every tensor that goes through, the sum and the element count are recorded per call
-    position, so that one all-reduce at the step boundary gives global sums and means over the whole step.
+    sums, means, ratios, minima and maxima. For every tensor that goes through, the sum, the element count and the
+    NaN-ignoring minimum and maximum are recorded per call position, so that one collective at the step boundary gives
+    global sums, means, minima and maxima over the whole step. A ``reduce`` of a ``[sum, count]`` pair (how TRL
+    averages a masked quantity over every rank) is recorded as that sum and count.
     """
 
     def __init__(self) -> None:
-        self.calls: list[list[tuple[float, float]]] = []  # per microbatch: (sum, count) of each gathered tensor
-        self.current: list[tuple[float, float]] | None = None
+        self.calls: list[list[tuple[float, float, float, float]]] = []  # per microbatch: (sum, count, min, max)
+        self.current: list[tuple[float, float, float, float]] | None = None
 
     def start_microbatch(self) -> None:
         self.current = []
         self.calls.append(self.current)
 
+    def _record(self, tensor: torch.Tensor, pair: bool = False) -> None:
+        if self.current is None:
+            return
+        values = tensor.detach().double().reshape(-1).cpu()
+        if pair and values.numel() == 2:
+            self.current.append((float(values[0]), float(values[1]), float("nan"), float("nan")))
+            return
+        finite = values[~torch.isnan(values)]
+        low, high = (float(finite.min()), float(finite.max())) if finite.numel() else (float("nan"), float("nan"))
+        self.current.append((float(values.sum()), float(values.numel()), low, high))
+
     def __call__(self, input_data: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(input_data, torch.Tensor):
-            if self.current is not None:
-                self.current.append((float(input_data.detach().double().sum()), float(input_data.numel())))
+            self._record(input_data)
             return input_data.reshape(1) if input_data.dim() == 0 else input_data
         if isinstance(input_data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in input_data):
             return type(input_data)(self(t) for t in input_data)
         return input_data  # objects: this rank's own, like a one-process gather
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """``accelerator.reduce`` answered locally (a one-process reduce); see the class docstring."""
+        if isinstance(tensor, torch.Tensor):
+            self._record(tensor, pair=True)
+            return tensor * scale if scale != 1.0 else tensor
+        return tensor
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,48 +79,61 @@ class StepMetrics:
 
     ``local_sums[i]`` / ``global_sums[i]`` are the sums over this rank's / all ranks' microbatches of the tensor passed
     to the i-th gather of a microbatch, ``global_counts[i]`` its number of elements over all ranks (so that
-    ``global_sums[i] / global_counts[i]`` is a mean over the whole step).
+    ``global_sums[i] / global_counts[i]`` is a mean over the whole step), ``global_mins[i]`` / ``global_maxs[i]`` its
+    NaN-ignoring extremes over all ranks (NaN where no value was seen).
     """
 
     local_sums: list[float]
     global_sums: list[float]
     global_counts: list[float]
+    global_mins: list[float]
+    global_maxs: list[float]
     local_microbatches: int
     global_microbatches: int
     gathers_per_microbatch: int
 
 
 class _Packet:
-    """Named slices of the one float64 vector all-reduced at the step boundary.
+    """Named slices of the one float64 row each rank contributes at the step boundary (gathered, then combined).
 
-    Layout: ``sums[slots] | counts[slots] | microbatches | uneven | width | width_sq | has_work``. Ranks agree that
-    every microbatch with work made the same number of gathers iff ``(sum width)^2 == ranks_with_work x sum width^2``
-    (equality in Cauchy-Schwarz), decided alike on every rank from the reduced vector.
+    Layout: ``sums[slots] | counts[slots] | mins[slots] | maxs[slots] | microbatches | uneven | width | width_sq |
+    has_work``. Ranks agree that every microbatch with work made the same number of gathers iff ``(sum width)^2 ==
+    ranks_with_work x sum width^2`` (equality in Cauchy-Schwarz), decided alike on every rank from the gathered rows.
     """
 
     SCALARS = ("microbatches", "uneven", "width", "width_sq", "has_work")
+    FIELDS = ("sums", "counts", "mins", "maxs")
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self.size = 2 * slots + len(self.SCALARS)
+        self.size = len(self.FIELDS) * slots + len(self.SCALARS)
 
-    def sums(self, v: torch.Tensor) -> torch.Tensor:
-        return v[: self.slots]
-
-    def counts(self, v: torch.Tensor) -> torch.Tensor:
-        return v[self.slots : 2 * self.slots]
+    def field(self, v: torch.Tensor, name: str) -> torch.Tensor:
+        start = self.FIELDS.index(name) * self.slots
+        return v[..., start : start + self.slots]
 
     def index(self, name: str) -> int:
-        return 2 * self.slots + self.SCALARS.index(name)
+        return len(self.FIELDS) * self.slots + self.SCALARS.index(name)
+
+
+def _nan_extreme(rows: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Column-wise max (``largest``) or min of ``rows`` ignoring NaN; NaN where a column has no number."""
+    fill = float("-inf") if largest else float("inf")
+    filled = torch.where(torch.isnan(rows), torch.full_like(rows, fill), rows)
+    out = filled.max(dim=0).values if largest else filled.min(dim=0).values
+    return torch.where(torch.isinf(out) & (out == fill), torch.full_like(out, float("nan")), out)
 
 
 def reduce_step_metrics(
     deferred: DeferredGather,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None,
     device: torch.device | str,
     slots: int = MAX_GATHERS_PER_MICROBATCH,
 ) -> StepMetrics | None:
-    """Reduce a step's deferred gathers over all ranks with one call of ``reduce_sum`` (`None`: a single process).
+    """Combine a step's deferred gathers over all ranks with one call of ``gather`` (`None`: a single process).
+
+    ``gather`` takes a ``[1, n]`` row and returns every rank's rows (``accelerator.gather``); sums and counts are added
+    up, minima and maxima taken, so one collective serves both.
 
     Returns `None` (and warns) when microbatches made different numbers of gathers: their meaning by position would
     differ, so the step's metrics stay local.
@@ -114,19 +147,24 @@ def reduce_step_metrics(
         raise RuntimeError(f"ODC defers at most {slots} metric gathers per microbatch, got {width}.")
     uneven = any(len(c) != width for c in deferred.calls)
     local = torch.zeros(packet.size, dtype=torch.float64)
-    if not uneven:
-        for c in deferred.calls:
-            packet.sums(local)[:width] += torch.tensor([v for v, _ in c], dtype=torch.float64)
-            packet.counts(local)[:width] += torch.tensor([n for _, n in c], dtype=torch.float64)
+    packet.field(local, "mins")[:] = float("nan")
+    packet.field(local, "maxs")[:] = float("nan")
+    if not uneven and deferred.calls:
+        calls = torch.tensor(deferred.calls, dtype=torch.float64).reshape(len(deferred.calls), width, 4)
+        packet.field(local, "sums")[:width] = calls[:, :, 0].sum(dim=0)
+        packet.field(local, "counts")[:width] = calls[:, :, 1].sum(dim=0)
+        packet.field(local, "mins")[:width] = _nan_extreme(calls[:, :, 2], largest=False)
+        packet.field(local, "maxs")[:width] = _nan_extreme(calls[:, :, 3], largest=True)
     local[packet.index("microbatches")] = len(deferred.calls)
     local[packet.index("uneven")] = float(uneven)
     local[packet.index("width")] = float(width)
     local[packet.index("width_sq")] = float(width * width)
     local[packet.index("has_work")] = float(bool(deferred.calls))
-    total = local.to(device)
-    if reduce_sum is not None:
-        total = reduce_sum(total)
-    total = total.cpu()
+    rows = local[None].to(device)
+    if gather is not None:
+        rows = gather(rows)
+    rows = rows.reshape(-1, packet.size).cpu()
+    total = rows.sum(dim=0)
     width_sum = float(total[packet.index("width")])
     width_sq = float(total[packet.index("width_sq")])
     ranks_with_work = float(total[packet.index("has_work")])
@@ -134,9 +172,11 @@ def reduce_step_metrics(
         logger.warning("ODC: microbatches made different numbers of metric gathers; their metrics are local.")
         return None
     return StepMetrics(
-        local_sums=packet.sums(local).tolist(),
-        global_sums=packet.sums(total).tolist(),
-        global_counts=packet.counts(total).tolist(),
+        local_sums=packet.field(local, "sums").tolist(),
+        global_sums=packet.field(total, "sums").tolist(),
+        global_counts=packet.field(total, "counts").tolist(),
+        global_mins=_nan_extreme(packet.field(rows, "mins"), largest=False).tolist(),
+        global_maxs=_nan_extreme(packet.field(rows, "maxs"), largest=True).tolist(),
         local_microbatches=len(deferred.calls),
         global_microbatches=int(total[packet.index("microbatches")]),
         gathers_per_microbatch=round(width_sum / ranks_with_work) if ranks_with_work else 0,
@@ -176,6 +216,7 @@ class StepTimer:
         self.timer: Any = None  # telemetry.CollectiveTimer on timed plain-FSDP2 runs
         self.trace: Any = None  # telemetry.StepTrace, created at the first step
         self._engine: Any = None
+        self._depth = 0  # open `compute` blocks
 
     def start(self, model: Any, engine: Any, microbatches: list[Any], start: float) -> None:
         """Begin a step at ``start`` (``time.perf_counter()``) with this rank's ``microbatches``."""
@@ -188,6 +229,7 @@ class StepTimer:
             "microbatches": len(microbatches),
             "tokens": sum(input_tokens(mb) for mb in microbatches),
             "busy_s": 0.0,  # host-timed compute
+            "generation_s": 0.0,  # wall time inside generate (RL trainers)
             "events": [],  # (start, end) CUDA event pairs of device-timed compute
         }
         if self.time_collectives and self.timer is None and engine is None:
@@ -203,6 +245,17 @@ class StepTimer:
                 self.trace = StepTrace(self.trace_dir, self.rank)
             self.step["shapes"] = [microbatch_shape(mb) for mb in microbatches]
 
+    def add_work(self, microbatches: int, tokens: int) -> None:
+        """Count work known only once the step runs (an RL step's microbatches exist after its generation)."""
+        if "start" in self.step:
+            self.step["microbatches"] += int(microbatches)
+            self.step["tokens"] += int(tokens)
+
+    def add_generation(self, seconds: float) -> None:
+        """Count ``seconds`` of this step spent inside ``generate`` (reported as ``odc/generation_s_rank<r>``)."""
+        if "start" in self.step:
+            self.step["generation_s"] += float(seconds)
+
     def _blocked_s(self) -> float:
         """Seconds this process has been seen blocked on peers so far (monotonic within a microbatch)."""
         seconds = self.timer.seconds if self.timer is not None else 0.0
@@ -211,8 +264,11 @@ class StepTimer:
 
     @contextlib.contextmanager
     def compute(self, device: torch.device | str) -> Iterator[None]:
-        """Time one microbatch's forward and backward on ``device`` as busy (a no-op when no step is open)."""
-        if "start" not in self.step:
+        """Time one piece of own compute (a microbatch's forward and backward) on ``device`` as busy.
+
+        A no-op when no step is open, and inside another `compute` block (what is nested is already timed).
+        """
+        if "start" not in self.step or self._depth:
             yield
             return
         cuda = torch.device(device).type == "cuda"
@@ -220,15 +276,27 @@ class StepTimer:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
         blocked, start = self._blocked_s(), time.perf_counter()
+        self._depth += 1
         try:
             yield
         finally:
+            self._depth -= 1
             if cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self.step["events"].append((begin, end))
             else:
                 self.step["busy_s"] += (time.perf_counter() - start) - (self._blocked_s() - blocked)
+
+    @contextlib.contextmanager
+    def generation(self, device: torch.device | str) -> Iterator[None]:
+        """Time one ``generate`` call: busy as `compute`, and its wall time as ``odc/generation_s_rank<r>``."""
+        start = time.perf_counter()
+        try:
+            with self.compute(device):
+                yield
+        finally:
+            self.add_generation(time.perf_counter() - start)
 
     def end(self, engine: Any, end: float) -> None:
         """Close the step begun by `start` at ``end``; a no-op when no step is open."""
@@ -242,6 +310,7 @@ class StepTimer:
             "events": self.step["events"],
             "microbatches": float(self.step["microbatches"]),
             "tokens": float(self.step["tokens"]),
+            "generation_s": float(self.step["generation_s"]),
         }
         self.pending.append(entry)
         if self.trace is not None:
@@ -259,7 +328,10 @@ class StepTimer:
         busy_s = sum(_resolve(p) for p in pending)
         mbs = [p["microbatches"] for p in pending]
         tokens = sum(p["tokens"] for p in pending)
-        row = torch.tensor([step_s, busy_s, min(mbs), max(mbs), tokens], dtype=torch.float64, device=device)
+        generation_s = sum(p.get("generation_s", 0.0) for p in pending)
+        row = torch.tensor(
+            [step_s, busy_s, min(mbs), max(mbs), tokens, generation_s], dtype=torch.float64, device=device
+        )
         rows = row[None]
         if gather is not None:
             rows = gather(row[None])  # step boundary: one gather per logged interval
@@ -279,6 +351,9 @@ class StepTimer:
             out[f"odc/busy_s_rank{r}"] = round(busy, 4)
             # On a device the host may close a step before its last kernels end; over an interval the clocks agree.
             out[f"odc/wait_s_rank{r}"] = round(max(step_s - busy, 0.0), 4)
+        if float(rows[:, 5].max()) > 0:  # trainers that generate: time inside generate, part of busy
+            for r in range(rows.shape[0]):
+                out[f"odc/generation_s_rank{r}"] = round(float(rows[r, 5]), 4)
         return out
 
     def close(self) -> None:

@@ -426,10 +426,11 @@ class ODCTrainerMixin:
                 return super().training_step(model, inputs, num_items_in_batch)
         engine = self.odc_engine
         deferred = DeferredGather()
-        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather
+        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
         total = torch.zeros((), device=self.args.device)
         self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
         self.accelerator.gather = deferred  # type: ignore[method-assign]
+        self.accelerator.reduce = deferred.reduce  # type: ignore[method-assign]
         # As the Trainer does for its own microbatches: gradients stay local (unsharded) until the rank's last
         # microbatch, so FSDP2 reduce-scatters (and ODC scatter-adds) once per step instead of once per microbatch.
         # Accelerate's `sync_each_batch=True` trades that back for memory. Ranks may run different counts: ODC's
@@ -447,19 +448,21 @@ class ODCTrainerMixin:
                     total += super().training_step(model, mb, num_items_in_batch)
         finally:
             self._odc_looping = False
-            self.accelerator.gather_for_metrics, self.accelerator.gather = real_gathers  # type: ignore[method-assign]
+            (  # type: ignore[method-assign]
+                self.accelerator.gather_for_metrics,
+                self.accelerator.gather,
+                self.accelerator.reduce,
+            ) = real_gathers
         # Outside the timed compute: a rank that finished its microbatches early waits here and in the barrier below.
-        metrics = reduce_step_metrics(deferred, self._odc_reduce_sum(), self.args.device)
+        metrics = reduce_step_metrics(deferred, self._odc_gather(), self.args.device)
         if metrics is not None:
             self._odc_finalize_metrics(metrics)
         if engine is not None:
             engine.pre_optimizer_step()  # before the Trainer's grad-norm / clipping
         return total
 
-    def _odc_reduce_sum(self) -> Any:
-        if self.accelerator.num_processes == 1:
-            return None
-        return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+    def _odc_gather(self) -> Any:
+        return self.accelerator.gather if self.accelerator.num_processes > 1 else None
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         """Replace what the trainer recorded from locally answered metric gathers with the step's global values.

@@ -1,0 +1,387 @@
+"""ODC for TRL's GRPO: `ODCGRPOConfig` / `ODCGRPOTrainer` (``--odc true`` and friends).
+
+A GRPO step generates completions for the step's prompts, scores them, and trains on them. ODC changes both halves:
+
+* **Generation.** Without vLLM, TRL generates with the FSDP2-sharded policy: every decode step runs the per-layer
+  all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
+  longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
+  last token: generation makes no collective and waits for no peer.
+* **Training.** Under a balanced plan (``--odc_plan``), the step's completions, from every rank, are planned like SFT
+  samples (a prompt + its completion is one sample, padded as TRL pads a microbatch), so ranks run different numbers
+  of microbatches of balanced cost. Each microbatch's loss is rescaled for its loss type so that the step's gradient
+  is that of one process over the whole global batch (see `odc_accelerate._compat.trl.grpo_loss_weight`).
+
+```python
+from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
+
+args = ODCGRPOConfig(output_dir="out", odc=True, odc_plan="free")
+trainer = ODCGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts)
+trainer.train()
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from .._compat import tested_text
+from .._compat import transformers as tcompat
+from .._compat import trl as trl_compat
+from ..config import ODCConfig
+from .trainer import ODCTrainerMixin
+from .trainer.metrics import StepMetrics
+from .trl import ODCDPOTrainer, ODCTrainingArgumentsMixin, _cpu_precision_defaults
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ODCGRPOConfig", "ODCGRPOTrainer", "collate_rollouts", "split_rollouts"]
+
+
+@dataclass
+class ODCGRPOConfig(ODCTrainingArgumentsMixin, GRPOConfig):
+    """`trl.GRPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+    def __post_init__(self) -> None:
+        from .accelerate import enable
+
+        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
+        _cpu_precision_defaults(self)
+        super().__post_init__()
+
+
+def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """One dict of CPU tensors per completion of a GRPO generation batch, without padding.
+
+    ``prompt_ids`` / ``prompt_mask`` keep the prompt's tokens (TRL pads prompts on the left); the per-token keys of
+    `odc_accelerate._compat.trl.GRPO_TOKEN_KEYS` keep the completion's first ``c`` positions, ``c`` being one past its
+    last position with ``completion_mask == 1`` (0 for a completion TRL masked out entirely); ``advantages`` keeps its
+    value.
+
+    Raises:
+        ValueError: the batch holds a key the ODC plan cannot re-batch (images and other model inputs).
+    """
+    known = set(trl_compat.GRPO_TOKEN_KEYS) | set(trl_compat.GRPO_SAMPLE_KEYS) | set(trl_compat.GRPO_PROMPT_KEYS)
+    unknown = sorted(k for k in batch if k not in known and k != "num_items_in_batch")
+    if unknown:
+        raise ValueError(
+            f"ODC's balanced GRPO plan re-batches completions across ranks and cannot carry {unknown} (multimodal or "
+            "vLLM importance-sampling inputs). Run without --odc_plan, or without these inputs."
+        )
+    prompt_mask = batch["prompt_mask"].detach().cpu()
+    completion_mask = batch["completion_mask"].detach().cpu()
+    positions = torch.arange(1, completion_mask.shape[1] + 1)
+    completion_lengths = (completion_mask.bool() * positions).amax(dim=1) if completion_mask.numel() else None
+    prompt_lengths = prompt_mask.sum(dim=1)
+    rows = []
+    for i in range(prompt_mask.shape[0]):
+        p = int(prompt_lengths[i])
+        c = int(completion_lengths[i]) if completion_lengths is not None else 0
+        row = {key: batch[key][i, batch[key].shape[1] - p :].detach().cpu() for key in trl_compat.GRPO_PROMPT_KEYS}
+        for key in trl_compat.GRPO_TOKEN_KEYS:
+            if batch.get(key) is not None:
+                row[key] = batch[key][i, :c].detach().cpu()
+        for key in trl_compat.GRPO_SAMPLE_KEYS:
+            if batch[key].dim() != 1:
+                raise ValueError(
+                    f"ODC's balanced GRPO plan expects one `{key}` value per completion, got shape "
+                    f"{tuple(batch[key].shape)}. Run without --odc_plan."
+                )
+            row[key] = batch[key][i].detach().cpu()
+        rows.append(row)
+    return rows
+
+
+def collate_rollouts(rows: list[dict[str, torch.Tensor]], pad_token_id: int, device: Any) -> dict[str, Any]:
+    """A GRPO training microbatch of ``rows`` (from `split_rollouts`), padded as TRL pads one: prompts on the left,
+    completions on the right (at least one column, so that ``logits_to_keep`` is never 0)."""
+    width_p = max(int(r["prompt_ids"].numel()) for r in rows)
+    width_c = max(1, max(int(r["completion_ids"].numel()) for r in rows))
+    out: dict[str, Any] = {}
+    for key, value in (("prompt_ids", pad_token_id), ("prompt_mask", 0)):
+        out[key] = torch.stack(
+            [torch.cat([r[key].new_full((width_p - r[key].numel(),), value), r[key]]) for r in rows]
+        )
+    for key, value in trl_compat.GRPO_TOKEN_KEYS.items():
+        if key not in rows[0]:
+            continue
+        value = pad_token_id if value is None else value
+        out[key] = torch.stack(
+            [torch.cat([r[key], r[key].new_full((width_c - r[key].numel(),), value)]) for r in rows]
+        )
+    for key in trl_compat.GRPO_SAMPLE_KEYS:
+        out[key] = torch.stack([r[key] for r in rows])
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _loss_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if batch.get("tool_mask") is not None else mask
+
+
+class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` with ODC.
+
+    * **Generation** makes no collective under ODC: ``generate`` runs with ``synced_gpus=False`` on every rank, so a
+      rank stops decoding at its own last token. Plain FSDP2 runs keep transformers' choice (TRL's behaviour). Each
+      rank's time inside ``generate`` is logged as ``odc/generation_s_rank<r>``, and counts as busy.
+    * **Planning** (``--odc_plan free|lockstep``): one optimizer step is one generation batch
+      (``per_device_train_batch_size x gradient_accumulation_steps`` prompts x completions per rank, as in TRL). Its
+      completions are gathered once and planned over all ranks under the token budget
+      (``--odc_max_tokens_per_microbatch``; by default ``per_device_train_batch_size x (longest prompt of the step +
+      max_completion_length)``, the largest microbatch TRL itself would run), and each rank trains its own share.
+    * **Exact loss** for every loss type of TRL (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo): each
+      microbatch's loss is rescaled so that the step's gradient equals one process's over the whole global batch.
+      What cannot be made exact is refused under a plan: the entropy bonus and the top-entropy mask (per-microbatch
+      statistics), a MoE router's auxiliary loss, several iterations per generation, vLLM, multimodal inputs.
+    * **Reference model** (``beta > 0``): sharded per layer and, under ODC, served by a gather-only engine: a reference
+      forward makes no collective.
+    * **Metrics**: TRL's per-microbatch reductions (kl, entropy, clip ratios) are answered locally and reduced once per
+      step, plus the ODC step metrics (tokens/s, per-rank busy / wait / generation time).
+    """
+
+    _odc_prepare_reference = ODCDPOTrainer._odc_prepare_reference
+    odc_reference_engine = ODCDPOTrainer.odc_reference_engine
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
+        self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
+        with trl_compat.grpo_reference_preparer(self._odc_prepare_reference):
+            super().__init__(*args, **kwargs)
+        trl_compat.check_grpo(self)
+        if self.odc_config.balanced and self.aux_loss_enabled:
+            raise ValueError(
+                "The model's router auxiliary loss (output_router_logits) is averaged per microbatch, which cannot be "
+                "made exact when ranks run different microbatches. Turn it off, or run without --odc_plan."
+            )
+
+    # ------------------------------------------------------------------ set-up
+    def create_accelerator_and_postprocess(self) -> None:
+        # Refuse what ODC cannot do (exactly) before the mixin folds gradient accumulation and before any model is
+        # sharded or any completion generated.
+        config = ODCConfig.from_sources(args=self.args)
+        _check_grpo_args(self.args, config)
+        super().create_accelerator_and_postprocess()
+
+    def get_train_dataloader(self) -> Any:
+        if self.odc_config.balanced:
+            from torch.utils.data import IterableDataset
+
+            if isinstance(self.train_dataset, IterableDataset):
+                raise ValueError(
+                    "ODC's balanced GRPO plan needs a map-style prompt dataset (one generation batch per optimizer "
+                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc_plan."
+                )
+        return GRPOTrainer.get_train_dataloader(self)  # TRL's prompt loader: the plan is made after generation
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(dataset)
+        if self.odc_config.balanced:
+            trl_compat.grpo_sample_each_step_once(sampler, self.num_iterations)
+        return sampler
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: list) -> Any:
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        sync = not self.odc_config.enable
+        with tcompat.generation_without_peer_sync(
+            model, sync, lambda: self.odc_step_timer.generation(self.args.device)
+        ):
+            return super()._generate(prompts)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        # The reference (and old-policy) forwards after generation are own compute; inside a microbatch this is
+        # already timed, and the nested block is a no-op.
+        with self.odc_step_timer.compute(self.args.device):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    # ------------------------------------------------------------------ step
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        # Items are lists of prompt rows; the step's work is known after generation (`_prepare_inputs`, `_odc_plan`).
+        start = time.perf_counter()
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if batches:
+            self.odc_step_timer.start(self.model, self.odc_engine, [], start)
+        return batches, None
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if self._odc_looping or self._odc_ready:
+            return inputs  # a microbatch built by the plan, or inputs generated by training_step
+        prepared = super()._prepare_inputs(inputs)
+        if self.model.training:
+            self.odc_step_timer.add_work(1, int(prepared["prompt_mask"].sum() + prepared["completion_mask"].sum()))
+        return prepared
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if not self.odc_config.balanced:
+            # TRL's own step (its accumulation slices); the loss's forward and backward are timed as busy, generation
+            # and the reference forward by their own blocks.
+            prepared = self._prepare_inputs(inputs)
+            self._odc_ready = True
+            try:
+                with self.odc_step_timer.compute(self.args.device):
+                    return GRPOTrainer.training_step(self, model, prepared, num_items_in_batch)
+            finally:
+                self._odc_ready = False
+        model.train()  # as Trainer.training_step does first: TRL's generation and metrics read the mode
+        batch = self._odc_generate(inputs)
+        microbatches = self._odc_plan(batch)
+        return ODCTrainerMixin.training_step(self, model, microbatches, batch["num_items_in_batch"])
+
+    def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Generate and score the step's completions as TRL does, once per optimizer step."""
+        args = self.args
+        # TRL computes the old policy's log-probs when generation and optimizer steps are misaligned; here they align
+        # (one generation batch per optimizer step), which TRL sees with its own accumulation count.
+        folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
+        try:
+            return self._generate_and_score_completions(inputs)
+        finally:
+            args.gradient_accumulation_steps = folded
+
+    def _odc_plan(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Gather the step's completions from every rank (one collective), plan them over ranks and microbatches, and
+        return this rank's microbatches."""
+        from accelerate.utils import gather_object
+
+        from ..planning import StreamingStepPlanner
+
+        rows = split_rollouts(batch)
+        world = self.accelerator.num_processes
+        everyone = gather_object(rows) if world > 1 else rows
+        lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
+        budget = self.odc_config.max_tokens_per_microbatch
+        if budget is None:
+            longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
+            budget = int(self.args.per_device_train_batch_size) * (longest_prompt + int(self.max_completion_length))
+        elif max(lengths) > budget:
+            self._odc_warn_over_budget(lengths, int(budget), max(lengths))
+        planner = StreamingStepPlanner(
+            world,
+            max(len(everyone), world),
+            int(budget),
+            plan=self.odc_config.plan,
+            model_config=getattr(self.accelerator.unwrap_model(self.model), "config", None),
+            padded=True,
+        )
+        plan = planner.plan(lengths)
+        pad = int(self._tokenizer.pad_token_id)
+        device = self.accelerator.device
+        total_tokens = float(sum(float(_loss_tokens(r).sum()) for r in everyone))
+        self._odc_totals = (len(everyone), total_tokens)
+        num_items = torch.tensor(total_tokens, device=device)
+        microbatches = []
+        tokens = 0
+        for indices in plan[self.accelerator.process_index]:
+            if indices:
+                mb = collate_rollouts([everyone[i] for i in indices], pad, device)
+                mb["odc_rows"] = len(indices)
+                tokens += int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+            else:
+                # An empty slot of the lockstep plan still runs a forward and backward (plain FSDP2's collectives
+                # need every rank): a completion with nothing to learn from, and a weight of 0.
+                mb = collate_rollouts([everyone[0]], pad, device)
+                mb["completion_mask"] = torch.zeros_like(mb["completion_mask"])
+                mb["advantages"] = torch.zeros_like(mb["advantages"])
+                mb["odc_rows"] = 0
+            mb["num_items_in_batch"] = num_items
+            microbatches.append(mb)
+        self.odc_step_timer.add_work(len(microbatches), tokens)
+        return microbatches
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        loss = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not self._odc_looping:
+            return loss
+        rows = int(inputs["odc_rows"])
+        if rows == 0:
+            return loss * 0.0
+        total_rows, total_tokens = self._odc_totals
+        weight = trl_compat.grpo_loss_weight(
+            self,
+            rows=rows,
+            tokens=float(_loss_tokens(inputs).sum()),
+            total_rows=total_rows,
+            total_tokens=total_tokens,
+            world_size=self.accelerator.num_processes,
+        )
+        return loss * weight
+
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        expected = len(trl_compat.grpo_metric_calls(self))
+        if metrics.gathers_per_microbatch != expected:
+            logger.warning(
+                "ODC: GRPO made %d metric reductions per microbatch, expected %d (tested with TRL %s); the loss "
+                "metrics of this step are local.",
+                metrics.gathers_per_microbatch,
+                expected,
+                tested_text("trl"),
+            )
+            return
+        trl_compat.finalize_grpo_metrics(self, metrics)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # TRL counts prompt and completion tokens itself once they are generated; the loader's items are prompts.
+        return None
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
+
+
+def _check_grpo_args(args: Any, config: ODCConfig) -> None:
+    """Refuse, before any work, the GRPO settings ODC cannot run (exactly)."""
+    if config.enable and getattr(args, "use_vllm", False):
+        raise ValueError(
+            "use_vllm=True is not supported with ODC: vLLM generates outside the FSDP2 model whose shards ODC serves. "
+            "Drop --use_vllm (generation then runs on the ODC-sharded policy without collectives), or run without "
+            "--odc."
+        )
+    if config.enable and getattr(args, "sync_ref_model", False):
+        raise ValueError(
+            "sync_ref_model=True is not supported with ODC: the reference model is served by a gather-only ODC engine "
+            "whose published shards would go stale when TRL overwrites the reference weights. Set --sync_ref_model "
+            "false, or run without --odc."
+        )
+    if not config.balanced:
+        return
+    alternatives = "run without --odc_plan (TRL's own microbatches; ODC still makes generation collective-free)"
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type not in trl_compat.GRPO_LOSS_NORMALISATION:
+        raise ValueError(
+            f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
+            f"{sorted(trl_compat.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
+        )
+    if int(getattr(args, "num_iterations", 1)) != 1:
+        raise ValueError(
+            f"num_iterations={args.num_iterations}: ODC's balanced plan trains each generation batch in one optimizer "
+            f"step. Set --num_iterations 1, or {alternatives}."
+        )
+    spg, ga = getattr(args, "steps_per_generation", None), int(args.gradient_accumulation_steps)
+    if spg is not None and int(spg) != ga:
+        raise ValueError(
+            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains each "
+            "generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
+            f"--gradient_accumulation_steps), or {alternatives}."
+        )
+    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        raise ValueError(
+            "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
+            f"cannot be made exact when ranks run different microbatches. Set --entropy_coef 0, or {alternatives}."
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        raise ValueError(
+            "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
+            f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
+        )

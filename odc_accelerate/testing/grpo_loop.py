@@ -1,0 +1,121 @@
+"""GRPO on fixed completions, for the parity tests: ODC on several ranks vs TRL alone on one process.
+
+    accelerate launch --config_file CFG odc_accelerate/testing/grpo_loop.py --odc true --odc_plan free --output_dir OUT
+    python odc_accelerate/testing/grpo_loop.py --reference true --per_device_train_batch_size 16 --output_dir OUT
+
+Completions come from a seeded stand-in for generation (TRL's public ``rollout_func``): the completion of the ``j``-th
+copy of a prompt is a function of the prompt's text and ``j`` alone, with a long-tailed length, so every run sees the
+same completions whatever the number of ranks, and the comparison is of training. The reward is a rule on the
+completion's text. With ``--reference true`` the run is plain `trl.GRPOTrainer` (no ODC class involved). Rank 0
+writes ``OUT/losses.json`` (the logged loss of every step), ``OUT/initial_params.pt`` and ``OUT/final_params.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_FIRST_TOKEN, _LAST_TOKEN = 1000, 20000  # ordinary word pieces of Qwen's vocabulary
+
+
+@dataclass
+class LoopArguments:
+    reference: bool = field(default=False, metadata={"help": "Run plain trl.GRPOTrainer on one process."})
+    num_prompts: int = field(default=32, metadata={"help": "Prompts in the dataset."})
+
+
+def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """Completions that depend on (prompt, copy index) only: reproducible across world sizes."""
+    tokenizer = trainer.processing_class
+    rank_offset = trainer.accelerator.process_index * len(prompts)
+    groups = trainer.num_generations
+    limit = int(trainer.max_completion_length)
+    eos = int(tokenizer.eos_token_id)
+    prompt_ids, completion_ids = [], []
+    for i, prompt in enumerate(prompts):
+        copy = (rank_offset + i) % groups  # groups of copies are contiguous over the global batch
+        rng = np.random.default_rng(zlib.crc32(prompt.encode()) * 64 + copy)
+        length = int(min(limit, 2 + rng.pareto(1.1) * 6))  # long-tailed: most short, a few up to the limit
+        tokens = rng.integers(_FIRST_TOKEN, _LAST_TOKEN, size=length - 1).tolist() + [eos]
+        prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        completion_ids.append(tokens)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def length_rule_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A rule on the text: completions near 60 characters score best."""
+    return [-abs(len(c) - 60) / 60.0 for c in completions]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, set_seed
+    from trl import GRPOConfig, GRPOTrainer, TrlParser
+
+    from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
+    from odc_accelerate.integrations.trl import ODCGRPOConfig
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    reference = "--reference" in argv and argv[argv.index("--reference") + 1].lower() == "true"
+    parser = TrlParser((LoopArguments, GRPOConfig if reference else ODCGRPOConfig))
+    loop_args, args = parser.parse_args_into_dataclasses(argv)
+    tokenizer = load_offline_tokenizer()
+    set_seed(0)
+    config = tiny_qwen2_config(hidden_size=32)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
+    from accelerate import PartialState
+
+    state = PartialState()
+    path = os.path.join(args.output_dir, "init_model")
+    with state.main_process_first():
+        if state.is_main_process:
+            model.save_pretrained(path)
+    args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
+
+    from datasets import Dataset
+
+    texts = offline_texts(max_words=80, seed=1)[: loop_args.num_prompts]
+    dataset = Dataset.from_dict({"prompt": [" ".join(t.split()[:8]) for t in texts]})
+
+    if loop_args.reference:
+        trainer_cls = GRPOTrainer
+    else:
+        from odc_accelerate.integrations.trl import ODCGRPOTrainer
+
+        trainer_cls = ODCGRPOTrainer
+    trainer = trainer_cls(
+        model=path,
+        reward_funcs=length_rule_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=stub_rollout,
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    params = {}
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        params[name] = full.detach().float().cpu()
+    if trainer.accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        torch.save(initial, os.path.join(args.output_dir, "initial_params.pt"))
+        torch.save(params, os.path.join(args.output_dir, "final_params.pt"))
+        with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
+            json.dump({"losses": losses, "log_history": trainer.state.log_history}, f)
+    from odc_accelerate._compat.transformers import end_training
+
+    end_training(trainer)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
