@@ -71,7 +71,7 @@ def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
     if unknown:
         raise ValueError(
             f"ODC's balanced GRPO plan re-batches completions across ranks and cannot carry {unknown} (multimodal or "
-            "vLLM importance-sampling inputs). Run without --odc_plan, or without these inputs."
+            "vLLM importance-sampling inputs). Run without --odc / --odc_plan, or without these inputs."
         )
     prompt_mask = batch["prompt_mask"].detach().cpu()
     completion_mask = batch["completion_mask"].detach().cpu()
@@ -90,7 +90,7 @@ def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
             if batch[key].dim() != 1:
                 raise ValueError(
                     f"ODC's balanced GRPO plan expects one `{key}` value per completion, got shape "
-                    f"{tuple(batch[key].shape)}. Run without --odc_plan."
+                    f"{tuple(batch[key].shape)}. Run without --odc / --odc_plan."
                 )
             row[key] = batch[key][i].detach().cpu()
         rows.append(row)
@@ -157,7 +157,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
         if self.odc_config.balanced and self.aux_loss_enabled:
             raise ValueError(
                 "The model's router auxiliary loss (output_router_logits) is averaged per microbatch, which cannot be "
-                "made exact when ranks run different microbatches. Turn it off, or run without --odc_plan."
+                "made exact when ranks run different microbatches. Turn it off, or run without --odc / --odc_plan."
             )
 
     # ------------------------------------------------------------------ set-up
@@ -175,7 +175,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
             if isinstance(self.train_dataset, IterableDataset):
                 raise ValueError(
                     "ODC's balanced GRPO plan needs a map-style prompt dataset (one generation batch per optimizer "
-                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc_plan."
+                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc / --odc_plan."
                 )
         return GRPOTrainer.get_train_dataloader(self)  # TRL's prompt loader: the plan is made after generation
 
@@ -342,11 +342,11 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
 
 def _check_grpo_args(args: Any, config: ODCConfig) -> None:
     """Refuse, before any work, the GRPO settings ODC cannot run (exactly)."""
-    if config.enable and getattr(args, "use_vllm", False):
+    if (config.enable or config.balanced) and getattr(args, "use_vllm", False):
         raise ValueError(
-            "use_vllm=True is not supported with ODC: vLLM generates outside the FSDP2 model whose shards ODC serves. "
-            "Drop --use_vllm (generation then runs on the ODC-sharded policy without collectives), or run without "
-            "--odc."
+            "use_vllm=True is not supported with ODC or its plans: vLLM generates outside the FSDP2 model whose shards "
+            "ODC serves, and its importance-sampling inputs are not re-batched. Drop --use_vllm (generation then runs "
+            "on the ODC-sharded policy without collectives), or run without --odc / --odc_plan."
         )
     if config.enable and getattr(args, "sync_ref_model", False):
         raise ValueError(
@@ -356,7 +356,7 @@ def _check_grpo_args(args: Any, config: ODCConfig) -> None:
         )
     if not config.balanced:
         return
-    alternatives = "run without --odc_plan (TRL's own microbatches; ODC still makes generation collective-free)"
+    alternatives = "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)"
     loss_type = getattr(args, "loss_type", None)
     if loss_type not in trl_compat.GRPO_LOSS_NORMALISATION:
         raise ValueError(

@@ -28,6 +28,10 @@ _FIRST_TOKEN, _LAST_TOKEN = 1000, 20000  # ordinary word pieces of Qwen's vocabu
 class LoopArguments:
     reference: bool = field(default=False, metadata={"help": "Run plain trl.GRPOTrainer on one process."})
     num_prompts: int = field(default=32, metadata={"help": "Prompts in the dataset."})
+    stub_rollout: bool = field(default=True, metadata={"help": "Fixed completions; false: TRL generates them."})
+    loss_types: str | None = field(
+        default=None, metadata={"help": "Comma-separated loss types trained one after the other (OUT/<type>)."}
+    )
 
 
 def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
@@ -92,29 +96,51 @@ def main(argv: list[str] | None = None) -> None:
         from odc_accelerate.integrations.trl import ODCGRPOTrainer
 
         trainer_cls = ODCGRPOTrainer
-    trainer = trainer_cls(
-        model=path,
-        reward_funcs=length_rule_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        rollout_func=stub_rollout,
-    )
-    trainer.train()
+    loss_types = loop_args.loss_types.split(",") if loop_args.loss_types else [args.loss_type]
+    root = args.output_dir
+    for i, loss_type in enumerate(loss_types):
+        if len(loss_types) > 1:  # fresh arguments: a trainer may change its own (gradient accumulation)
+            _, args = parser.parse_args_into_dataclasses(
+                [*argv, "--loss_type", loss_type, "--output_dir", os.path.join(root, loss_type)]
+            )
+            args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
+        trainer = trainer_cls(
+            model=path,
+            reward_funcs=length_rule_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            rollout_func=stub_rollout if loop_args.stub_rollout else None,
+        )
+        trainer.train()
+        _save(trainer, initial)
+        if i < len(loss_types) - 1 and not loop_args.reference:
+            # The next trainer prepares a new model in the same process group: free this one's ODC engines.
+            from odc_accelerate.integrations.accelerate import get_engine, get_frozen_engines
+
+            for engine in [get_engine(trainer.accelerator), *get_frozen_engines(trainer.accelerator)]:
+                if engine is not None:
+                    engine.close()
+    from odc_accelerate._compat.transformers import end_training
+
+    end_training(trainer)
+
+
+def _save(trainer: Any, initial: dict) -> None:
+    import torch
+
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     params = {}
     for name, p in trainer.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name] = full.detach().float().cpu()
+    out = trainer.args.output_dir
     if trainer.accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        torch.save(initial, os.path.join(args.output_dir, "initial_params.pt"))
-        torch.save(params, os.path.join(args.output_dir, "final_params.pt"))
-        with open(os.path.join(args.output_dir, "losses.json"), "w") as f:
+        os.makedirs(out, exist_ok=True)
+        torch.save(initial, os.path.join(out, "initial_params.pt"))
+        torch.save(params, os.path.join(out, "final_params.pt"))
+        with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump({"losses": losses, "log_history": trainer.state.log_history}, f)
-    from odc_accelerate._compat.transformers import end_training
-
-    end_training(trainer)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ builds (any `ODCTrainerMixin` subclass) gets:
 * a run report, ``<output_dir>/odc_run_rank<r>.json``, written when training ends: distributed type, FSDP plugin,
   ODC engine, transport and last-step hook counts, the resolved `ODCConfig`, the DPO reference engine if any;
 * with ``ODC_COUNT_DIST_CALLS=1``, the torch.distributed calls made during each microbatch of a balanced step
-  (``microbatch_dist_calls`` in the report; ODC must make none);
+  (``microbatch_dist_calls`` in the report; ODC must make none) and during each ``generate`` call of a trainer that
+  generates (``generation_dist_calls``; ODC must make none);
 * with ``ODC_DUMP_PARAMS=1``, rank 0 saves the weights before FSDP2 shards them (``initial_params.pt``) and the full
   final weights (``final_params.pt``), for the parity tests;
 
@@ -42,6 +43,7 @@ class RunReport:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.microbatch_dist_calls: list[dict[str, int]] = []
+        self.generation_dist_calls: list[dict[str, int]] = []
 
     def dump_initial_params(self) -> None:
         import torch
@@ -78,6 +80,7 @@ class RunReport:
             "odc_config": {**trainer.odc_config.options(), "source": trainer.odc_config.source},
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "microbatch_dist_calls": self.microbatch_dist_calls,
+            "generation_dist_calls": self.generation_dist_calls,
             "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
         }
         if hasattr(trainer, "odc_reference_engine"):  # DPO
@@ -143,16 +146,33 @@ def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
     after = mro[mro.index(ODCTrainerMixin) + 1 :]
     owner = next(cls for cls in after if "training_step" in vars(cls))
     microbatch_step = vars(owner)["training_step"]
-    mixin_step = ODCTrainerMixin.training_step
+    step = type(trainer).training_step  # the mixin's, or a trainer's own that ends in the mixin's loop (GRPO)
 
     def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         if not isinstance(inputs, list):
-            return mixin_step(trainer, model, inputs, num_items_in_batch)
+            return step(trainer, model, inputs, num_items_in_batch)
         # The mixin's loop calls super().training_step, which resolves on the class: route it through the counter.
         with _CountedMethod(owner, microbatch_step, trainer, count_dist_calls):
-            return mixin_step(trainer, model, inputs, num_items_in_batch)
+            return step(trainer, model, inputs, num_items_in_batch)
 
     trainer.training_step = training_step
+    _count_generation(trainer, count_dist_calls)
+
+
+def _count_generation(trainer: Any, count_dist_calls: Any) -> None:
+    """Count the torch.distributed calls of each ``generate`` call (every model of this process: one trainer)."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(this: Any, *args: Any, **kwargs: Any) -> Any:
+        with count_dist_calls() as counts:
+            result = original(this, *args, **kwargs)
+        trainer.odc_run_report.generation_dist_calls.append(dict(counts))
+        return result
+
+    GenerationMixin.generate = generate
 
 
 def _slow_down(trainer: Any, seconds: float) -> None:

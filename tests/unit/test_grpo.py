@@ -1,0 +1,209 @@
+"""GRPO under ODC, one process: re-batching completions, loss weights, refusals, step-level metric reductions."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from odc_accelerate._compat import trl as trl_compat  # noqa: E402
+from odc_accelerate.config import ODCConfig  # noqa: E402
+from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics  # noqa: E402
+from odc_accelerate.integrations.trl_grpo import _check_grpo_args, collate_rollouts, split_rollouts  # noqa: E402
+
+PAD = 7
+
+
+def _trl_batch() -> dict:
+    """A generation batch as TRL pads it: prompts on the left, completions on the right."""
+    prompts = [[11, 12, 13], [21], [31, 32]]
+    completions = [[101, 102], [201, 202, 203, 204], []]
+    width_p, width_c = 3, 4
+    batch = {
+        "prompt_ids": torch.tensor([[PAD] * (width_p - len(p)) + p for p in prompts]),
+        "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        "completion_ids": torch.tensor([c + [PAD] * (width_c - len(c)) for c in completions]),
+        "completion_mask": torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions]),
+        "advantages": torch.tensor([0.5, -1.0, 0.25]),
+        "ref_per_token_logps": torch.arange(12, dtype=torch.float32).reshape(3, 4) * 0.1,
+        "num_items_in_batch": torch.tensor(6),
+    }
+    batch["ref_per_token_logps"] = batch["ref_per_token_logps"] * batch["completion_mask"]
+    return batch
+
+
+def test_split_then_collate_reproduces_the_padded_batch():
+    batch = _trl_batch()
+    rows = split_rollouts(batch)
+    assert [r["prompt_ids"].tolist() for r in rows] == [[11, 12, 13], [21], [31, 32]]
+    assert [r["completion_ids"].tolist() for r in rows] == [[101, 102], [201, 202, 203, 204], []]
+    assert [float(r["advantages"]) for r in rows] == [0.5, -1.0, 0.25]
+    again = collate_rollouts(rows, PAD, "cpu")
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "ref_per_token_logps"):
+        torch.testing.assert_close(again[key], batch[key], msg=key)
+    # a microbatch of some rows is padded to its own widths; a completion-less microbatch keeps one column
+    part = collate_rollouts([rows[2]], PAD, "cpu")
+    assert part["prompt_ids"].tolist() == [[31, 32]]
+    assert part["completion_ids"].tolist() == [[PAD]] and part["completion_mask"].tolist() == [[0]]
+
+
+def test_split_refuses_what_it_cannot_rebatch():
+    batch = _trl_batch()
+    batch["pixel_values"] = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match=r"pixel_values.*--odc_plan"):
+        split_rollouts(batch)
+    batch = _trl_batch()
+    batch["advantages"] = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="one `advantages` value per completion"):
+        split_rollouts(batch)
+
+
+def _trainer(loss_type: str, ga: int = 1, spg: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        loss_type=loss_type,
+        current_gradient_accumulation_steps=ga,
+        args=SimpleNamespace(steps_per_generation=spg),
+        beta=0.0,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dr_grpo"])
+def test_sequence_mean_types_weigh_by_rows(loss_type):
+    # 3 of 12 completions in this microbatch, 2 ranks: (1/3) sum over its rows -> (2/12) sum
+    w = trl_compat.grpo_loss_weight(
+        _trainer(loss_type), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
+    )
+    assert w == pytest.approx(3 * 2 / 12)
+
+
+def test_token_mean_type_weighs_by_tokens():
+    w = trl_compat.grpo_loss_weight(_trainer("bnpo"), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2)
+    assert w == pytest.approx(40 * 2 / 100)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+def test_global_token_types_undo_trls_accumulation_scaling(loss_type):
+    # TRL divides by num_items / world * ga / steps_per_generation; ODC wants num_items / world for the whole step.
+    w = trl_compat.grpo_loss_weight(
+        _trainer(loss_type, ga=1, spg=4), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
+    )
+    trl_normaliser = 100 / 2 * 1 / 4
+    assert w == pytest.approx(trl_normaliser / (100 / 2))
+
+
+def test_every_trl_loss_type_has_a_weight():
+    from trl import GRPOConfig
+
+    help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    for name in trl_compat.GRPO_LOSS_NORMALISATION:
+        assert f"'{name}'" in help_text or f"`{name}`" in help_text or name in help_text, name
+
+
+def _args(**overrides):
+    base = dict(
+        use_vllm=False,
+        sync_ref_model=False,
+        loss_type="grpo",
+        num_iterations=1,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        entropy_coef=0.0,
+        use_adaptive_entropy=False,
+        top_entropy_quantile=1.0,
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+BALANCED = ODCConfig(enable=True, plan="free")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"use_vllm": True}, "Drop --use_vllm"),
+        ({"sync_ref_model": True}, "--sync_ref_model false"),
+        ({"loss_type": "made_up"}, r"Use one of \['bnpo'"),
+        ({"num_iterations": 2}, "--num_iterations 1"),
+        ({"steps_per_generation": 4}, "Leave --steps_per_generation unset"),
+        ({"entropy_coef": 0.01}, "--entropy_coef 0"),
+        ({"use_adaptive_entropy": True}, "--entropy_coef 0"),
+        ({"top_entropy_quantile": 0.2}, "--top_entropy_quantile 1.0"),
+    ],
+)
+def test_refusals_name_the_fix(overrides, match):
+    _check_grpo_args(_args(), BALANCED)  # the defaults pass
+    with pytest.raises(ValueError, match=match):
+        _check_grpo_args(_args(**overrides), BALANCED)
+
+
+def test_plain_fsdp2_without_a_plan_keeps_trls_options():
+    # TRL's own microbatches: every loss type and setting is TRL's
+    plain = ODCConfig(enable=False, plan=None)
+    _check_grpo_args(_args(entropy_coef=0.1, num_iterations=3, top_entropy_quantile=0.5, use_vllm=True), plain)
+    # plain FSDP2 on a plan has the plan's limits
+    with pytest.raises(ValueError, match="--num_iterations 1"):
+        _check_grpo_args(_args(num_iterations=3), ODCConfig(enable=False, plan="lockstep"))
+
+
+def test_deferred_reduce_and_gather_give_step_ratios_minima_and_maxima():
+    """Two ranks' microbatches, combined as the step boundary does, against the values over all of them at once."""
+    rank_values = [
+        [
+            (torch.tensor([3.0, 4.0]), torch.tensor([0.1, float("nan"), 0.5])),
+            (torch.tensor([1.0, 1.0]), torch.tensor([0.2])),
+        ],
+        [(torch.tensor([6.0, 5.0]), torch.tensor([0.9, 0.05]))],
+    ]
+    rows = []
+    for microbatches in rank_values:
+        deferred = DeferredGather()
+        for pair, per_sequence in microbatches:
+            deferred.start_microbatch()
+            assert torch.equal(deferred.reduce(pair, reduction="sum"), pair)  # answered locally
+            deferred(per_sequence)
+        captured = []
+        reduce_step_metrics(deferred, lambda t, c=captured: c.append(t) or t, "cpu")
+        rows.append(captured[0])
+    everyone = torch.cat(rows)
+    metrics = reduce_step_metrics(_replay(rank_values[0]), lambda t: everyone, "cpu")
+    assert metrics.global_sums[0] == pytest.approx(3 + 1 + 6) and metrics.global_counts[0] == pytest.approx(4 + 1 + 5)
+    assert metrics.global_mins[1] == pytest.approx(0.05) and metrics.global_maxs[1] == pytest.approx(0.9)
+    assert metrics.local_microbatches == 2 and metrics.global_microbatches == 3 and metrics.gathers_per_microbatch == 2
+    assert math.isnan(metrics.global_mins[0])  # a [sum, count] reduce has no extremes
+
+
+def _replay(microbatches):
+    deferred = DeferredGather()
+    for pair, per_sequence in microbatches:
+        deferred.start_microbatch()
+        deferred.reduce(pair)
+        deferred(per_sequence)
+    return deferred
+
+
+def test_finalize_replaces_per_microbatch_values_with_the_steps():
+    trainer = _trainer("grpo")
+    trainer.beta = 0.1
+    calls = trl_compat.grpo_metric_calls(trainer)
+    assert [name for name, _ in calls[:2]] == ["kl", "entropy"]
+    recorded = {name: [99.0, 1.0, 2.0] for name, _ in calls}  # 99: an earlier step's value
+    recorded["step_time"] = [5.0, 0.5, 0.25]
+    trainer._metrics = {"train": recorded}
+    n = len(calls)
+    metrics = SimpleNamespace(
+        local_microbatches=2,
+        global_sums=[float(i + 1) for i in range(n)],
+        global_counts=[2.0] * n,
+        global_mins=[-float(i) for i in range(n)],
+        global_maxs=[10.0 + i for i in range(n)],
+    )
+    trl_compat.finalize_grpo_metrics(trainer, metrics)
+    for i, (name, how) in enumerate(calls):
+        expected = {"ratio": (i + 1) / 2.0, "min": -float(i), "max": 10.0 + i}[how]
+        assert recorded[name] == [99.0, expected], name
+    assert recorded["step_time"] == [5.0, 0.75]
