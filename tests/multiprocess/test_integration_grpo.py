@@ -1,0 +1,189 @@
+"""GRPO with ODC under real `accelerate launch`, 2 CPU processes, offline assets.
+
+Module-scoped runs:
+
+* ``example_odc``: the GRPO example exactly as its README runs it (``--odc true --max_steps 3``), with the
+  torch.distributed calls counted during every ``generate`` call and every training microbatch.
+* ``example_fsdp2``: the same example on plain FSDP2 (TRL's behaviour), one step: the counter's negative control.
+* ``parity_odc``: fixed completions (`odc_accelerate.testing.grpo_loop`, a seeded stand-in for generation) trained
+  with ODC on 2 ranks under a small token budget, so ranks run different numbers of microbatches; loss types grpo
+  (a mean over sequences), bnpo (over the microbatch's tokens) and dapo (over the step's tokens), ``beta > 0`` (the
+  reference model on its gather-only engine).
+* ``parity_single``: plain `trl.GRPOTrainer`, one process, the same completions as one microbatch: the ground truth.
+* ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from integration_utils import ROOT, RUN_EXAMPLE, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+
+CONFIGS = ROOT / "examples" / "grpo" / "configs"
+TRAIN = ROOT / "examples" / "grpo" / "train.py"
+LOOP = ROOT / "odc_accelerate" / "testing" / "grpo_loop.py"
+LOSS_TYPES = ("grpo", "bnpo", "dapo")
+COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
+PARITY = [
+    "--loss_types",
+    ",".join(LOSS_TYPES),
+    "--beta",
+    "0.1",
+    "--bf16",
+    "false",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "48",
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--learning_rate",
+    "1e-3",
+    "--seed",
+    "0",
+    "--save_strategy",
+    "no",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    shm_before = shm_leftovers()
+    names = ("example_odc", "example_fsdp2", "parity_odc", "parity_single", "bad_entropy")
+    out = {name: root / name for name in names}
+    procs = {}
+    procs["example_odc"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        out["example_odc"],
+        **COUNT,
+    )
+    procs["example_fsdp2"] = accelerate_launch(
+        CONFIGS / "fsdp2_cpu.yaml",
+        TRAIN,
+        "--max_steps",
+        "1",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        out["example_fsdp2"],
+        **COUNT,
+    )
+    procs["parity_odc"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        RUN_EXAMPLE,
+        LOOP,
+        "--odc",
+        "true",
+        "--odc_max_tokens_per_microbatch",
+        "40",
+        "--per_device_train_batch_size",
+        "8",
+        *PARITY,
+        "--output_dir",
+        out["parity_odc"],
+        **COUNT,
+    )
+    procs["parity_single"] = run(
+        [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *PARITY, "--output_dir"]
+        + [out["parity_single"]],
+        env=base_env(),
+    )
+    procs["bad_entropy"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", "--entropy_coef", "0.1", "--output_dir", out["bad_entropy"]
+    )
+    return {"out": out, "procs": procs, "shm_before": shm_before}
+
+
+def _history(out) -> list[dict]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h for h in state["log_history"] if "loss" in h]
+
+
+def test_example_runs_as_written_and_logs_per_step(runs):
+    check_ok(runs["procs"]["example_odc"])
+    history = _history(runs["out"]["example_odc"])
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:
+        for key in (
+            "loss",
+            "reward",
+            "completions/mean_length",
+            "completions/max_length",
+            "odc/tokens_per_s",
+            "odc/bubble_pct",
+            *(f"odc/{what}_s_rank{r}" for what in ("busy", "wait", "generation") for r in (0, 1)),
+        ):
+            assert key in h, (key, sorted(h))
+        # generation is part of each rank's busy time
+        assert all(0 < h[f"odc/generation_s_rank{r}"] <= h[f"odc/busy_s_rank{r}"] + 1e-3 for r in (0, 1)), h
+    assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
+
+
+def test_generation_and_microbatches_make_no_collective_under_odc(runs):
+    check_ok(runs["procs"]["example_odc"])
+    ranks = reports(runs["out"]["example_odc"], "odc_run_rank")
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["engine"] == "ODCEngine"
+        generation, microbatches = r["generation_dist_calls"], r["microbatch_dist_calls"]
+        assert len(generation) >= 3 and all(c == {} for c in generation), generation
+        assert len(microbatches) >= 3 and all(c == {} for c in microbatches), microbatches
+
+
+def test_plain_fsdp2_generation_syncs_every_decode_step(runs):
+    """The negative control: TRL on plain FSDP2 makes collectives inside generate (the counter sees them)."""
+    check_ok(runs["procs"]["example_fsdp2"])
+    ranks = reports(runs["out"]["example_fsdp2"], "odc_run_rank")
+    for r in ranks:
+        assert r["engine"] is None
+        calls = r["generation_dist_calls"]
+        assert calls and all(sum(c.values()) > 0 for c in calls), calls
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_unequal_microbatches_match_one_process(runs, loss_type):
+    check_ok(runs["procs"]["parity_odc"])
+    check_ok(runs["procs"]["parity_single"])
+    odc_dir, ref_dir = runs["out"]["parity_odc"] / loss_type, runs["out"]["parity_single"] / loss_type
+    odc = json.loads((odc_dir / "losses.json").read_text())["log_history"]
+    ref = json.loads((ref_dir / "losses.json").read_text())["log_history"]
+    odc, ref = [h for h in odc if "loss" in h], [h for h in ref if "loss" in h]
+    assert len(odc) == len(ref) == 2
+    assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
+    for mine, truth in zip(odc, ref, strict=True):
+        assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=1e-5)
+        for key in ("kl", "entropy", "reward", "completions/mean_length", "clip_ratio/region_mean"):
+            assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
+    a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
+    init = torch.load(ref_dir / "initial_params.pt")
+    update = max(float((b[k] - init[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert update > 1e-4 and diff < 1e-2 * update, (diff, update)
+    for r in reports(odc_dir, "odc_run_rank"):
+        assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
+        assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+
+
+def test_inexact_option_is_refused_before_training(runs):
+    proc = runs["procs"]["bad_entropy"]
+    assert proc.returncode != 0
+    assert "--entropy_coef 0" in proc.stderr, proc.stderr[-3000:]
+    assert not (runs["out"]["bad_entropy"] / "trainer_state.json").exists()
+    assert "completions/mean_length" not in proc.stdout + proc.stderr  # no step was logged
