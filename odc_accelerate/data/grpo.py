@@ -1,0 +1,354 @@
+"""Offline GRPO assets: prompts with real long-tailed completion lengths, rule-based rewards and a rollout.
+
+A small randomly initialised model almost never samples its EOS token, so with TRL's own generation every completion
+runs to ``max_completion_length`` and every rank gets the same amount of work. A trained policy stops: its completion
+lengths are long-tailed. The offline GRPO default emulates that stopping with real lengths:
+
+* `offline_grpo_dataset`: prompts are the openings of passages of Python's ``pydoc_data`` help topics; each row keeps
+  the passage's real ``continuation`` and its length in tokens, ``target_length``;
+* `TargetLengthRollout`: a ``rollout_func`` for `trl.GRPOTrainer` that samples every completion from the trained
+  model, in one ``generate`` call per generation batch, and stops each row once it has the length of its prompt's
+  real continuation;
+* `continuation_overlap_reward` and `ascii_text_reward`: rewards computed from the text alone, no reward model.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TargetLengthRollout",
+    "TargetLengthStoppingCriteria",
+    "ascii_text_reward",
+    "continuation_overlap_reward",
+    "generate_to_target_lengths",
+    "offline_grpo_dataset",
+    "offline_grpo_rows",
+]
+
+# A cut only at a single space between two letters or digits: prompt and continuation then tokenize the same alone as
+# joined (BPE merges punctuation with the whitespace after it), so ``target_length`` counts exactly the tokens that
+# follow the prompt in the tokenized passage.
+_CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z0-9])")
+_WORD = re.compile(r"\w+")
+
+
+def offline_grpo_rows(
+    max_words: int = 150,
+    min_words: int = 10,
+    prompt_words: tuple[int, int] = (8, 32),
+    max_prompt_chars: int = 300,
+    tokenizer: Any = None,
+) -> list[dict[str, Any]]:
+    """GRPO prompts cut from real text, each with the real continuation and its length in tokens.
+
+    The passages are `odc_accelerate.data.offline_texts` (``max_words``, ``min_words``): whole paragraphs of the 79
+    help topics of Python's ``pydoc_data``, grouped into chunks of log-uniformly drawn sizes. Each passage is cut at
+    a space between two words: the prompt is its opening, about a quarter of its words (``prompt_words`` bounds the
+    count; a cut past ``max_prompt_chars`` characters moves back to the last space before it), and ``continuation``
+    is the rest of the passage, what the document really says next. ``target_length`` is the number of tokens of
+    ``continuation`` under ``tokenizer``. The lengths keep the shape of the help topics: with the defaults a median
+    near 60 tokens and a tail past 1,000. Passages with no such space, a prompt shorter than ``prompt_words[0]``
+    words or an empty rest are left out, and so is a passage whose prompt repeats an earlier one (a prompt must name
+    one target).
+
+    Args:
+        max_words (`int`, *optional*, defaults to 150):
+            Upper bound of the drawn passage sizes, in words (a single longer paragraph stays whole).
+        min_words (`int`, *optional*, defaults to 10):
+            Lower bound of the drawn passage sizes, in words.
+        prompt_words (`tuple[int, int]`, *optional*, defaults to `(8, 32)`):
+            Bounds of the number of words in a prompt.
+        max_prompt_chars (`int`, *optional*, defaults to 300):
+            Longest prompt in characters (code listings have few spaces between words).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            Tokenizer counting ``target_length``; defaults to `odc_accelerate.data.load_offline_tokenizer`.
+
+    Returns:
+        `list[dict]` with keys ``prompt`` (`str`), ``continuation`` (`str`) and ``target_length`` (`int`).
+    """
+    from odc_accelerate.data import load_offline_tokenizer, offline_texts
+
+    lo, hi = prompt_words
+    if not 1 <= lo <= hi:
+        raise ValueError(f"prompt_words must be (low, high) with 1 <= low <= high, got {prompt_words}.")
+    tokenizer = tokenizer if tokenizer is not None else load_offline_tokenizer()
+    pairs: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for text in offline_texts(max_words=max_words, min_words=min_words):
+        spaces = [m.start() for m in _CUT.finditer(text)]
+        if not spaces:
+            continue
+        n = min(hi, max(lo, len(text.split()) // 4))
+        cut = spaces[min(n, len(spaces) - 1)]
+        if cut > max_prompt_chars:
+            cut = max([s for s in spaces if s <= max_prompt_chars], default=spaces[0])
+        prompt, continuation = text[:cut], text[cut:]
+        if len(prompt.split()) < lo or not continuation.strip() or prompt in seen:
+            continue
+        seen.add(prompt)
+        pairs.append((prompt, continuation))
+    lengths = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    return [
+        {"prompt": prompt, "continuation": continuation, "target_length": len(ids)}
+        for (prompt, continuation), ids in zip(pairs, lengths, strict=True)
+    ]
+
+
+def offline_grpo_dataset(max_words: int = 150, min_words: int = 10, tokenizer: Any = None) -> Any:
+    """`datasets.Dataset` of GRPO prompts with their real continuations (`offline_grpo_rows`).
+
+    Columns: ``prompt`` (the opening of a help-topic passage, plain text), ``continuation`` (the rest of the passage,
+    which `continuation_overlap_reward` compares completions with) and ``target_length`` (the continuation's length
+    in tokens, which `TargetLengthRollout` gives the completions of this prompt). TRL passes the extra columns to the
+    reward functions as keyword arguments.
+
+    Args:
+        max_words (`int`, *optional*, defaults to 150):
+            Upper bound of the drawn passage sizes, in words.
+        min_words (`int`, *optional*, defaults to 10):
+            Lower bound of the drawn passage sizes, in words.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            Tokenizer counting ``target_length``; defaults to `odc_accelerate.data.load_offline_tokenizer`.
+    """
+    from datasets import Dataset
+
+    rows = offline_grpo_rows(max_words=max_words, min_words=min_words, tokenizer=tokenizer)
+    return Dataset.from_dict({key: [row[key] for row in rows] for key in ("prompt", "continuation", "target_length")})
+
+
+def _text(completion: Any) -> str:
+    # TRL passes strings for plain-text prompts and [{"role": "assistant", "content": ...}] for conversational ones.
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion if isinstance(message.get("content"), str))
+
+
+def continuation_overlap_reward(completions: Sequence[Any], continuation: Sequence[str], **kwargs: Any) -> list[float]:
+    """Clipped unigram precision of each completion against the passage's real continuation (BLEU-1 precision).
+
+    Words are the lower-cased ``\\w+`` runs of the text. Each word of the completion counts as a hit as many times as
+    it occurs in the continuation at most; the reward is hits / number of words of the completion, in ``[0, 1]``, and
+    0 for a completion without words. A policy that writes what the document says next scores high; a random model's
+    completions score near 0.
+
+    Args:
+        completions (`list[str]` or `list[list[dict]]`):
+            The decoded completions (TRL's ``completions`` argument).
+        continuation (`list[str]`):
+            The dataset's ``continuation`` column for the same rows.
+
+    Returns:
+        `list[float]`: one reward per completion.
+    """
+    rewards = []
+    for completion, reference in zip(completions, continuation, strict=True):
+        words = _WORD.findall(_text(completion).lower())
+        if not words:
+            rewards.append(0.0)
+            continue
+        available = Counter(_WORD.findall(reference.lower()))
+        hits = sum(min(count, available[word]) for word, count in Counter(words).items())
+        rewards.append(hits / len(words))
+    return rewards
+
+
+def ascii_text_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """Fraction of a completion's characters that are printable ASCII or whitespace, in ``[0, 1]``.
+
+    The help topics are plain English and code, so this rewards completions that look like them: a dense signal even
+    for a random model, whose samples from Qwen's 152k-token vocabulary mix scripts and symbols, so the completions of
+    one prompt differ and GRPO's advantages are not all zero. An empty completion scores 0.
+
+    Args:
+        completions (`list[str]` or `list[list[dict]]`):
+            The decoded completions (TRL's ``completions`` argument).
+
+    Returns:
+        `list[float]`: one reward per completion.
+    """
+    rewards = []
+    for completion in completions:
+        text = _text(completion)
+        ok = sum(1 for c in text if c.isascii() and (c.isprintable() or c.isspace()))
+        rewards.append(ok / len(text) if text else 0.0)
+    return rewards
+
+
+class TargetLengthStoppingCriteria(StoppingCriteria):
+    """Per-row stop of `generate` once a row has generated its own number of new tokens.
+
+    Args:
+        prompt_length (`int`):
+            Width of the (left-padded) prompt batch: tokens past it are generated.
+        stop_after (`torch.Tensor` of shape `(batch,)`):
+            Number of new tokens after which each row is done (at least 1).
+    """
+
+    def __init__(self, prompt_length: int, stop_after: torch.Tensor):
+        self.prompt_length = prompt_length
+        self.stop_after = stop_after
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        if self.stop_after.device != input_ids.device:
+            self.stop_after = self.stop_after.to(input_ids.device)
+        return self.stop_after <= input_ids.shape[1] - self.prompt_length
+
+
+class TargetLengthRollout:
+    """A ``rollout_func`` for `trl.GRPOTrainer` whose completions have the real lengths of the prompts' continuations.
+
+    For each generation batch of a rank, the prompts are tokenized with the trainer's processing class and
+    left-padded, and the model the trainer trains samples all completions in one ``generate`` call, with the
+    trainer's generation settings (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ...). A
+    `TargetLengthStoppingCriteria` stops each row once it has its prompt's ``target_length`` tokens. A completion
+    whose target fits in ``max_completion_length`` is then cut to its target and its last token is the EOS token, as
+    a policy that stopped there would produce; a longer target is cut at ``max_completion_length`` without EOS, a
+    truncated completion (TRL's ``completions/clipped_ratio``). A completion in which the model itself samples EOS
+    earlier ends there. Generation runs on ``trainer.accelerator.unwrap_model(trainer.model_wrapped)`` under
+    `torch.no_grad`, in eval mode, and the model's mode is restored after. ``synced_gpus`` is left to
+    `transformers` (FSDP without ODC needs every rank to step together; the ODC GRPO trainer turns it off).
+
+    Args:
+        prompts (`Iterable[str]`):
+            The dataset's prompts (the ``prompt`` column).
+        target_lengths (`Iterable[int]`):
+            The completion length of each prompt, in tokens (the ``target_length`` column).
+
+    Example:
+
+    ```python
+    >>> dataset = offline_grpo_dataset()
+    >>> trainer = GRPOTrainer(..., train_dataset=dataset, rollout_func=TargetLengthRollout.from_dataset(dataset))
+    ```
+    """
+
+    def __init__(self, prompts: Iterable[str], target_lengths: Iterable[int]):
+        self.targets: dict[str, int] = {}
+        for prompt, target in zip(prompts, target_lengths, strict=True):
+            if not isinstance(prompt, str):
+                raise ValueError("TargetLengthRollout needs plain-text prompts (a `prompt` column of strings).")
+            target = int(target)
+            if target < 1:
+                raise ValueError(f"Every target length must be at least 1, got {target} for prompt {prompt[:60]!r}.")
+            if self.targets.setdefault(prompt, target) != target:
+                raise ValueError(
+                    f"The prompt {prompt[:60]!r} appears with two target lengths ({self.targets[prompt]} and "
+                    f"{target}); give each distinct prompt one target_length."
+                )
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, prompt_column: str = "prompt", target_column: str = "target_length"):
+        """Build the prompt -> target map from a `datasets.Dataset` (or any mapping of columns)."""
+        missing = [c for c in (prompt_column, target_column) if c not in dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"TargetLengthRollout needs the dataset columns {missing}; build the dataset with "
+                "odc_accelerate.data.offline_grpo_dataset() or add them."
+            )
+        return cls(dataset[prompt_column], dataset[target_column])
+
+    def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
+        unknown = [p for p in prompts if p not in self.targets]
+        if unknown:
+            raise KeyError(
+                f"TargetLengthRollout has no target length for {len(unknown)} prompt(s), e.g. {unknown[0][:60]!r}: "
+                "build it from the training dataset (TargetLengthRollout.from_dataset)."
+            )
+        generation_config = getattr(trainer, "generation_config", None)
+        if generation_config is None:
+            raise ValueError(
+                "TargetLengthRollout generates with transformers and reads trainer.generation_config, which this "
+                "trainer does not have (e.g. with --use_vllm true); drop the rollout or --use_vllm."
+            )
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        return generate_to_target_lengths(
+            model,
+            trainer.processing_class,
+            prompts,
+            [self.targets[p] for p in prompts],
+            generation_config,
+            max_completion_length=trainer.args.max_completion_length,
+            device=trainer.accelerator.device,
+        )
+
+
+def generate_to_target_lengths(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    targets: Sequence[int],
+    generation_config: Any,
+    max_completion_length: int,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Sample one completion per prompt with ``model.generate``, each stopped at its own target length.
+
+    The work of `TargetLengthRollout`, with its inputs spelled out: ``prompts`` are tokenized (as TRL tokenizes
+    plain-text prompts) and left-padded, ``generation_config`` (sampling settings, ``pad_token_id``,
+    ``eos_token_id``) drives one ``generate`` call with a `TargetLengthStoppingCriteria`, and each completion is cut
+    to ``min(target, max_completion_length)`` tokens, its last token replaced by EOS when the target fits (see
+    `TargetLengthRollout`).
+
+    Returns:
+        `dict` with ``prompt_ids`` and ``completion_ids`` (lists of token id lists, one per prompt) and ``logprobs``
+        (`None`: like TRL's own transformers generation, no sampling log-probabilities are kept).
+    """
+    if len(prompts) != len(targets):
+        raise ValueError(f"Got {len(prompts)} prompts and {len(targets)} targets.")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if eos is None:
+        raise ValueError("TargetLengthRollout needs a tokenizer with an eos_token_id (the completions end with it).")
+    device = device if device is not None else next(model.parameters()).device
+    prompt_ids = tokenizer(text=list(prompts))["input_ids"]
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        if ids:
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+    lengths = [min(int(t), max_completion_length) for t in targets]
+    # A row that will end with EOS needs only target - 1 sampled tokens; generate makes at least one.
+    stop_after = torch.tensor(
+        [max(1, n - 1) if t <= max_completion_length else n for n, t in zip(lengths, targets, strict=True)]
+    )
+    generation_config = generation_config.__class__.from_dict(generation_config.to_dict())
+    generation_config.max_new_tokens = int(stop_after.max())
+    criteria = StoppingCriteriaList([TargetLengthStoppingCriteria(width, stop_after)])
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=generation_config,
+                stopping_criteria=criteria,
+            )
+    finally:
+        model.train(was_training)
+    sampled = out[:, width:].cpu().tolist()
+    eos_ids = generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [eos])
+    completion_ids = []
+    for tokens, n, target in zip(sampled, lengths, targets, strict=True):
+        # The model's own EOS, if it samples one first, ends the completion there (as in TRL's generation).
+        first_eos = next((i for i, tok in enumerate(tokens[:n]) if tok in eos_ids), None)
+        if first_eos is not None:
+            completion_ids.append(tokens[: first_eos + 1])
+        elif target <= max_completion_length:
+            completion_ids.append(tokens[: n - 1] + [eos])
+        else:
+            completion_ids.append(tokens[:n])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
