@@ -4,7 +4,8 @@ Module-scoped runs:
 
 * ``example_odc``: the GRPO example exactly as its README runs it (``--odc true --max_steps 3``), with the
   torch.distributed calls counted during every ``generate`` call and every training microbatch.
-* ``example_fsdp2``: the same example on plain FSDP2 (TRL's behaviour), one step: the counter's negative control.
+* ``example_fsdp2``: the same example on plain FSDP2 (TRL's behaviour), one short step: the counter's negative
+  control.
 * ``parity_odc``: fixed completions (`odc_accelerate.testing.grpo_loop`, a seeded stand-in for generation) trained
   with ODC on 2 ranks under a small token budget, so ranks run different numbers of microbatches; loss types grpo
   (a mean over sequences), bnpo (over the microbatch's tokens) and dapo (over the step's tokens), ``beta > 0`` (the
@@ -78,6 +79,8 @@ def runs(tmp_path_factory):
         TRAIN,
         "--max_steps",
         "1",
+        "--max_completion_length",
+        "16",
         "--logging_steps",
         "1",
         "--output_dir",

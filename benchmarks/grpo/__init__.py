@@ -1,0 +1,39 @@
+"""``python -m benchmarks.grpo``: the GRPO example, end to end, FSDP2 as TRL runs it against ODC + plan.
+
+Both arms run the example script (``examples/grpo/train.py``) unchanged with ``accelerate launch`` on 2 CPU
+processes (one thread each), on the offline default: the tiny Qwen2 model generates every completion, and each
+completion stops at its prompt's ``target_length`` (the token length of the passage's real continuation, at most
+``--max_completion_length``), a long-tailed distribution. Same model, prompts, seed and completions per step:
+
+* ``fsdp2``: plain FSDP2 as TRL runs GRPO (``examples/grpo/configs/fsdp2_cpu.yaml``): TRL's own microbatches
+  (``per_device_train_batch_size`` completions each), generation with transformers' ``synced_gpus`` (every rank
+  decodes until the longest completion of any rank is done);
+* ``odc``: FSDP2 + ODC on this package's ``free`` plan (``examples/grpo/configs/odc_cpu.yaml``, ``--odc true
+  --odc_plan free``): each rank stops generating at its own last token, and the step's completions are planned over
+  the ranks so that each rank's training work is balanced.
+
+The trainer (`odc_accelerate.integrations.trl_grpo.ODCGRPOTrainer`) logs, per optimizer step and for both arms
+alike: step time, real tokens, per rank busy, wait and the wall time inside ``generate`` (part of busy), and TRL's
+completion lengths. Per rank, training = busy - generation. Unlike `benchmarks.e2e`, FSDP2's collectives are not
+timed (``--odc_time_collectives false``; they run asynchronously, as in production): generation is wall time, so busy
+must be wall time too, and FSDP2's waits for peers inside ``generate`` and inside its microbatches count in its
+generation and training time (with timed collectives they would leave busy but not generation). Per run
+the first ``--warmup`` steps are dropped and the figures are means over the measured steps (a step's work depends on
+its prompts' lengths; both arms draw the same prompts in the same order). The figure of an arm is the median over
+repeats; the ratios ODC / FSDP2 (step time, generation time of the slowest rank, tokens/s) are taken within each
+repeat, then their median. Repeats are interleaved and alternate the arms' order (FSDP2, ODC, then ODC, FSDP2, ...).
+
+Writes ``OUT/results.json`` (with every run's per-step figures), ``OUT/table.txt``, ``OUT/README_snippet.md``,
+``OUT/grpo.png`` (with matplotlib) and every run's log and ``trainer_state.json`` under ``OUT/runs/``; ``OUT``
+defaults to ``benchmarks/grpo/``, where the stored results live. Figures are printed, never asserted.
+
+Processes are launched by the end-to-end benchmark's runner (`benchmarks.e2e.runner`) in its environment
+(`benchmarks.e2e.environment`). Modules: `arms` (what runs, default sizes), `runner`, `records` (parsing a run's
+log), `aggregate` (medians, ratios within repeats), `report` (tables and files), `plot`, and the command line
+(`cli`).
+"""
+
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent
+"""Stored results: ``results.json``, ``table.txt``, ``README_snippet.md``, ``grpo.png``."""

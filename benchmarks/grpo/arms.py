@@ -1,0 +1,37 @@
+"""What the GRPO benchmark runs: the example, its default sizes, and the two arms."""
+
+from __future__ import annotations
+
+from benchmarks.e2e.arms import Arm
+
+SCRIPT = "examples/grpo/train.py"
+CONFIGS = "examples/grpo/configs"
+
+ARMS: dict[str, Arm] = {
+    a.name: a
+    for a in (
+        # TRL's own GRPO step on FSDP2: its microbatches, generation with transformers' synced_gpus
+        Arm("fsdp2", "FSDP2 (TRL)", "fsdp2_cpu.yaml"),
+        # the completions of the step planned over ranks; generation without peer sync
+        Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true", "--odc_plan", "free"), planned=True),
+    )
+}
+BASELINE = "fsdp2"
+"""The arm the ratios are taken against (ODC / FSDP2)."""
+
+DEFAULTS = dict(
+    batch=4,
+    grad_accum=1,
+    num_generations=4,
+    max_completion_length=256,
+    max_steps=4,
+    warmup=1,
+    seed=42,
+)
+"""Sizes of the full run (sized for both arms x 3 repeats in about 10 minutes on 2 quiet cores): each optimizer step
+generates ``batch x grad_accum`` completions per rank, i.e. one group of ``num_generations`` completions of one
+prompt per rank; a group's completions all stop at their prompt's ``target_length`` (capped at
+``max_completion_length``), so ranks get very different lengths from step to step."""
+
+REPLACED = {"max_completion_length": 512, "num_generations": 8, "per_device_train_batch_size": 8}
+"""Values (TRL's defaults) that the offline example silently replaces by its own CPU defaults: refused."""

@@ -1,0 +1,214 @@
+"""GRPO benchmark (``python -m benchmarks.grpo``): the figures follow from the trainer's own log, by hand-computed
+examples; ratios are taken within each repeat; both arms get the same sizes; every output file is written. Timings are
+never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.grpo.aggregate import aggregate
+from benchmarks.grpo.arms import ARMS
+from benchmarks.grpo.cli import parse_args
+from benchmarks.grpo.records import make_record, parse_log_history, summarize_run
+from benchmarks.grpo.report import write_outputs
+from benchmarks.grpo.runner import arm_order, command
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _row(step, step_s, tokens, busy, wait, gen, lengths=(40.0, 120.0), reward=0.5, mbs=(1, 1), scale=1.0) -> dict:
+    """A log_history row as ODCGRPOTrainer logs it (every time multiplied by ``scale``)."""
+    row = {"step": step, "loss": 0.01, "reward": reward, "odc/step_s": step_s * scale}
+    row["odc/tokens_per_s"] = tokens / (step_s * scale)
+    row["odc/bubble_pct"] = 0.0  # not read back: the run's bubble comes from busy and step times
+    row["odc/microbatches_min"], row["odc/microbatches_max"] = mbs
+    row["completions/mean_length"], row["completions/max_length"] = lengths
+    for r, (b, w, g) in enumerate(zip(busy, wait, gen, strict=True)):
+        row[f"odc/busy_s_rank{r}"], row[f"odc/wait_s_rank{r}"] = b * scale, w * scale
+        row[f"odc/generation_s_rank{r}"] = g * scale
+    return row
+
+
+def _fsdp2_history(scale: float = 1.0) -> list[dict]:
+    return [
+        # warm-up: dropped (its 250-token completion must not be the run's longest)
+        _row(1, 20.0, 200, [18.0, 18.0], [2.0, 2.0], [10.0, 10.0], lengths=(80.0, 250.0), scale=scale),
+        _row(2, 10.0, 1000, [8.0, 6.0], [2.0, 4.0], [5.0, 5.0], lengths=(40.0, 120.0), reward=0.5, scale=scale),
+        _row(3, 14.0, 700, [12.0, 10.0], [2.0, 4.0], [7.0, 7.0], lengths=(60.0, 200.0), reward=0.7, scale=scale),
+        {"step": 3, "train_runtime": 50.0, "train_loss": 0.01},  # the trainer's closing row: not a step
+    ]
+
+
+def _odc_history(scale: float = 1.0) -> list[dict]:
+    return [
+        _row(1, 15.0, 200, [14.0, 13.0], [1.0, 2.0], [9.0, 4.0], lengths=(80.0, 250.0), mbs=(1, 1), scale=scale),
+        _row(2, 8.0, 1000, [7.5, 7.6], [0.5, 0.4], [5.0, 2.0], lengths=(40.0, 120.0), mbs=(1, 2), scale=scale),
+        _row(3, 12.0, 700, [11.6, 11.0], [0.4, 1.0], [7.0, 3.0], lengths=(60.0, 200.0), mbs=(2, 3), scale=scale),
+    ]
+
+
+def test_a_run_summary_matches_hand_computed_figures():
+    steps = parse_log_history(_fsdp2_history())
+    assert [s["step"] for s in steps] == [1, 2, 3]  # the closing row is no step
+    assert steps[1]["tokens"] == 1000 and steps[2]["tokens"] == 700
+    assert steps[1]["generation_s"] == [5.0, 5.0] and steps[1]["training_s"] == pytest.approx([3.0, 1.0])
+    s = summarize_run(steps, warmup=1)
+    assert s["steps_measured"] == 2
+    assert s["step_s"] == pytest.approx(12.0)  # (10 + 14) / 2
+    assert s["tokens_per_s"] == pytest.approx(1700 / 24)
+    assert s["generation_s"] == pytest.approx([6.0, 6.0])
+    assert s["training_s"] == pytest.approx([4.0, 2.0])  # busy - generation: (3 + 5) / 2, (1 + 3) / 2
+    assert s["wait_s"] == pytest.approx([2.0, 4.0])
+    assert s["generation_max_s"] == pytest.approx(6.0)
+    assert s["bubble_pct"] == pytest.approx(25.0)  # 1 - (7 + 11) / 24
+    assert s["completion_mean_length"] == pytest.approx(50.0) and s["completion_max_length"] == 200.0
+    assert s["reward"] == pytest.approx(0.6)
+
+    odc = summarize_run(parse_log_history(_odc_history()), warmup=1)
+    assert odc["generation_s"] == pytest.approx([6.0, 2.5])
+    assert odc["training_s"] == pytest.approx([3.55, 6.8])  # (2.5 + 4.6) / 2, (5.6 + 8) / 2
+    # per step the slowest rank: max(5, 2) and max(7, 3)
+    assert odc["generation_max_s"] == pytest.approx(6.0)
+    assert odc["bubble_pct"] == pytest.approx(100 * (1 - (7.55 + 11.3) / 20))
+    assert odc["microbatches"] == [1, 3]
+    with pytest.raises(ValueError, match="raise --max_steps"):
+        summarize_run(steps, warmup=3)
+    # a long third measured step: the run's figures are means over steps (same prompts in both arms), not medians
+    longer = parse_log_history([*_fsdp2_history()[:3], _row(4, 30.0, 300, [29.0, 28.0], [1.0, 2.0], [20.0, 20.0])])
+    s = summarize_run(longer, warmup=1)
+    assert s["step_s"] == pytest.approx(18.0) and s["step_s_median"] == pytest.approx(14.0)
+    assert s["tokens_per_s"] == pytest.approx(2000 / 54)
+    assert s["generation_max_s"] == pytest.approx(32 / 3)  # (5 + 7 + 20) / 3
+    assert s["training_s"] == pytest.approx([17 / 3, 4.0])  # (3 + 5 + 9) / 3, (1 + 3 + 8) / 3
+
+
+def test_a_log_without_generation_times_is_refused():
+    row = _row(1, 2.0, 100, [1.0, 1.0], [1.0, 1.0], [0.5, 0.5])
+    del row["odc/generation_s_rank1"]
+    with pytest.raises(ValueError, match="odc/generation_s_rank1"):
+        parse_log_history([row])
+
+
+FSDP2_SCALES = (1.0, 1.5, 1.2)  # repeat -> every time of the run multiplied by this (machine noise)
+ODC_SCALES = (0.9, 1.0, 1.3)
+
+
+def _runs() -> dict[str, list[dict]]:
+    runs = {
+        "fsdp2": [
+            make_record("fsdp2", parse_log_history(_fsdp2_history(f)), [900.0, 910.0 + rep], 1, rep)
+            for rep, f in enumerate(FSDP2_SCALES)
+        ],
+        "odc": [
+            make_record("odc", parse_log_history(_odc_history(g)), [950.0, 940.0], 1, rep)
+            for rep, g in enumerate(ODC_SCALES)
+        ],
+    }
+    runs["odc"].reverse()  # paired by repeat, not by position
+    return runs
+
+
+def test_medians_over_repeats_and_ratios_within_each_repeat():
+    result = aggregate(_runs())
+    fsdp2, odc = result["arms"]["fsdp2"], result["arms"]["odc"]
+    # run step times: FSDP2 12 x (1, 1.5, 1.2) = 12, 18, 14.4; ODC 10 x (0.9, 1, 1.3) = 9, 10, 13
+    assert fsdp2["step_s_runs"] == pytest.approx([12.0, 18.0, 14.4])
+    assert fsdp2["step_s"] == pytest.approx(14.4) and odc["step_s"] == pytest.approx(10.0)
+    assert fsdp2["tokens_per_s"] == pytest.approx(1700 / (24 * 1.2))  # 59.0: the median repeat's
+    assert fsdp2["generation_s"] == pytest.approx([7.2, 7.2])
+    assert fsdp2["training_s"] == pytest.approx([4.8, 2.4]) and fsdp2["wait_s"] == pytest.approx([2.4, 4.8])
+    assert odc["generation_s"] == pytest.approx([6.0, 2.5]) and odc["training_s"] == pytest.approx([3.55, 6.8])
+    assert odc["wait_s"] == pytest.approx([0.45, 0.7])
+    assert odc["completion_mean_length"] == pytest.approx(50.0) and odc["completion_max_length"] == 200.0
+    assert fsdp2["peak_rss_mb"] == [900.0, 912.0]  # per rank, the maximum over repeats
+    ratios = result["ratios"]["odc"]
+    # step time, per repeat: 9 / 12, 10 / 18, 13 / 14.4; the median 0.75 is not the ratio of medians (10 / 14.4)
+    assert ratios["step_s"]["per_repeat"] == pytest.approx([0.75, 10 / 18, 13 / 14.4])
+    assert ratios["step_s"]["median"] == pytest.approx(0.75)
+    # slowest rank's generation: FSDP2 6 x scale, ODC 6 x scale
+    assert ratios["generation_max_s"]["per_repeat"] == pytest.approx([5.4 / 6, 6 / 9, 7.8 / 7.2])
+    assert ratios["generation_max_s"]["median"] == pytest.approx(0.9)
+    # tokens/s: same tokens, so the inverse ratio of summed step times: 24 f / (20 g)
+    assert ratios["tokens_per_s"]["median"] == pytest.approx(1.2 / 0.9)
+    assert "fsdp2" not in result["ratios"]
+    # the picture: the mean step of the median run (FSDP2: repeat 2; ODC: repeat 1), per rank
+    t = result["timeline"]["fsdp2"]
+    assert t["repeat"] == 2 and t["step_s"] == pytest.approx(14.4)
+    assert t["generation_s"] == pytest.approx([7.2, 7.2]) and t["training_s"] == pytest.approx([4.8, 2.4])
+    assert t["wait_s"] == pytest.approx([2.4, 4.8])
+    assert result["timeline"]["odc"]["repeat"] == 1
+
+
+def test_outputs_are_written_from_the_aggregated_figures(tmp_path):
+    result = aggregate(_runs())
+    result["config"] = dict(
+        command="python -m benchmarks.grpo", world_size=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, num_generations=4, completions_per_step=8, max_completion_length=256,
+        max_steps=3, warmup=1, repeats=3,
+    )  # fmt: skip
+    result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today", allocator="caching")
+    files = write_outputs(result, tmp_path)
+    table = files["table"].read_text()
+    assert "ODC + plan free / FSDP2 (TRL), step time" in table
+    assert "0.750x  (per repeat 0.556x to 0.903x)" in table
+    assert "0.900x  (per repeat 0.667x to 1.083x)" in table
+    snippet = files["snippet"].read_text()
+    assert "| FSDP2 (TRL) | 14.40 | 59.0 | 7.20 7.20 | 4.80 2.40 | 2.40 4.80 | 25.0 | 50.0 / 200 | 1 |" in snippet
+    assert "| ODC + plan free | 10.00 | 85.0 | 6.00 2.50 | 3.55 6.80 | 0.45 0.70 |" in snippet
+    assert "- ODC + plan free / FSDP2 (TRL), step time: **0.750x**  (per repeat 0.556x to 0.903x)" in snippet
+    assert json.loads(files["json"].read_text())["ratios"]["odc"]["step_s"]["median"] == pytest.approx(0.75)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert files["png"].stat().st_size > 1000
+
+
+def test_arm_order_alternates_between_repeats():
+    assert [arm_order(["fsdp2", "odc"], rep) for rep in range(3)] == [
+        ["fsdp2", "odc"],
+        ["odc", "fsdp2"],
+        ["fsdp2", "odc"],
+    ]
+
+
+def test_cli_refuses_values_the_example_would_replace_or_cannot_run():
+    with pytest.raises(SystemExit):
+        parse_args(["--max_completion_length", "512"])  # replaced by the offline example
+    with pytest.raises(SystemExit):
+        parse_args(["--batch", "3"])  # 3 x 1 x 2 ranks completions: not whole groups of 4
+    with pytest.raises(SystemExit):
+        parse_args(["--", "--max_steps", "9"])  # the benchmark's own option
+    with pytest.raises(SystemExit):
+        parse_args(["--", "--odc_time_collectives=true"])  # would take FSDP2's waits out of busy, not generation
+    with pytest.raises(SystemExit):
+        parse_args(["--max_steps", "1", "--warmup", "1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--arms", "fsdp2,nope"])
+    opts = parse_args([])
+    assert opts.out == ROOT / "benchmarks" / "grpo" and opts.arms == ["fsdp2", "odc"]
+
+
+def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    opts = parse_args(["--batch", "2", "--grad_accum", "2", "--max_completion_length", "100", "--", "--beta", "0.0"])
+    spec = importlib.util.spec_from_file_location("grpo_train", ROOT / "examples" / "grpo" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "grpo_train", train)  # its dataclasses resolve their annotations there
+    spec.loader.exec_module(train)
+    parsed = {}
+    for name, arm in ARMS.items():
+        cmd = command(arm, opts, tmp_path / name)["cmd"]
+        assert cmd[cmd.index("--config_file") + 1].endswith(arm.config)
+        at = cmd.index(str(ROOT / "examples" / "grpo" / "train.py"))
+        parsed[name] = train.make_parser().parse_args_and_config(cmd[at + 1 :], fail_with_unknown_args=True)[1]
+    for training in parsed.values():
+        assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (2, 2)
+        assert (training.num_generations, training.max_completion_length) == (4, 100)
+        assert training.logging_steps == 1 and training.max_steps == opts.max_steps and training.beta == 0.0
+        # generation is logged as wall time: busy must be wall time as well (FSDP2's waits not taken out of it)
+        assert training.odc_time_collectives is False
+    assert parsed["fsdp2"].odc is None and parsed["fsdp2"].odc_plan is None
+    assert parsed["odc"].odc is True and parsed["odc"].odc_plan == "free"
