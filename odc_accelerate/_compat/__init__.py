@@ -49,9 +49,9 @@ __all__ = [
 #: versions"). pyproject.toml's ranges start at the oldest one; versions in between and untested run with a warning.
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "torch": ((2, 11), (2, 12), (2, 13), (2, 14)),
-    "accelerate": ((1, 15),),
+    "accelerate": ((1, 14), (1, 15)),
     "transformers": ((5, 17), (5, 23)),
-    "trl": ((1, 16),),
+    "trl": ((1, 15), (1, 16)),
 }
 
 # How messages spell a library where it differs from its import name, and the extra of odc_accelerate that installs

@@ -76,14 +76,18 @@ def finalize_sft_metrics(
 
 
 # ------------------------------------------------------------------------------------------ fused LM head (TRL 1.15)
-# TRL's SFT and DPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a forward
+# TRL's SFT, DPO and GRPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a forward
 # with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without building
 # the logits. In TRL 1.15 that function always runs a Triton kernel (a CPU tensor fails inside Triton) and is None
 # where Triton is missing; TRL 1.16 folds the tiles in torch on devices without Triton. Before 1.16 the trainers built
 # inside `fused_lm_head_torch_path` get that torch path from here.
 _TRL_WITH_TORCH_LM_HEAD = (1, 16)
 _TRITON_DEVICES = ("cuda", "xpu")
-_FUSED_LM_HEAD_TRAINERS = {"sft": "trl.trainer.sft_trainer", "dpo": "trl.trainer.dpo_trainer"}
+_FUSED_LM_HEAD_TRAINERS = {
+    "sft": "trl.trainer.sft_trainer",
+    "dpo": "trl.trainer.dpo_trainer",
+    "grpo": "trl.trainer.grpo_trainer",
+}
 # What TRL 1.15's fused forward passes to `_ChunkedLogProbFunction.apply`, positionally, in this order.
 _LOG_PROB_ARGS = (
     "hidden",
@@ -107,7 +111,7 @@ def needs_torch_lm_head() -> bool:
 
 @contextlib.contextmanager
 def fused_lm_head_torch_path(trainer: str) -> Iterator[None]:
-    """Within the block (``SFTTrainer.__init__`` or ``DPOTrainer.__init__``), the fused LM head that TRL puts on the
+    """Within the block (the ``__init__`` of TRL's SFT, DPO or GRPO trainer), the fused LM head that TRL puts on the
     models also runs on devices without Triton (CPU).
 
     On TRL 1.16 and later (which has that path itself) the block changes nothing. On TRL 1.15 the forward TRL installs
@@ -117,7 +121,7 @@ def fused_lm_head_torch_path(trainer: str) -> Iterator[None]:
     (``_ChunkedLogProbFunction``).
 
     Args:
-        trainer (`str`): ``"sft"`` or ``"dpo"``, the trainer whose ``__init__`` runs in the block.
+        trainer (`str`): ``"sft"``, ``"dpo"`` or ``"grpo"``, the trainer whose ``__init__`` runs in the block.
     """
     if trainer not in _FUSED_LM_HEAD_TRAINERS:
         raise ValueError(f"trainer must be one of {sorted(_FUSED_LM_HEAD_TRAINERS)}, not {trainer!r}")

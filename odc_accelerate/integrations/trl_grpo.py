@@ -6,9 +6,9 @@ A GRPO step generates completions for the step's prompts, scores them, and train
   all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
   longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
   last token: generation makes no collective and waits for no peer.
-* **Training.** Under a balanced plan (``--odc_plan``), the step's completions, from every rank, are planned like SFT
-  samples (a prompt + its completion is one sample, padded as TRL pads a microbatch), so ranks run different numbers
-  of microbatches of balanced cost. Each microbatch's loss is rescaled for its loss type so that the step's gradient
+* **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` is asked for): the step's completions, from
+  every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
+  microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled for its loss type so that the step's gradient
   is that of one process over the whole global batch (see `odc_accelerate._compat.trl.grpo_loss_weight`).
 
 ```python
@@ -130,8 +130,8 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
     * **Generation** makes no collective under ODC: ``generate`` runs with ``synced_gpus=False`` on every rank, so a
       rank stops decoding at its own last token. Plain FSDP2 runs keep transformers' choice (TRL's behaviour). Each
       rank's time inside ``generate`` is logged as ``odc/generation_s_rank<r>``, and counts as busy.
-    * **Planning** (``--odc_plan free|lockstep``): one optimizer step is one generation batch
-      (``per_device_train_batch_size x gradient_accumulation_steps`` prompts x completions per rank, as in TRL). Its
+    * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step is one generation
+      batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL). Its
       completions are gathered once and planned over all ranks under the token budget
       (``--odc_max_tokens_per_microbatch``; by default ``per_device_train_batch_size x (longest prompt of the step +
       max_completion_length)``, the largest microbatch TRL itself would run), and each rank trains its own share.
