@@ -3,6 +3,7 @@
 Run from the repository root (they need a source checkout: the end-to-end benchmark runs ``examples/``):
 
 * ``python -m benchmarks.e2e <sft|dpo>``: the training examples end to end, FSDP2 arms against ODC (`benchmarks.e2e`);
+* ``python -m benchmarks.grpo``: the GRPO example end to end, FSDP2 as TRL runs it against ODC (`benchmarks.grpo`);
 * ``python -m benchmarks.engine``: ODC engine against FSDP2 on 2 CPU ranks;
 * ``python -m benchmarks.transport``: read / accumulate bandwidth and latency per transport;
 * ``python -m benchmarks.planning``: the step planners against random sampling and ``BatchRebalanceSampler``;
