@@ -65,11 +65,38 @@ def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhe
         clock.now += 1.0
         timer.end(None, clock.now)
     timer.end(None, clock.now + 5.0)  # no open step: ignored
-    # A peer whose two steps took 10 s of which 7 s compute: rows are [step_s, busy_s, mb_min, mb_max, tokens].
-    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0]], dtype=torch.float64)
+    # A peer whose two steps took 10 s of which 7 s compute: rows are [step_s, busy_s, mb_min, mb_max, tokens,
+    # generation_s].
+    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
     out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
     assert out["odc/step_s"] == pytest.approx(5.0)  # the slowest rank's interval over 2 steps
     assert (out["odc/busy_s_rank0"], out["odc/wait_s_rank0"]) == pytest.approx((4.0, 6.0))
     assert (out["odc/busy_s_rank1"], out["odc/wait_s_rank1"]) == pytest.approx((7.0, 3.0))
     assert out["odc/bubble_pct"] == pytest.approx(100 * (1 - 5.5 / 10.0))
     assert out["odc/tokens_per_s"] == pytest.approx(16 / 10.0)
+    assert not any(key.startswith("odc/generation_s") for key in out)  # trainers that do not generate
+
+
+def test_generation_is_busy_once_and_reported_per_rank(clock):
+    """A step of an RL trainer: generation (with a nested forward), then work known only afterwards."""
+    timer = metrics.StepTimer(rank=0)
+    timer.start(None, None, [], clock.now)
+    with timer.generation("cpu"):
+        clock.now += 2.0
+        with timer.compute("cpu"):  # a forward inside generate: already timed by the enclosing block
+            clock.now += 1.0
+    clock.now += 0.5  # scoring, waiting for peers: not busy
+    with timer.compute("cpu"):  # a reference forward after generation
+        clock.now += 0.25
+    timer.add_work(microbatches=3, tokens=40)
+    with timer.compute("cpu"):
+        clock.now += 1.0
+    clock.now += 0.25
+    timer.end(None, clock.now)
+    peer = torch.tensor([[5.0, 2.0, 1.0, 1.0, 10.0, 1.5]], dtype=torch.float64)
+    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
+    assert out["odc/busy_s_rank0"] == pytest.approx(3.0 + 0.25 + 1.0)
+    assert out["odc/wait_s_rank0"] == pytest.approx(5.0 - 4.25)
+    assert (out["odc/generation_s_rank0"], out["odc/generation_s_rank1"]) == pytest.approx((3.0, 1.5))
+    assert (out["odc/microbatches_min"], out["odc/microbatches_max"]) == (1, 3)
+    assert out["odc/tokens_per_s"] == pytest.approx(50 / 5.0)
