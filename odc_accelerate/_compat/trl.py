@@ -76,11 +76,11 @@ def finalize_sft_metrics(
 
 
 # ------------------------------------------------------------------------------------------ fused LM head (TRL 1.15)
-# TRL's SFT, DPO and GRPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a forward
-# with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without building
-# the logits. In TRL 1.15 that function always runs a Triton kernel (a CPU tensor fails inside Triton) and is None
-# where Triton is missing; TRL 1.16 folds the tiles in torch on devices without Triton. Before 1.16 the trainers built
-# inside `fused_lm_head_torch_path` get that torch path from here.
+# TRL's SFT, DPO and GRPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a
+# forward with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without
+# building the logits. In TRL 1.15 that function always runs a Triton kernel (a CPU tensor fails inside Triton) and is
+# None where Triton is missing; TRL 1.16 folds the tiles in torch on devices without Triton. Before 1.16 the trainers
+# built inside `fused_lm_head_torch_path` get a torch path from here.
 _TRL_WITH_TORCH_LM_HEAD = (1, 16)
 _TRITON_DEVICES = ("cuda", "xpu")
 _FUSED_LM_HEAD_TRAINERS = {
