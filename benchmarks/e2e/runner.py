@@ -196,8 +196,6 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
                 flush=True,
             )
     result = aggregate(runs, world)
-    import torch
-    import transformers
 
     result["config"] = {
         "workload": workload.name,
@@ -216,7 +214,20 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
         "script_args": opts.extra,
         "arm_definitions": {n: asdict(ARMS[n]) for n in opts.arms},
     }
-    result["conditions"] = {
+    result["conditions"] = run_conditions(loads, started, opts.allocator)
+    result["runs"] = runs
+    return result
+
+
+def run_conditions(loads: list[float], started: float, allocator: str, libraries: tuple[str, ...] = ()) -> dict:
+    """The conditions of a benchmark run: date, CPUs, 1-min load average range, wall time since ``started``
+    (``time.perf_counter()``), torch / transformers (and ``libraries``) versions, git commit, allocator."""
+    import importlib
+
+    import torch
+    import transformers
+
+    out = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpus": os.cpu_count(),
         "load_min": min(loads),
@@ -224,12 +235,10 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
         "wall_s": time.perf_counter() - started,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "git": _git_head(),
-        "allocator": opts.allocator,
-        "allocator_env": allocator_env(opts.allocator),
     }
-    result["runs"] = runs
-    return result
+    out.update({name: importlib.import_module(name).__version__ for name in libraries})
+    out.update(git=_git_head(), allocator=allocator, allocator_env=allocator_env(allocator))
+    return out
 
 
 def _git_head() -> str | None:

@@ -7,7 +7,6 @@ Processes are started, timed, killed on a timeout or Ctrl-C and trimmed by the e
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -18,9 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import REPO
-from benchmarks.e2e.environment import allocator_env
 from benchmarks.e2e.records import read_rss
-from benchmarks.e2e.runner import RUN_EXAMPLE, _git_head, _run_processes, _trim, world_size_of
+from benchmarks.e2e.runner import RUN_EXAMPLE, _run_processes, _trim, run_conditions, world_size_of
 from benchmarks.grpo.aggregate import aggregate
 from benchmarks.grpo.arms import ARMS, CONFIGS, SCRIPT, Arm
 from benchmarks.grpo.records import make_record, parse_log_history
@@ -107,10 +105,6 @@ def run(opts: argparse.Namespace, argv: list[str]) -> dict:
                 flush=True,
             )
     result = aggregate(runs)
-    import accelerate
-    import torch
-    import transformers
-    import trl
 
     result["config"] = {
         "script": SCRIPT,
@@ -129,20 +123,7 @@ def run(opts: argparse.Namespace, argv: list[str]) -> dict:
         "script_args": opts.extra,
         "arm_definitions": {n: asdict(ARMS[n]) for n in opts.arms},
     }
-    result["conditions"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpus": os.cpu_count(),
-        "load_min": min(loads),
-        "load_max": max(loads),
-        "wall_s": time.perf_counter() - started,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "trl": trl.__version__,
-        "git": _git_head(),
-        "allocator": opts.allocator,
-        "allocator_env": allocator_env(opts.allocator),
-    }
+    result["conditions"] = run_conditions(loads, started, opts.allocator, ("accelerate", "trl"))
     result["runs"] = runs
     return result
 

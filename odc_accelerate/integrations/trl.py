@@ -77,27 +77,28 @@ def _cpu_precision_defaults(args: Any) -> None:
 
 
 @dataclass
-class ODCSFTConfig(ODCTrainingArgumentsMixin, SFTConfig):
+class _ODCTRLConfig(ODCTrainingArgumentsMixin):
+    """The ODC fields plus what every ODC TRL config does first: install ODC's accelerate patches (before the training
+    arguments create the process group: FSDP2 on CPU needs gloo) and pick CPU precision defaults."""
+
+    def __post_init__(self) -> None:
+        enable()
+        _cpu_precision_defaults(self)
+        super().__post_init__()
+
+
+@dataclass
+class ODCSFTConfig(_ODCTRLConfig, SFTConfig):
     """`trl.SFTConfig` plus the ODC options (``--odc``, ``--odc_plan``, ...; see `odc_accelerate.config.ODCConfig`).
 
     On a machine without a bf16-capable GPU the precision defaults to fp32, and ``--bf16 true`` runs bf16 mixed
     precision on CPU; GPU runs keep TRL's defaults.
     """
 
-    def __post_init__(self) -> None:
-        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
-        _cpu_precision_defaults(self)
-        super().__post_init__()
-
 
 @dataclass
-class ODCDPOConfig(ODCTrainingArgumentsMixin, DPOConfig):
+class ODCDPOConfig(_ODCTRLConfig, DPOConfig):
     """`trl.DPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
-
-    def __post_init__(self) -> None:
-        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
-        _cpu_precision_defaults(self)
-        super().__post_init__()
 
 
 def _gpu_bf16_available() -> bool:

@@ -36,7 +36,7 @@ from .._compat import trl as trl_compat
 from ..config import ODCConfig
 from .trainer import ODCTrainerMixin
 from .trainer.metrics import StepMetrics
-from .trl import ODCDPOTrainer, ODCTrainingArgumentsMixin, _cpu_precision_defaults
+from .trl import ODCDPOTrainer, _ODCTRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +44,8 @@ __all__ = ["ODCGRPOConfig", "ODCGRPOTrainer", "collate_rollouts", "split_rollout
 
 
 @dataclass
-class ODCGRPOConfig(ODCTrainingArgumentsMixin, GRPOConfig):
+class ODCGRPOConfig(_ODCTRLConfig, GRPOConfig):
     """`trl.GRPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
-
-    def __post_init__(self) -> None:
-        from .accelerate import enable
-
-        enable()  # before the training arguments create the process group (FSDP2 on CPU needs gloo)
-        _cpu_precision_defaults(self)
-        super().__post_init__()
 
 
 def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
