@@ -24,7 +24,15 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from . import check_signature, installed_version, patched_attribute, require, untested_warning, version_tuple
+from . import (
+    CompatError,
+    check_signature,
+    installed_version,
+    patched_attribute,
+    require,
+    untested_warning,
+    version_tuple,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -483,6 +491,8 @@ GRPO_TOKEN_KEYS = {
     "sampling_per_token_logps": 0.0,
 }
 GRPO_SAMPLE_KEYS = ("advantages",)
+# The first TRL release the GRPO integration was tested with (its completions' keys and loss normalisations).
+_GRPO_MIN_TRL = (1, 16)
 GRPO_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
@@ -494,6 +504,13 @@ def check_grpo(trainer: Any) -> None:
     )
     if (warning := untested_warning(_LIBRARY, detail)) is not None:
         logger.warning(warning)
+    installed = installed_version(_LIBRARY)
+    if version_tuple(installed) < _GRPO_MIN_TRL:
+        raise CompatError(
+            f"ODCGRPOTrainer is tested with TRL {'.'.join(map(str, _GRPO_MIN_TRL))} and later; TRL {installed} is "
+            f"installed. Upgrade TRL (pip install 'trl>={'.'.join(map(str, _GRPO_MIN_TRL))}') for GRPO with ODC "
+            "(SFT and DPO also run on this TRL)."
+        )
     from trl import GRPOTrainer
 
     where = "trl.GRPOTrainer"

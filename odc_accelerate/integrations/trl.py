@@ -16,6 +16,7 @@ The same fields parse from the command line (``--odc true --odc_plan lockstep``)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, make_dataclass
 from typing import TYPE_CHECKING, Any
@@ -113,18 +114,18 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if (
-            training_args is not None
-            and getattr(training_args, "padding_free", False)
-            and not getattr(training_args, "packing", False)
-            and getattr(training_args, "max_length", None) is not None
-            and ODCConfig.from_sources(args=training_args).balanced
-        ):
-            # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
-            # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
-            with trl_compat.sft_padding_free_with_max_length(self, training_args):
-                super().__init__(*args, **kwargs)
-        else:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(trl_compat.fused_lm_head_torch_path("sft"))  # TRL 1.15 on CPU
+            if (
+                training_args is not None
+                and getattr(training_args, "padding_free", False)
+                and not getattr(training_args, "packing", False)
+                and getattr(training_args, "max_length", None) is not None
+                and ODCConfig.from_sources(args=training_args).balanced
+            ):
+                # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
+                # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
+                stack.enter_context(trl_compat.sft_padding_free_with_max_length(self, training_args))
             super().__init__(*args, **kwargs)
         trl_compat.check_sft(self)
 
@@ -157,7 +158,10 @@ class ODCDPOTrainer(ODCTrainerMixin, DPOTrainer):
             for key in ("train_dataset", "eval_dataset"):
                 if kwargs.get(key) is not None:
                     kwargs[key] = _shared_on_disk(kwargs[key], training_args, key)
-        with trl_compat.dpo_reference_preparer(self._odc_prepare_reference):
+        with (
+            trl_compat.dpo_reference_preparer(self._odc_prepare_reference),
+            trl_compat.fused_lm_head_torch_path("dpo"),  # TRL 1.15 on CPU
+        ):
             super().__init__(*args, **kwargs)
         trl_compat.check_dpo(self)
         if self.ref_model is None:

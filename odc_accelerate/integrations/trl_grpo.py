@@ -144,7 +144,10 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
         self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
-        with trl_compat.grpo_reference_preparer(self._odc_prepare_reference):
+        with (
+            trl_compat.grpo_reference_preparer(self._odc_prepare_reference),
+            trl_compat.fused_lm_head_torch_path("grpo"),  # a no-op on the TRL releases GRPO is tested with
+        ):
             super().__init__(*args, **kwargs)
         trl_compat.check_grpo(self)
         if self.odc_config.balanced and self.aux_loss_enabled:
