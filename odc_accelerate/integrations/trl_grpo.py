@@ -8,8 +8,9 @@ A GRPO step generates completions for the step's prompts, scores them, and train
   last token: generation makes no collective and waits for no peer.
 * **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` is asked for): the step's completions, from
   every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
-  microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled for its loss type so that the step's gradient
-  is that of one process over the whole global batch (see `odc_accelerate._compat.trl.grpo_loss_weight`).
+  microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled
+  for its loss type so that the step's gradient is that of one process over the whole global batch (see
+  `odc_accelerate._compat.trl.grpo_loss_weight`).
 
 ```python
 from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
@@ -171,7 +172,8 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
             if isinstance(self.train_dataset, IterableDataset):
                 raise ValueError(
                     "ODC's balanced GRPO plan needs a map-style prompt dataset (one generation batch per optimizer "
-                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc / --odc_plan."
+                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc / "
+                    "--odc_plan."
                 )
         return GRPOTrainer.get_train_dataloader(self)  # TRL's prompt loader: the plan is made after generation
 
@@ -340,9 +342,9 @@ def _check_grpo_args(args: Any, config: ODCConfig) -> None:
     """Refuse, before any work, the GRPO settings ODC cannot run (exactly)."""
     if (config.enable or config.balanced) and getattr(args, "use_vllm", False):
         raise ValueError(
-            "use_vllm=True is not supported with ODC or its plans: vLLM generates outside the FSDP2 model whose shards "
-            "ODC serves, and its importance-sampling inputs are not re-batched. Drop --use_vllm (generation then runs "
-            "on the ODC-sharded policy without collectives), or run without --odc / --odc_plan."
+            "use_vllm=True is not supported with ODC or its plans: vLLM generates outside the FSDP2 model whose "
+            "shards ODC serves, and its importance-sampling inputs are not re-batched. Drop --use_vllm (generation "
+            "then runs on the ODC-sharded policy without collectives), or run without --odc / --odc_plan."
         )
     if config.enable and getattr(args, "sync_ref_model", False):
         raise ValueError(
@@ -367,8 +369,8 @@ def _check_grpo_args(args: Any, config: ODCConfig) -> None:
     spg, ga = getattr(args, "steps_per_generation", None), int(args.gradient_accumulation_steps)
     if spg is not None and int(spg) != ga:
         raise ValueError(
-            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains each "
-            "generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
+            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains "
+            "each generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
             f"--gradient_accumulation_steps), or {alternatives}."
         )
     if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
