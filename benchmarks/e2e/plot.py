@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.e2e.arms import ARMS
 
 
-def plot(result: dict, path: Path, title: str = "") -> bool:
-    """Per-rank busy/wait of one step per arm (left) and tokens/s per arm (right); False without matplotlib."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or `None` (with a note on stderr) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -20,6 +21,14 @@ def plot(result: dict, path: Path, title: str = "") -> bool:
             "matplotlib is not installed: no PNG written (pip install matplotlib, or pip install -e '.[bench]').",
             file=sys.stderr,
         )
+        return None
+    return plt
+
+
+def plot(result: dict, path: Path, title: str = "") -> bool:
+    """Per-rank busy/wait of one step per arm (left) and tokens/s per arm (right); False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
     arms = result["arms"]
     names = [n for n in ARMS if n in arms]

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from benchmarks.e2e.plot import pyplot
 from benchmarks.grpo.arms import ARMS, BASELINE
 
 
 def plot(result: dict, path: Path, title: str = "") -> bool:
     """Per-rank generation / training / wait of the mean step of each arm's median run (left) and the median step
     time per arm (right), in the end-to-end benchmark's style; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            "matplotlib is not installed: no PNG written (pip install matplotlib, or pip install -e '.[bench]').",
-            file=sys.stderr,
-        )
+    plt = pyplot()
+    if plt is None:
         return False
     arms = result["arms"]
     names = [n for n in ARMS if n in arms]
