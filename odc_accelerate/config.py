@@ -20,50 +20,19 @@ from collections.abc import Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from .planning import normalize_plan
+from .validation import check_positive_int, str_to_bool
+
 __all__ = [
     "ODCConfig",
-    "check_positive_int",
     "env_from_fsdp_config",
     "option_fields",
     "options_from_fsdp_config",
-    "str_to_bool",
     "training_args_fields",
 ]
 
 # Which surface switched ODC on, recorded in `ODCConfig.source` (run reports say where a setting came from).
 SOURCES = ("default", "args", "fsdp_config", "env")
-
-_TRUE = ("1", "true", "yes", "on", "y", "t")
-_FALSE = ("0", "false", "no", "off", "n", "f")
-
-
-def str_to_bool(value: Any, name: str = "value") -> bool:
-    """Parse a boolean option given as a `bool` or a string such as ``"true"``, ``"0"`` or ``"off"``.
-
-    Raises:
-        ValueError: ``value`` is neither, naming ``name``.
-    """
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{name} must be a boolean (true/false), got {value!r}.")
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """``value`` as an `int` if it is a positive integer (an integer-valued string counts), else a `ValueError`
-    naming ``name``."""
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def _option(default: Any, key: str, env: str, help: str, kind: type) -> Any:
@@ -200,8 +169,6 @@ class ODCConfig:
         if self.enable and self.plan is None:
             self.plan = "free"
         if self.plan is not None:
-            from .planning import normalize_plan
-
             self.plan = normalize_plan(self.plan, where=_name("plan"))
         if self.trace_dir is not None:
             self.trace_dir = os.fspath(self.trace_dir)

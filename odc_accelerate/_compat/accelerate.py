@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import str_to_bool
+from ..validation import str_to_bool
 from . import check_signature, is_patched, patch_attribute, require, restore_attribute, untested_warning
 
 logger = logging.getLogger(__name__)

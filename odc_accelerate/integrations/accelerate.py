@@ -32,7 +32,8 @@ from typing import Any
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from .._compat import accelerate as compat
-from ..config import ODCConfig, option_fields, str_to_bool
+from ..config import ODCConfig, option_fields
+from ..validation import str_to_bool
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..config import check_positive_int
+from ..validation import check_positive_int
 
 logger = logging.getLogger(__name__)
 

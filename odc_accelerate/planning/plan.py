@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ..config import check_positive_int
+from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .free import plan_free
 from .lockstep import plan_lockstep

@@ -16,7 +16,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from .._compat.datasets import arrow_column
-from ..config import check_positive_int
+from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .padded import plan_padded
 from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs, sample_parts

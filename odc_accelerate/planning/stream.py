@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import check_positive_int
+from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
 from .padded import plan_padded
 from .plan import Plan, PlanName, check_oversize, normalize_plan, plan_from_costs, sample_parts

@@ -8,14 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from odc_accelerate.config import (
-    ODCConfig,
-    check_positive_int,
-    env_from_fsdp_config,
-    option_fields,
-    str_to_bool,
-    training_args_fields,
-)
+from odc_accelerate.config import ODCConfig, env_from_fsdp_config, option_fields, training_args_fields
+from odc_accelerate.validation import check_positive_int, str_to_bool
 
 ENV_NAMES = [f.metadata["env"] for f in option_fields()] + ["ODC_BALANCE"]
 

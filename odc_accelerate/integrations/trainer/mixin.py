@@ -48,7 +48,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..._compat import transformers as tcompat
-from ...config import ODCConfig, str_to_bool
+from ...config import ODCConfig
+from ...validation import str_to_bool
 from ..accelerate import ODCPlugin, enable, get_engine
 from .callback import ODCCallback
 from .data import StepCollator, StepDataLoader, StepDataset, StreamStepDataset, merge_for_counting
