@@ -24,8 +24,8 @@ _LAZY = {
     "ODCCallback": "odc_accelerate.integrations.trainer",
     "ODCDPOConfig": "odc_accelerate.integrations.trl",
     "ODCDPOTrainer": "odc_accelerate.integrations.trl",
-    "ODCGRPOConfig": "odc_accelerate.integrations.trl_grpo",
-    "ODCGRPOTrainer": "odc_accelerate.integrations.trl_grpo",
+    "ODCGRPOConfig": "odc_accelerate.integrations.trl",
+    "ODCGRPOTrainer": "odc_accelerate.integrations.trl",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -55,8 +55,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import ODCEngine
     from .integrations.accelerate import ODCPlugin, enable, get_engine
     from .integrations.trainer import ODCCallback, ODCTrainerMixin
-    from .integrations.trl import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
-    from .integrations.trl_grpo import ODCGRPOConfig, ODCGRPOTrainer
+    from .integrations.trl import (
+        ODCDPOConfig,
+        ODCDPOTrainer,
+        ODCGRPOConfig,
+        ODCGRPOTrainer,
+        ODCSFTConfig,
+        ODCSFTTrainer,
+    )
     from .loss import loss_scale
     from .planning import LengthBalancedBatchSampler, plan_step
     from .transport.base import ODCTimeoutError

@@ -12,7 +12,7 @@ completion stops at its prompt's ``target_length`` (the token length of the pass
   --odc_plan free``): each rank stops generating at its own last token, and the step's completions are planned over
   the ranks so that each rank's training work is balanced.
 
-The trainer (`odc_accelerate.integrations.trl_grpo.ODCGRPOTrainer`) logs, per optimizer step and for both arms
+The trainer (`odc_accelerate.integrations.trl.ODCGRPOTrainer`) logs, per optimizer step and for both arms
 alike: step time, real tokens, per rank busy, wait and the wall time inside ``generate`` (part of busy), and TRL's
 completion lengths. Per rank, training = busy - generation. Unlike `benchmarks.e2e`, FSDP2's collectives are not
 timed (``--odc_time_collectives false``; they run asynchronously, as in production): generation is wall time, so busy

@@ -59,30 +59,6 @@ def check_sft(trainer: Any) -> None:
         require(trainer, attr, library=_LIBRARY, where="trl.SFTTrainer")
 
 
-def finalize_sft_metrics(
-    trainer: Any, local_sums: list[float], global_sums: list[float], local_microbatches: int
-) -> None:
-    """Turn the per-microbatch local SFT metrics of one step into the global ones of the whole step.
-
-    ``entropy`` and ``mean_token_accuracy`` become one token-weighted value over every label token of the step on
-    every rank (what one process logs when the global batch is one microbatch); ``num_tokens`` counts the input tokens
-    of all ranks, as TRL does with its per-microbatch gathers.
-    """
-    metrics = trainer._metrics["train"]
-    g = dict(zip(SFT_TRAIN_GATHERS, global_sums, strict=False))
-    mine = dict(zip(SFT_TRAIN_GATHERS, local_sums, strict=False))
-    for key in ("entropy", "mean_token_accuracy"):
-        values = metrics[key]
-        if local_microbatches:
-            del values[-local_microbatches:]
-    num_valid = g["num_valid"]
-    metrics["entropy"].append(g["entropy_sum"] / num_valid if num_valid > 0 else 0.0)
-    metrics["mean_token_accuracy"].append(g["num_correct"] / num_valid if num_valid > 0 else 0.0)
-    tp = int(getattr(trainer, "_tp_size", 1) or 1)
-    trainer._total_train_tokens += int(g["num_tokens"]) // tp - int(mine["num_tokens"]) // tp
-    metrics["num_tokens"] = [trainer._total_train_tokens]
-
-
 # ------------------------------------------------------------------------------------------ fused LM head (TRL 1.15)
 # TRL's SFT, DPO and GRPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a
 # forward with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without
@@ -294,7 +270,7 @@ DPO_TRAIN_GATHERS = (
 )
 
 # Metrics that DPOTrainer appends once per microbatch (the ODC trainer replaces them with one value per step).
-_DPO_PER_MICROBATCH = (
+DPO_PER_MICROBATCH = (
     "aux_loss",
     "entropy",
     "logits/chosen",
@@ -412,55 +388,6 @@ def _reference_preparer(module: Any, where: str, prepare: Any) -> Iterator[None]
         yield
 
 
-def finalize_dpo_metrics(
-    trainer: Any,
-    local_sums: list[float],
-    global_sums: list[float],
-    global_counts: list[float],
-    local_microbatches: int,
-) -> None:
-    """Turn the per-microbatch local DPO metrics of one step into one value per metric for the whole step.
-
-    Token-weighted metrics (entropy, logits, token accuracy) are ratios of global sums; reward and log-prob metrics
-    are means over every pair of the step on every rank (what one process logs when the global batch is one
-    microbatch); ``num_tokens`` counts the input tokens of all ranks.
-    """
-    names = dpo_gathers(trainer)
-    total = dict(zip(names, global_sums, strict=False))
-    count = dict(zip(names, global_counts, strict=False))
-    mine = dict(zip(names, local_sums, strict=False))
-    metrics = trainer._metrics["train"]
-    for key in _DPO_PER_MICROBATCH:
-        if local_microbatches and key in metrics:
-            del metrics[key][-local_microbatches:]
-
-    def ratio(a: float, b: float) -> float:
-        return a / b if b > 0 else 0.0
-
-    values = {
-        "entropy": ratio(total["entropy_sum"], total["entropy_tokens"]),
-        "logits/chosen": ratio(total["chosen_logits_sum"], total["chosen_tokens"]),
-        "logits/rejected": ratio(total["rejected_logits_sum"], total["rejected_tokens"]),
-        "mean_token_accuracy": ratio(total["correct_tokens"], total["accuracy_tokens"]),
-    }
-    for key in (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-    ):
-        values[key] = ratio(total[key], count[key])
-    if "aux_loss" in names:
-        values["aux_loss"] = ratio(total["aux_loss"], count["aux_loss"])
-    for key, value in values.items():
-        metrics[key].append(value)
-    tp = int(getattr(trainer, "_tp_size", 1) or 1)
-    trainer._total_train_tokens += int(total["num_tokens"]) // tp - int(mine["num_tokens"]) // tp
-    metrics["num_tokens"] = [trainer._total_train_tokens]
-
-
 # ---------------------------------------------------------------------------------------------------------- GRPO
 # How GRPOTrainer._compute_loss normalises each loss type over one microbatch, and therefore what a microbatch's loss
 # is multiplied by so that the step's gradient is that of one process over the whole global batch:
@@ -520,35 +447,6 @@ def check_grpo(trainer: Any) -> None:
         require(trainer, attr, library=_LIBRARY, where=where)
 
 
-def grpo_loss_weight(
-    trainer: Any, rows: int, tokens: float, total_rows: int, total_tokens: float, world_size: int
-) -> float:
-    """What one microbatch's GRPO loss (as TRL computes it) is multiplied by for the exact loss of the whole step.
-
-    Args:
-        trainer: the GRPO trainer (its ``loss_type``, ``current_gradient_accumulation_steps`` and
-            ``args.steps_per_generation``).
-        rows (`int`): completions in the microbatch.
-        tokens (`float`): loss tokens in the microbatch.
-        total_rows (`int`): completions in the whole step, over all ranks.
-        total_tokens (`float`): loss tokens in the whole step, over all ranks.
-        world_size (`int`): ranks FSDP2 averages gradients over.
-    """
-    kind = GRPO_LOSS_NORMALISATION[trainer.loss_type]
-    if kind == "sequences":
-        return rows * world_size / max(total_rows, 1)
-    if kind == "tokens":
-        return max(tokens, 1.0) * world_size / max(total_tokens, 1.0)
-    # The "global" types divide by num_items_in_batch (set to the step's loss tokens) the way TRL scales it.
-    normaliser = (
-        max(total_tokens, 1.0)
-        / world_size
-        * trainer.current_gradient_accumulation_steps
-        / trainer.args.steps_per_generation
-    )
-    return normaliser * world_size / max(total_tokens, 1.0)
-
-
 def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     """The ``accelerator.reduce`` / ``gather`` calls GRPOTrainer._compute_loss makes per training microbatch, in call
     order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max")."""
@@ -571,29 +469,6 @@ def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     return tuple(calls)
 
 
-def finalize_grpo_metrics(trainer: Any, metrics: Any) -> None:
-    """Replace the per-microbatch GRPO loss metrics of one step (local values) with one global value each, as one
-    process logs them when the global batch is one microbatch; TRL's per-microbatch ``step_time`` becomes the step's.
-    """
-    recorded = trainer._metrics["train"]
-    mbs = metrics.local_microbatches
-    for i, (name, how) in enumerate(grpo_metric_calls(trainer)):
-        if mbs and name in recorded:
-            del recorded[name][-mbs:]
-        if how == "ratio":
-            value = metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
-        elif how == "min":
-            value = metrics.global_mins[i]
-        else:
-            value = metrics.global_maxs[i]
-        recorded[name].append(float(value))
-    times = recorded.get("step_time")
-    if mbs and times is not None and len(times) >= mbs:
-        step_time = sum(times[-mbs:])
-        del times[-mbs:]
-        times.append(step_time)
-
-
 def grpo_sample_each_step_once(sampler: Any, num_iterations: int) -> Any:
     """Make GRPO's ``RepeatSampler`` yield each generation batch ``num_iterations`` times instead of
     ``num_iterations x steps_per_generation`` times: under a balanced ODC plan one optimizer step consumes a whole
@@ -602,3 +477,19 @@ def grpo_sample_each_step_once(sampler: Any, num_iterations: int) -> Any:
     require(sampler, "repeat_count", library=_LIBRARY, where="trl.trainer.utils.RepeatSampler")
     sampler.repeat_count = int(num_iterations)
     return sampler
+
+
+# ------------------------------------------------------------------------------------------------ recorded metrics
+def train_metrics(trainer: Any) -> dict[str, list]:
+    """The training metrics a TRL trainer records per microbatch and averages at each log (``trainer._metrics``)."""
+    return require(trainer, "_metrics", library=_LIBRARY, where=type(trainer).__name__)["train"]
+
+
+def count_train_tokens(trainer: Any, global_tokens: float, local_tokens: float) -> None:
+    """Record the input tokens of a whole step over all ranks in TRL's running count (``_total_train_tokens``, logged
+    as ``num_tokens``), where the trainer's own per-microbatch gathers were answered with this rank's
+    ``local_tokens``."""
+    tp = int(getattr(trainer, "_tp_size", 1) or 1)
+    total = require(trainer, "_total_train_tokens", library=_LIBRARY, where=type(trainer).__name__)
+    trainer._total_train_tokens = total + int(global_tokens) // tp - int(local_tokens) // tp
+    train_metrics(trainer)["num_tokens"] = [trainer._total_train_tokens]

@@ -13,7 +13,9 @@ pytest.importorskip("trl")
 from odc_accelerate._compat import trl as trl_compat  # noqa: E402
 from odc_accelerate.config import ODCConfig  # noqa: E402
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics  # noqa: E402
-from odc_accelerate.integrations.trl_grpo import _check_grpo_args, collate_rollouts, split_rollouts  # noqa: E402
+from odc_accelerate.integrations.trl.grpo import check_grpo_args, collate_rollouts, split_rollouts  # noqa: E402
+from odc_accelerate.integrations.trl.loss import grpo_loss_weight  # noqa: E402
+from odc_accelerate.integrations.trl.metrics import finalize_grpo_metrics  # noqa: E402
 
 PAD = 7
 
@@ -74,21 +76,21 @@ def _trainer(loss_type: str, ga: int = 1, spg: int = 1) -> SimpleNamespace:
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dr_grpo"])
 def test_sequence_mean_types_weigh_by_rows(loss_type):
     # 3 of 12 completions in this microbatch, 2 ranks: (1/3) sum over its rows -> (2/12) sum
-    w = trl_compat.grpo_loss_weight(
+    w = grpo_loss_weight(
         _trainer(loss_type), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
     )
     assert w == pytest.approx(3 * 2 / 12)
 
 
 def test_token_mean_type_weighs_by_tokens():
-    w = trl_compat.grpo_loss_weight(_trainer("bnpo"), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2)
+    w = grpo_loss_weight(_trainer("bnpo"), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2)
     assert w == pytest.approx(40 * 2 / 100)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
 def test_global_token_types_undo_trls_accumulation_scaling(loss_type):
     # TRL divides by num_items / world * ga / steps_per_generation; ODC wants num_items / world for the whole step.
-    w = trl_compat.grpo_loss_weight(
+    w = grpo_loss_weight(
         _trainer(loss_type, ga=1, spg=4), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
     )
     trl_normaliser = 100 / 2 * 1 / 4
@@ -139,18 +141,18 @@ BALANCED = ODCConfig(enable=True, plan="free")
     ],
 )
 def test_refusals_name_the_fix(overrides, match):
-    _check_grpo_args(_args(), BALANCED)  # the defaults pass
+    check_grpo_args(_args(), BALANCED)  # the defaults pass
     with pytest.raises(ValueError, match=match):
-        _check_grpo_args(_args(**overrides), BALANCED)
+        check_grpo_args(_args(**overrides), BALANCED)
 
 
 def test_plain_fsdp2_without_a_plan_keeps_trls_options():
     # TRL's own microbatches: every loss type and setting is TRL's
     plain = ODCConfig(enable=False, plan=None)
-    _check_grpo_args(_args(entropy_coef=0.1, num_iterations=3, top_entropy_quantile=0.5, use_vllm=True), plain)
+    check_grpo_args(_args(entropy_coef=0.1, num_iterations=3, top_entropy_quantile=0.5, use_vllm=True), plain)
     # plain FSDP2 on a plan has the plan's limits
     with pytest.raises(ValueError, match="--num_iterations 1"):
-        _check_grpo_args(_args(num_iterations=3), ODCConfig(enable=False, plan="lockstep"))
+        check_grpo_args(_args(num_iterations=3), ODCConfig(enable=False, plan="lockstep"))
 
 
 def test_deferred_reduce_and_gather_give_step_ratios_minima_and_maxima():
@@ -205,7 +207,7 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
         global_mins=[-float(i) for i in range(n)],
         global_maxs=[10.0 + i for i in range(n)],
     )
-    trl_compat.finalize_grpo_metrics(trainer, metrics)
+    finalize_grpo_metrics(trainer, metrics)
     for i, (name, how) in enumerate(calls):
         expected = {"ratio": (i + 1) / 2.0, "min": -float(i), "max": 10.0 + i}[how]
         assert recorded[name] == [99.0, expected], name

@@ -10,7 +10,7 @@ A GRPO step generates completions for the step's prompts, scores them, and train
   every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
   microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled
   for its loss type so that the step's gradient is that of one process over the whole global batch (see
-  `odc_accelerate._compat.trl.grpo_loss_weight`).
+  `odc_accelerate.integrations.trl.loss.grpo_loss_weight`).
 
 ```python
 from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
@@ -25,28 +25,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
-from .._compat import tested_text
-from .._compat import transformers as tcompat
-from .._compat import trl as trl_compat
-from ..config import ODCConfig
-from .trainer import ODCTrainerMixin
-from .trainer.metrics import StepMetrics
-from .trl import ODCDPOTrainer, _ODCTRLConfig
+from ..._compat import tested_text
+from ..._compat import transformers as tcompat
+from ..._compat import trl as trl_compat
+from ...config import ODCConfig
+from ..trainer import ODCTrainerMixin
+from ..trainer.budget import BudgetRule
+from ..trainer.metrics import StepMetrics
+from .loss import grpo_loss_weight
+from .metrics import finalize_grpo_metrics
+from .reference import ODCReferenceModelMixin, check_reference_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCGRPOConfig", "ODCGRPOTrainer", "collate_rollouts", "split_rollouts"]
-
-
-@dataclass
-class ODCGRPOConfig(_ODCTRLConfig, GRPOConfig):
-    """`trl.GRPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+__all__ = ["ODCGRPOTrainer", "collate_rollouts", "split_rollouts"]
 
 
 def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
@@ -118,7 +115,7 @@ def _loss_tokens(batch: dict[str, Any]) -> torch.Tensor:
     return mask * batch["tool_mask"] if batch.get("tool_mask") is not None else mask
 
 
-class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
+class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     """`trl.GRPOTrainer` with ODC.
 
     * **Generation** makes no collective under ODC: ``generate`` runs with ``synced_gpus=False`` on every rank, so a
@@ -139,8 +136,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
       step, plus the ODC step metrics (tokens/s, per-rank busy / wait / generation time).
     """
 
-    _odc_prepare_reference = ODCDPOTrainer._odc_prepare_reference
-    odc_reference_engine = ODCDPOTrainer.odc_reference_engine
+    odc_plans_from_dataset = False  # the step is planned after generation, from its completions (`_odc_plan`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
@@ -162,7 +158,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
         # Refuse what ODC cannot do (exactly) before the mixin folds gradient accumulation and before any model is
         # sharded or any completion generated.
         config = ODCConfig.from_sources(args=self.args)
-        _check_grpo_args(self.args, config)
+        check_grpo_args(self.args, config)
         super().create_accelerator_and_postprocess()
 
     def get_train_dataloader(self) -> Any:
@@ -175,7 +171,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
                     "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc / "
                     "--odc_plan."
                 )
-        return GRPOTrainer.get_train_dataloader(self)  # TRL's prompt loader: the plan is made after generation
+        return super().get_train_dataloader()  # TRL's prompt loader: the plan is made after generation
 
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(dataset)
@@ -228,13 +224,13 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
             self._odc_ready = True
             try:
                 with self.odc_step_timer.compute(self.args.device):
-                    return GRPOTrainer.training_step(self, model, prepared, num_items_in_batch)
+                    return super().training_step(model, prepared, num_items_in_batch)
             finally:
                 self._odc_ready = False
         model.train()  # as Trainer.training_step does first: TRL's generation and metrics read the mode
         batch = self._odc_generate(inputs)
         microbatches = self._odc_plan(batch)
-        return ODCTrainerMixin.training_step(self, model, microbatches, batch["num_items_in_batch"])
+        return super().training_step(model, microbatches, batch["num_items_in_batch"])
 
     def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """Generate and score the step's completions as TRL does, once per optimizer step."""
@@ -252,18 +248,19 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
         return this rank's microbatches."""
         from accelerate.utils import gather_object
 
-        from ..planning import StreamingStepPlanner
+        from ...planning import StreamingStepPlanner
 
         rows = split_rollouts(batch)
         world = self.accelerator.num_processes
         everyone = gather_object(rows) if world > 1 else rows
         lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
-        budget = self.odc_config.max_tokens_per_microbatch
-        if budget is None:
-            longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
-            budget = int(self.args.per_device_train_batch_size) * (longest_prompt + int(self.max_completion_length))
-        elif max(lengths) > budget:
-            self._odc_warn_over_budget(lengths, int(budget), max(lengths))
+        # By default the largest microbatch TRL itself would run; a completion over a budget set lower runs alone.
+        longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
+        rule = BudgetRule(
+            default=int(self.args.per_device_train_batch_size) * (longest_prompt + int(self.max_completion_length)),
+            oversize="warn",
+        )
+        budget = self._odc_budget(lengths, rule)
         planner = StreamingStepPlanner(
             world,
             max(len(everyone), world),
@@ -307,7 +304,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
         if rows == 0:
             return loss * 0.0
         total_rows, total_tokens = self._odc_totals
-        weight = trl_compat.grpo_loss_weight(
+        weight = grpo_loss_weight(
             self,
             rows=rows,
             tokens=float(_loss_tokens(inputs).sum()),
@@ -328,7 +325,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
                 tested_text("trl"),
             )
             return
-        trl_compat.finalize_grpo_metrics(self, metrics)
+        finalize_grpo_metrics(self, metrics)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # TRL counts prompt and completion tokens itself once they are generated; the loader's items are prompts.
@@ -338,7 +335,7 @@ class ODCGRPOTrainer(ODCTrainerMixin, GRPOTrainer):
         return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
 
 
-def _check_grpo_args(args: Any, config: ODCConfig) -> None:
+def check_grpo_args(args: Any, config: ODCConfig) -> None:
     """Refuse, before any work, the GRPO settings ODC cannot run (exactly)."""
     if (config.enable or config.balanced) and getattr(args, "use_vllm", False):
         raise ValueError(
@@ -346,12 +343,7 @@ def _check_grpo_args(args: Any, config: ODCConfig) -> None:
             "shards ODC serves, and its importance-sampling inputs are not re-batched. Drop --use_vllm (generation "
             "then runs on the ODC-sharded policy without collectives), or run without --odc / --odc_plan."
         )
-    if config.enable and getattr(args, "sync_ref_model", False):
-        raise ValueError(
-            "sync_ref_model=True is not supported with ODC: the reference model is served by a gather-only ODC engine "
-            "whose published shards would go stale when TRL overwrites the reference weights. Set --sync_ref_model "
-            "false, or run without --odc."
-        )
+    check_reference_settings(args, config)
     if not config.balanced:
         return
     alternatives = "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)"

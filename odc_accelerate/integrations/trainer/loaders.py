@@ -1,0 +1,149 @@
+"""The balanced step loader of the ODC Trainer (map-style datasets): one dataloader item is this rank's whole step.
+
+A `LengthBalancedBatchSampler` plans every step over all ranks (``samples_per_step`` samples) under the token budget
+per microbatch (`budget.token_budget`), and each rank gets its own list of microbatches, so ranks may run different
+numbers of microbatches. With a padded collator the plan is made on padded shapes. accelerate's re-sharding of the
+loader is bypassed: the sampler is already rank-aware.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from .budget import BudgetRule, token_budget
+from .data import StepCollator, StepDataLoader, StepDataset
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ODCStepLoaders"]
+
+
+class ODCStepLoaders:
+    """Part of `ODCTrainerMixin`: lengths, token budget and the balanced loader of a map-style training set."""
+
+    #: Whether the trainer's steps are planned from the training set (the loader's items are whole steps). GRPO
+    #: trainers plan after generation instead, from the completions, and keep TRL's prompt loader.
+    odc_plans_from_dataset = True
+
+    def _odc_lengths(self, dataset: Any) -> Any:
+        from ...planning import dataset_lengths
+
+        return dataset_lengths(dataset)
+
+    def _odc_padded(self) -> bool:
+        """Whether the collator pads every row of a microbatch to its longest sample; plans then count padded shapes.
+
+        Not padded: TRL's ``padding_free`` (also set by its BFD packing) and transformers' `DataCollatorWithFlattening`.
+        """
+        from transformers import DataCollatorWithFlattening
+
+        padding_free = getattr(self, "padding_free", getattr(self.args, "padding_free", False))
+        return not padding_free and not isinstance(self.data_collator, DataCollatorWithFlattening)
+
+    def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
+        """How samples count against the token budget: their own length; by default the budget is ``max_length`` (or
+        the longest sample), and without truncation an over-budget sample stops the run."""
+        max_length = getattr(self.args, "max_length", None)
+        return BudgetRule(
+            default=int(max_length) if max_length else int(np.max(lengths)),
+            oversize="warn" if max_length else "raise",
+            sample="sample (truncation is off: max_length=None)",
+            remedy="set --max_length to truncate",
+        )
+
+    def _odc_budget_tokens(self, lengths: Any) -> np.ndarray:
+        """Each sample's tokens as the budget counts them (its length; a DPO pair counts both rows)."""
+        return np.asarray(lengths)
+
+    def _odc_budget(self, lengths: Any, rule: BudgetRule | None = None) -> int:
+        """The token budget per microbatch for ``lengths`` (`budget.token_budget` with the trainer's rule); warns once
+        when samples are over it."""
+        tokens = self._odc_budget_tokens(lengths)
+        budget = token_budget(
+            tokens, self.odc_config.max_tokens_per_microbatch, rule or self._odc_budget_rule(lengths)
+        )
+        longest = int(np.max(tokens))
+        if longest > budget:
+            self._odc_warn_over_budget(tokens, budget, longest)
+        return budget
+
+    def _odc_warn_over_budget(self, lengths: Any, budget: int, longest: int) -> None:
+        """Warn, once per trainer and on the main process only, that some samples exceed the token budget.
+
+        The sampler still runs each of them alone in its own microbatch, so training goes on; on a GPU the budget is
+        what bounds a microbatch's memory, and an over-budget microbatch can run out of memory long after the start.
+        """
+        if self._odc_budget_warned or not self.is_world_process_zero():
+            return
+        self._odc_budget_warned = True
+        over = int((np.asarray(lengths) > budget).sum())
+        # A stream is checked one step at a time: the figures are those of the first step with such samples.
+        what = (
+            "samples of a step of the training stream"
+            if getattr(self, "_odc_streaming", False)
+            else "training samples"
+        )
+        logger.warning(
+            "ODC: %d of %d %s are longer than the token budget per microbatch (%d tokens); the longest has %d tokens. "
+            "Each of them runs alone in a microbatch over the budget, and on a GPU the budget is what bounds a "
+            "microbatch's memory. Raise --odc_max_tokens_per_microbatch to at least %d, or lower --max_length to %d.",
+            over,
+            len(lengths),
+            what,
+            budget,
+            longest,
+            longest,
+            budget,
+        )
+
+    @staticmethod
+    def _odc_is_stream(dataset: Any) -> bool:
+        """Whether a training set is read as a stream (`datasets.IterableDataset`, a torch `IterableDataset`, anything
+        without length and indexing) rather than through the sampler."""
+        from torch.utils.data import IterableDataset
+
+        return isinstance(dataset, IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        )
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not (self.odc_config.balanced and self.odc_plans_from_dataset):
+            return super().get_train_dataloader()
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if self._odc_is_stream(self.train_dataset):
+            return self._odc_stream_dataloader(self.train_dataset)
+        from ...planning import LengthBalancedBatchSampler
+
+        self._odc_streaming = False
+        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        lengths = self._odc_lengths(dataset)
+        config = self.odc_config
+        config.max_tokens_per_microbatch = self._odc_budget(lengths)
+        world = max(1, int(self.args.world_size))
+        self._odc_sampler = LengthBalancedBatchSampler(
+            lengths,
+            world_size=world,
+            rank=int(self.args.process_index),
+            samples_per_step=int(config.samples_per_step),
+            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+            plan=config.plan,
+            shuffle=True,
+            seed=int(self.args.data_seed if self.args.data_seed is not None else self.args.seed),
+            drop_last=True,
+            padded=self._odc_padded(),
+        )
+        # batch_size=None: each sampler item (this rank's microbatch index lists) is fetched and collated as one item.
+        # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.
+        return StepDataLoader(
+            StepDataset(dataset),
+            sampler=self._odc_sampler,
+            batch_size=None,
+            collate_fn=StepCollator(self.data_collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )

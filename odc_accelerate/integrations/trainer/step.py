@@ -1,0 +1,137 @@
+"""The balanced step of the ODC Trainer: this rank's microbatches, exact loss, no collective inside the step.
+
+* ``num_items_in_batch`` is the number of loss items (label tokens; DPO: pairs) of the whole step over all ranks: one
+  all-reduce at the step start, before any microbatch. Every microbatch's summed loss is divided by it and multiplied
+  by the world size (the Trainer's ``average_tokens_across_devices`` scaling, `odc_accelerate.loss_scale`): the loss
+  equals one process's mean over the global batch.
+* ``accelerator.gather_for_metrics`` / ``gather`` / ``reduce`` calls made during the microbatches (TRL makes several
+  per microbatch) are answered locally and recorded; one all-reduce at the step boundary produces the global values
+  (`metrics.reduce_step_metrics`, `_odc_finalize_metrics`).
+* ``engine.pre_optimizer_step()`` runs at the end of ``training_step``, so the Trainer's grad-norm and clipping see
+  the final gradients; `ODCCallback.on_optimizer_step` calls `odc_after_optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from ..._compat import transformers as tcompat
+from .data import merge_for_counting
+from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
+
+__all__ = ["ODCStepLoop"]
+
+
+class ODCStepLoop:
+    """Part of `ODCTrainerMixin`: the step's microbatch loop, loss normalisation, step metrics and logging."""
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        start = time.perf_counter()
+        if not self.odc_config.balanced:
+            # The Trainer's own microbatching: timed the same way, so plain runs log comparable step figures.
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self.odc_step_timer.start(self.model, self.odc_engine, batches, start)
+            return batches, num_items
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batch_samples:
+            return batch_samples, None
+        microbatches = [mb for item in batch_samples for mb in item]
+        counts = torch.tensor([self._odc_num_items(microbatches)], dtype=torch.float64, device=device)
+        if self.accelerator.num_processes > 1:
+            # The one collective of the step before its microbatches: the global count of loss items.
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        self.odc_step_timer.start(self.model, self.odc_engine, microbatches, start)
+        num_items = torch.tensor(int(counts[0]), device=device)
+        return [microbatches], num_items
+
+    def _odc_num_items(self, microbatches: list[Any]) -> int:
+        """What this rank's loss of the step is normalised over: label tokens (a token-mean loss). The DPO trainer
+        counts pairs instead."""
+        return sum(tcompat.count_label_tokens(self, mb) for mb in microbatches)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if not isinstance(inputs, list):
+            # The Trainer's own microbatching (plain runs): one call per microbatch, timed as the balanced path's.
+            with self.odc_step_timer.compute(self.args.device):
+                return super().training_step(model, inputs, num_items_in_batch)
+        engine = self.odc_engine
+        deferred = DeferredGather()
+        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
+        total = torch.zeros((), device=self.args.device)
+        self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
+        self.accelerator.gather = deferred  # type: ignore[method-assign]
+        self.accelerator.reduce = deferred.reduce  # type: ignore[method-assign]
+        # As the Trainer does for its own microbatches: gradients stay local (unsharded) until the rank's last
+        # microbatch, so FSDP2 reduce-scatters (and ODC scatter-adds) once per step instead of once per microbatch.
+        # Accelerate's `sync_each_batch=True` trades that back for memory. Ranks may run different counts: ODC's
+        # reduce-scatter is one-sided, and the lockstep plan gives every rank the same number of microbatches.
+        sync_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        self._odc_looping = True
+        try:
+            for i, mb in enumerate(inputs):
+                deferred.start_microbatch()
+                sync = sync_each_batch or i == len(inputs) - 1
+                with (
+                    contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
+                    self.odc_step_timer.compute(self.args.device),
+                ):
+                    total += super().training_step(model, mb, num_items_in_batch)
+        finally:
+            self._odc_looping = False
+            (  # type: ignore[method-assign]
+                self.accelerator.gather_for_metrics,
+                self.accelerator.gather,
+                self.accelerator.reduce,
+            ) = real_gathers
+        # Outside the timed compute: a rank that finished its microbatches early waits here and in the barrier below.
+        metrics = reduce_step_metrics(deferred, self._odc_gather(), self.args.device)
+        if metrics is not None:
+            self._odc_finalize_metrics(metrics)
+        if engine is not None:
+            engine.pre_optimizer_step()  # before the Trainer's grad-norm / clipping
+        return total
+
+    def _odc_gather(self) -> Any:
+        return self.accelerator.gather if self.accelerator.num_processes > 1 else None
+
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        """Replace what the trainer recorded from locally answered metric gathers with the step's global values.
+
+        Trainer subclasses know what their gathers mean (see the TRL trainers); the base Trainer makes none during
+        microbatches.
+        """
+
+    def odc_after_optimizer_step(self) -> None:
+        """Close the step after the optimizer: publish the new shards, record the step's timing."""
+        engine = self.odc_engine
+        if engine is not None:
+            engine.post_optimizer_step()
+        self.odc_step_timer.end(engine, time.perf_counter())
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.odc_step_timer.pending and "loss" in logs:
+            gather = self.accelerator.gather if self.accelerator.num_processes > 1 else None
+            logs.update(self.odc_step_timer.interval_metrics(gather, self.args.device))
+        super().log(logs, *args, **kwargs)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        if isinstance(inputs, list):
+            inputs = merge_for_counting(inputs, getattr(self.model, "main_input_name", "input_ids"))
+        return super()._track_num_input_tokens(inputs)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        if not isinstance(inputs, list):
+            return super().floating_point_ops(inputs)
+        total = 0
+        for mb in inputs:  # a loop, not a generator: zero-argument super() needs this frame
+            total += super().floating_point_ops(mb)
+        return total

@@ -1,0 +1,72 @@
+"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`.
+
+Each is TRL's config plus one field per `odc_accelerate.config.ODCConfig` option, named by its key (``--odc``,
+``--odc_plan``, ...), generated from `ODCConfig` so that each option is defined once. The fields parse from the
+command line and from a TRL ``--config recipe.yaml``; `None` means "not set here", and the ``fsdp_config`` keys and
+``ODC_*`` environment variables are consulted next (see `ODCConfig.from_sources`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, make_dataclass
+from typing import Any
+
+from trl import DPOConfig, GRPOConfig, SFTConfig
+
+from ...config import training_args_fields
+from ..accelerate import enable
+
+__all__ = ["ODCDPOConfig", "ODCGRPOConfig", "ODCSFTConfig", "ODCTRLConfigMixin", "ODCTrainingArgumentsMixin"]
+
+ODCTrainingArgumentsMixin = make_dataclass("ODCTrainingArgumentsMixin", training_args_fields(), kw_only=False)
+ODCTrainingArgumentsMixin.__module__ = __name__
+ODCTrainingArgumentsMixin.__doc__ = (
+    "ODC fields of the ODC training arguments: one per `odc_accelerate.config.ODCConfig` option, named by its key."
+)
+
+
+def _gpu_bf16_available() -> bool:
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return bool(is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def cpu_precision_defaults(args: Any) -> None:
+    """On a machine without a bf16-capable GPU, TRL's default ``bf16=True`` would stop the run ("Your setup doesn't
+    support bf16/gpu"): the default becomes fp32 there, and an explicit ``--bf16 true`` sets ``use_cpu`` so that bf16
+    mixed precision runs on CPU (FSDP2's MixedPrecisionPolicy). GPU runs keep TRL's defaults."""
+    if not _gpu_bf16_available():
+        if args.bf16 is None and not args.fp16:
+            args.bf16 = False
+        elif args.bf16:
+            args.use_cpu = True
+
+
+@dataclass
+class ODCTRLConfigMixin(ODCTrainingArgumentsMixin):
+    """The ODC fields plus what every ODC TRL config does first: install ODC's accelerate patches (before the training
+    arguments create the process group: FSDP2 on CPU needs gloo) and pick CPU precision defaults."""
+
+    def __post_init__(self) -> None:
+        enable()
+        cpu_precision_defaults(self)
+        super().__post_init__()
+
+
+@dataclass
+class ODCSFTConfig(ODCTRLConfigMixin, SFTConfig):
+    """`trl.SFTConfig` plus the ODC options (``--odc``, ``--odc_plan``, ...; see `odc_accelerate.config.ODCConfig`).
+
+    On a machine without a bf16-capable GPU the precision defaults to fp32, and ``--bf16 true`` runs bf16 mixed
+    precision on CPU; GPU runs keep TRL's defaults.
+    """
+
+
+@dataclass
+class ODCDPOConfig(ODCTRLConfigMixin, DPOConfig):
+    """`trl.DPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+
+@dataclass
+class ODCGRPOConfig(ODCTRLConfigMixin, GRPOConfig):
+    """`trl.GRPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""

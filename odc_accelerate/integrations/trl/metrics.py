@@ -1,0 +1,86 @@
+"""The TRL trainers' metrics of one ODC step: from the per-microbatch values recorded locally to one global value.
+
+During a step's microbatches the trainers' metric gathers are answered with this rank's values
+(`~odc_accelerate.integrations.trainer.metrics.DeferredGather`); at the step boundary one reduction gives the sums of
+every rank (`~odc_accelerate.integrations.trainer.metrics.StepMetrics`), and the functions below replace what TRL
+recorded for each microbatch with the value one process logs when the global batch is one microbatch. What each
+gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._compat import trl as trl_compat
+from ..trainer.metrics import StepMetrics
+
+__all__ = ["finalize_dpo_metrics", "finalize_grpo_metrics", "finalize_sft_metrics"]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _drop_microbatch_values(recorded: dict[str, list], keys: Any, microbatches: int) -> None:
+    for key in keys:
+        if microbatches and key in recorded:
+            del recorded[key][-microbatches:]
+
+
+def finalize_sft_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """SFT: ``entropy`` and ``mean_token_accuracy`` become token-weighted values over every label token of the step on
+    every rank; ``num_tokens`` counts the input tokens of all ranks."""
+    names = trl_compat.SFT_TRAIN_GATHERS
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    recorded = trl_compat.train_metrics(trainer)
+    _drop_microbatch_values(recorded, ("entropy", "mean_token_accuracy"), metrics.local_microbatches)
+    recorded["entropy"].append(_ratio(total["entropy_sum"], total["num_valid"]))
+    recorded["mean_token_accuracy"].append(_ratio(total["num_correct"], total["num_valid"]))
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
+
+
+def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """DPO: token-weighted metrics (entropy, logits, token accuracy) are ratios of global sums; reward and log-prob
+    metrics are means over every pair of the step on every rank; ``num_tokens`` counts the input tokens of all
+    ranks."""
+    names = trl_compat.dpo_gathers(trainer)
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    count = dict(zip(names, metrics.global_counts, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    recorded = trl_compat.train_metrics(trainer)
+    _drop_microbatch_values(recorded, trl_compat.DPO_PER_MICROBATCH, metrics.local_microbatches)
+    values = {
+        "entropy": _ratio(total["entropy_sum"], total["entropy_tokens"]),
+        "logits/chosen": _ratio(total["chosen_logits_sum"], total["chosen_tokens"]),
+        "logits/rejected": _ratio(total["rejected_logits_sum"], total["rejected_tokens"]),
+        "mean_token_accuracy": _ratio(total["correct_tokens"], total["accuracy_tokens"]),
+    }
+    per_pair = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
+    per_pair += ["logps/chosen", "logps/rejected"] + (["aux_loss"] if "aux_loss" in names else [])
+    for key in per_pair:
+        values[key] = _ratio(total[key], count[key])
+    for key, value in values.items():
+        recorded[key].append(value)
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
+
+
+def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """GRPO: each loss metric (kl, entropy, clip ratios, ...) becomes one global value (a ratio of summed pairs, a
+    minimum or a maximum over every rank); TRL's per-microbatch ``step_time`` becomes the step's."""
+    recorded = trl_compat.train_metrics(trainer)
+    mbs = metrics.local_microbatches
+    for i, (name, how) in enumerate(trl_compat.grpo_metric_calls(trainer)):
+        _drop_microbatch_values(recorded, (name,), mbs)
+        if how == "ratio":
+            value = metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
+        elif how == "min":
+            value = metrics.global_mins[i]
+        else:
+            value = metrics.global_maxs[i]
+        recorded[name].append(float(value))
+    times = recorded.get("step_time")
+    if mbs and times is not None and len(times) >= mbs:
+        step_time = sum(times[-mbs:])
+        del times[-mbs:]
+        times.append(step_time)

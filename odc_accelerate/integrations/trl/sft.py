@@ -1,0 +1,41 @@
+"""`ODCSFTTrainer`: TRL's `SFTTrainer` with ODC."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from trl import SFTTrainer
+
+from ..._compat import trl as trl_compat
+from ...config import ODCConfig
+from ..trainer import ODCTrainerMixin
+from ..trainer.metrics import StepMetrics
+from .metrics import finalize_sft_metrics
+
+__all__ = ["ODCSFTTrainer"]
+
+
+class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
+    """`trl.SFTTrainer` with ODC: unequal microbatch counts per rank, exact token-mean loss, no collective inside a
+    step (TRL's per-microbatch metric gathers are reduced once per step), per-step ODC metrics in the logs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(trl_compat.fused_lm_head_torch_path("sft"))  # TRL 1.15 on CPU
+            if (
+                training_args is not None
+                and getattr(training_args, "padding_free", False)
+                and not getattr(training_args, "packing", False)
+                and getattr(training_args, "max_length", None) is not None
+                and ODCConfig.from_sources(args=training_args).balanced
+            ):
+                # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
+                # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
+                stack.enter_context(trl_compat.sft_padding_free_with_max_length(self, training_args))
+            super().__init__(*args, **kwargs)
+        trl_compat.check_sft(self)
+
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        finalize_sft_metrics(self, metrics)
