@@ -15,5 +15,5 @@ export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
 # Symmetric memory's rendezvous opens a Unix socket under TMPDIR: keep the path short and shared by both ranks.
 export TMPDIR="${TMPDIR:-/tmp}"
 python="${PYTHON:-python}"
-exec "$python" -c 'import sys; from odc_accelerate.testing.gpu_check import main; sys.exit(main(sys.argv[1:]))' \
+exec "$python" -c 'import sys; from tests.helpers.gpu_check import main; sys.exit(main(sys.argv[1:]))' \
   --out "$out" "$@"

@@ -14,9 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
-LOOP = ROOT / "odc_accelerate" / "testing" / "accelerate_loop.py"
+LOOP = ROOT / "tests" / "helpers" / "accelerate_loop.py"
 # Examples run unchanged; this wrapper adds the run reports, call counts and parameter dumps the tests read.
-RUN_EXAMPLE = ROOT / "odc_accelerate" / "testing" / "run_example.py"
+RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
 
 pytest.importorskip("accelerate")
 pytest.importorskip("trl")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from odc_accelerate.testing import launch
-from odc_accelerate.testing.engine_workers import reference, train
+from tests.helpers.engine_workers import reference, train
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch (>1 microbatch = gradient accumulation)
 EQUAL = [[[12, 8], [10, 9]], [[7, 11], [13, 5]], [[9, 9], [6, 14]]]

@@ -76,9 +76,7 @@ def _trainer(loss_type: str, ga: int = 1, spg: int = 1) -> SimpleNamespace:
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo", "dr_grpo"])
 def test_sequence_mean_types_weigh_by_rows(loss_type):
     # 3 of 12 completions in this microbatch, 2 ranks: (1/3) sum over its rows -> (2/12) sum
-    w = grpo_loss_weight(
-        _trainer(loss_type), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
-    )
+    w = grpo_loss_weight(_trainer(loss_type), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2)
     assert w == pytest.approx(3 * 2 / 12)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..telemetry import DIST_COMM_FUNCTIONS, patch_dist_functions, restore_dist_functions
+from odc_accelerate.telemetry import DIST_COMM_FUNCTIONS, patch_dist_functions, restore_dist_functions
 
 COMM_OP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 

@@ -11,10 +11,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine import ODCEngine
-from ..loss import loss_scale
+from odc_accelerate.engine import ODCEngine
+from odc_accelerate.loss import loss_scale
+from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
+
 from .dist_counter import count_dist_calls
-from .models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
 
 
 def _mp_policy(precision: str):

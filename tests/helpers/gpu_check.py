@@ -40,10 +40,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..transport import BufferSpec, CudaTransport, ShmTransport
-from ..transport._cuda_plan import DeviceFacts
-from . import launch
-from .models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
+from odc_accelerate.testing import launch
+from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
+from odc_accelerate.transport import BufferSpec, CudaTransport, ShmTransport
+from odc_accelerate.transport._cuda_plan import DeviceFacts
 
 OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 SMALL = dict(vocab=128, dim=64, heads=4, layers=3)
@@ -146,8 +146,8 @@ class CpuSegmentsCudaTransport(CudaTransport):
 # ------------------------------------------------------------------------------------------------------- workers
 def train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train the toy LM with ODC for ``spec["plan"]``; return this rank's gradient and parameter shards."""
-    from ..engine import ODCEngine
-    from ..loss import loss_scale
+    from odc_accelerate.engine import ODCEngine
+    from odc_accelerate.loss import loss_scale
 
     _apply_env(spec.get("env", {}))
     device = _device(spec["device"])
@@ -224,7 +224,7 @@ def reference(spec: dict[str, Any]) -> dict[str, Any]:
 
 def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, str]:
     """Build an engine that must be refused; return each attempt's error text ('' if it was not refused)."""
-    from ..engine import ODCEngine
+    from odc_accelerate.engine import ODCEngine
 
     _apply_env(spec.get("env", {}))
     device = _device("cuda")
@@ -254,7 +254,7 @@ def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str
 
 def memory_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Free GPU memory before, with and after an engine; the transport's own report."""
-    from ..engine import ODCEngine
+    from odc_accelerate.engine import ODCEngine
 
     _apply_env({OVERLAP_ENV: "1"})
     device = _device("cuda")
@@ -468,7 +468,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, gpu_memory=props.total_memory, device_count=torch.cuda.device_count())
-        from ..transport.cuda import local_device_facts
+        from odc_accelerate.transport.cuda import local_device_facts
 
         out["facts"] = dataclasses.asdict(local_device_facts(torch.device("cuda", 0)))
     return out
@@ -531,6 +531,6 @@ def _write(out: str, results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    # Run through the package (`from odc_accelerate.testing.gpu_check import main`) so that the spawned ranks import
+    # Run through the package (`from tests.helpers.gpu_check import main`) so that the spawned ranks import
     # the workers from this module's real name; scripts/gpu_check.sh does.
     sys.exit(main())

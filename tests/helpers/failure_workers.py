@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import ODCEngine
-from ..transport import BufferSpec, ShmTransport
-from .models import ToyConfig, build_model, shard_model
+from odc_accelerate.engine import ODCEngine
+from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+from odc_accelerate.transport import BufferSpec, ShmTransport
 
 
 def _outcome(fn) -> tuple[str, str]:
@@ -151,7 +151,7 @@ def context_exit_cleans_up(rank: int, world_size: int) -> dict[str, Any]:
         pass
     after = [f for f in _job_files(job) if f"_r{rank}_" in f]
     # FSDP2's own collectives are back after close: a plain step must work.
-    from .models import token_loss_sum
+    from odc_accelerate.testing.models import token_loss_sum
 
     loss, _ = token_loss_sum(model, torch.randint(0, 128, (1, 9)))
     loss.backward()
@@ -231,8 +231,8 @@ def train_until_stopped(rank: int, world_size: int, spec: dict[str, Any]) -> int
     ``spec["pid_dir"]`` so that a test can signal the ranks mid-run. ``spec["raise_at"] = (rank, step)`` makes that
     rank raise before that step's barrier. Returns the number of steps run.
     """
-    from ..loss import loss_scale
-    from .models import token_loss_sum
+    from odc_accelerate.loss import loss_scale
+    from odc_accelerate.testing.models import token_loss_sum
 
     pid_dir = spec["pid_dir"]
     _write_pid(pid_dir, rank)

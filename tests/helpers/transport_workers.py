@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..transport import BufferSpec, NetworkTransport, ODCTimeoutError, create_transport
+from odc_accelerate.transport import BufferSpec, NetworkTransport, ODCTimeoutError, create_transport
 
 
 def _make(name: str, rank: int, world_size: int, timeout: float, host_ids: list[str] | None, **kwargs: Any):

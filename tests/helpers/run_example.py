@@ -1,7 +1,7 @@
 """Run a training script unchanged, with the instrumentation the tests and benchmarks read, added from outside.
 
-    accelerate launch --config_file CFG odc_accelerate/testing/run_example.py examples/sft/train.py ARGS
-    python odc_accelerate/testing/run_example.py examples/sft/train.py ARGS
+    accelerate launch --config_file CFG tests/helpers/run_example.py examples/sft/train.py ARGS
+    python tests/helpers/run_example.py examples/sft/train.py ARGS
 
 executes the script as ``__main__`` with ``ARGS`` (as ``python script ARGS`` would). Every ODC trainer the script
 builds (any `ODCTrainerMixin` subclass) gets:
@@ -118,7 +118,7 @@ def _report_callback(report: RunReport) -> Any:
 def instrument_trainers() -> None:
     """Give every `ODCTrainerMixin` trainer built from now on in this process a `RunReport`."""
     from odc_accelerate.integrations.trainer import ODCTrainerMixin
-    from odc_accelerate.testing.dist_counter import count_dist_calls
+    from tests.helpers.dist_counter import count_dist_calls
 
     original_init = ODCTrainerMixin.__init__
 
@@ -224,7 +224,7 @@ def _write_rss(directory: str) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python odc_accelerate/testing/run_example.py SCRIPT [ARGS...]")
+        raise SystemExit("usage: python tests/helpers/run_example.py SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path[0] = os.path.dirname(script)  # as `python script` sets it

@@ -35,7 +35,7 @@ from typing import Any
 
 _PREFIX = "odcvh"
 _PORT = 29533
-_MODULE = "odc_accelerate.testing.netns"  # not __name__, which is "__main__" inside the hosts
+_MODULE = "tests.helpers.netns"  # not __name__, which is "__main__" inside the hosts
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -276,7 +276,7 @@ if __name__ == "__main__":
 
 
 def train_as_host(rank: int, world_size: int, spec: dict[str, Any], host_ids: Sequence[str] | None = None) -> Any:
-    """:func:`~odc_accelerate.testing.engine_workers.train` with ``ODC_HOST_ID`` set to ``host_ids[rank]``.
+    """:func:`~tests.helpers.engine_workers.train` with ``ODC_HOST_ID`` set to ``host_ids[rank]``.
 
     The fallback when namespaces are unavailable: ranks of one machine that claim distinct hosts. Returns
     ``{"value": train's result, "logs": ODC transport log lines}`` like :meth:`VirtualHosts.run`.
