@@ -33,6 +33,8 @@ __all__ = [
 
 # Which surface switched ODC on, recorded in `ODCConfig.source` (run reports say where a setting came from).
 SOURCES = ("default", "args", "fsdp_config", "env")
+# What `ODCConfig.metrics` accepts.
+METRICS = ("summary", "per_rank", "off")
 
 
 def _option(default: Any, key: str, env: str, help: str, kind: type) -> Any:
@@ -80,9 +82,16 @@ class ODCConfig:
             `ODC_TIME_COLLECTIVES`):
             On plain FSDP2 runs, time FSDP2's collectives (run synchronously) and the blocking ``torch.distributed``
             calls, so that per-rank wait is reported (see `odc_accelerate.telemetry.CollectiveTimer`).
+        metrics (`str`, *optional*; key `odc_metrics`, env `ODC_METRICS`):
+            The ``odc/*`` step metrics logged by the ODC trainers. ``"summary"``: tokens/s, step time, bubble,
+            microbatch counts, and the minimum, maximum and mean over ranks of busy and wait time; ``"per_rank"``: also
+            each rank's busy and wait time (``odc/busy_s_rank<r>``, ...); ``"off"``: none. Defaults to ``"summary"``
+            when ODC, a plan or collective timing is on, else ``"off"``.
 
     Attributes:
         source (`str`): where ``enable`` was set: ``"args"``, ``"fsdp_config"``, ``"env"`` or ``"default"``.
+        given (`dict[str, str]`): the options set by a source other than the defaults, by field name, with that
+            source (``{"plan": "env"}``).
     """
 
     enable: bool | None = _option(False, "odc", "ODC_ENABLE", "Run FSDP2 with On-Demand Communication (ODC).", bool)
@@ -126,7 +135,16 @@ class ODCConfig:
         "Plain FSDP2: time collectives (run synchronously) to report per-rank wait.",
         bool,
     )
+    metrics: str | None = _option(
+        None,
+        "odc_metrics",
+        "ODC_METRICS",
+        "odc/* step metrics: 'summary' (min/max/mean over ranks), 'per_rank' (also each rank's) or 'off'. Defaults to "
+        "'summary' with ODC, a plan or collective timing, else 'off'.",
+        str,
+    )
     source: str = field(default="default", compare=False, repr=False)
+    given: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for f in option_fields():
@@ -172,6 +190,11 @@ class ODCConfig:
             self.plan = normalize_plan(self.plan, where=_name("plan"))
         if self.trace_dir is not None:
             self.trace_dir = os.fspath(self.trace_dir)
+        if self.metrics is None:
+            self.metrics = "summary" if (self.enable or self.balanced or self.time_collectives) else "off"
+        self.metrics = str(self.metrics).strip().lower()
+        if self.metrics not in METRICS:
+            raise ValueError(f"{_name('metrics')} must be one of {', '.join(METRICS)}, got {self.metrics!r}.")
         if self.source not in SOURCES:
             raise ValueError(f"ODCConfig.source must be one of {', '.join(SOURCES)}, got {self.source!r}.")
 
@@ -222,17 +245,15 @@ class ODCConfig:
         layers.append(("env", _from_env(os.environ if env is None else env)))
 
         values: dict[str, Any] = {}
-        source = "default"
+        given: dict[str, str] = {}
         for name in (f.name for f in option_fields()):
             for layer_source, layer in layers:
                 if name in layer:
-                    values[name] = layer[name]
-                    if name == "enable":
-                        source = layer_source
+                    values[name], given[name] = layer[name], layer_source
                     break
         if "enable" not in values:
             values["enable"] = enable_default
-        return cls(**values, source=source)
+        return cls(**values, source=given.get("enable", "default"), given=given)
 
 
 # ---------------------------------------------------------------------- field helpers

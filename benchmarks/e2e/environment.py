@@ -43,6 +43,7 @@ def run_env(allocator: str = "caching") -> dict[str, str]:
         MKL_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         ODC_TIME_COLLECTIVES="1",
+        ODC_METRICS="per_rank",  # every arm logs each rank's busy and wait (plain FSDP2 arms too)
         PYTHONPATH=f"{REPO}{os.pathsep}{path}" if path else str(REPO),
     )
     return env

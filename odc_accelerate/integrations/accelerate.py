@@ -109,7 +109,7 @@ class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
         resolved = ODCConfig.from_sources(overrides=explicit, enable_default=True)
         for name, value in resolved.options().items():
             setattr(self, name, value)
-        self.source = resolved.source
+        self.source, self.given = resolved.source, resolved.given
         enable()
         FullyShardedDataParallelPlugin.__post_init__(self)
 

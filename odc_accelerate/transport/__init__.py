@@ -113,6 +113,8 @@ def create_transport(
         chosen = HierarchicalTransport(rank, world_size, **kwargs)
     else:
         chosen = CudaTransport(rank, world_size, device=device, **kwargs)
+    # Kept on the transport for the run's banner (`ODCTrainerMixin`): which transport runs, and why.
+    chosen.chosen_because = f"auto: {reason}" if reason else "set by odc_transport"
     if reason:
         logger.info("ODC transport 'auto' chose %r (%s)", chosen.name, reason)
     return chosen

@@ -20,6 +20,8 @@ from integration_utils import CONFIGS, TRAIN, accelerate_launch, check_ok, logge
 SLOW_S = 2.5
 STEPS = 5
 ARGS = [
+    "--odc_metrics",
+    "per_rank",
     "--max_steps",
     str(STEPS),
     "--logging_steps",

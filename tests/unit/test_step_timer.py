@@ -44,7 +44,7 @@ def test_busy_is_compute_less_blocked_time_and_wait_is_the_rest(clock):
     clock.now += 0.75  # metric reduction, step-boundary barrier, optimizer
     engine.stats.wait_s += 0.4
     timer.end(engine, clock.now)
-    out = timer.interval_metrics(None, "cpu")
+    out = timer.interval_metrics(None, "cpu", per_rank=True)
     step = 0.25 + 1.0 + 2.5 + 0.75
     assert out["odc/step_s"] == pytest.approx(step)
     assert out["odc/busy_s_rank0"] == pytest.approx(3.0)
@@ -68,13 +68,29 @@ def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhe
     # A peer whose two steps took 10 s of which 7 s compute: rows are [step_s, busy_s, mb_min, mb_max, tokens,
     # generation_s].
     peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
-    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
+    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu", per_rank=True)
     assert out["odc/step_s"] == pytest.approx(5.0)  # the slowest rank's interval over 2 steps
     assert (out["odc/busy_s_rank0"], out["odc/wait_s_rank0"]) == pytest.approx((4.0, 6.0))
     assert (out["odc/busy_s_rank1"], out["odc/wait_s_rank1"]) == pytest.approx((7.0, 3.0))
     assert out["odc/bubble_pct"] == pytest.approx(100 * (1 - 5.5 / 10.0))
     assert out["odc/tokens_per_s"] == pytest.approx(16 / 10.0)
     assert not any(key.startswith("odc/generation_s") for key in out)  # trainers that do not generate
+    # the summaries over ranks: rank 0 busy 4 / wait 6, rank 1 busy 7 / wait 3
+    assert (out["odc/busy_s_min"], out["odc/busy_s_max"], out["odc/busy_s_mean"]) == pytest.approx((4.0, 7.0, 5.5))
+    assert (out["odc/wait_s_min"], out["odc/wait_s_max"], out["odc/wait_s_mean"]) == pytest.approx((3.0, 6.0, 4.5))
+
+
+def test_per_rank_keys_only_when_asked(clock):
+    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
+    timer = metrics.StepTimer(rank=0)
+    timer.start(None, None, [_batch(4)], clock.now)
+    with timer.compute("cpu"):
+        clock.now += 2.0
+    timer.end(None, clock.now)
+    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
+    assert not [key for key in out if "_rank" in key]
+    assert (out["odc/busy_s_min"], out["odc/busy_s_max"]) == pytest.approx((2.0, 7.0))
+    assert (out["odc/wait_s_min"], out["odc/wait_s_max"]) == pytest.approx((3.0, 8.0))  # step: the slowest, 10 s
 
 
 def test_generation_is_busy_once_and_reported_per_rank(clock):
@@ -94,9 +110,10 @@ def test_generation_is_busy_once_and_reported_per_rank(clock):
     clock.now += 0.25
     timer.end(None, clock.now)
     peer = torch.tensor([[5.0, 2.0, 1.0, 1.0, 10.0, 1.5]], dtype=torch.float64)
-    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu")
+    out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu", per_rank=True)
     assert out["odc/busy_s_rank0"] == pytest.approx(3.0 + 0.25 + 1.0)
     assert out["odc/wait_s_rank0"] == pytest.approx(5.0 - 4.25)
     assert (out["odc/generation_s_rank0"], out["odc/generation_s_rank1"]) == pytest.approx((3.0, 1.5))
+    assert (out["odc/generation_s_min"], out["odc/generation_s_max"]) == pytest.approx((1.5, 3.0))
     assert (out["odc/microbatches_min"], out["odc/microbatches_max"]) == (1, 3)
     assert out["odc/tokens_per_s"] == pytest.approx(50 / 5.0)

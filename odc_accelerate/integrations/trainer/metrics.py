@@ -320,9 +320,13 @@ class StepTimer:
         self._engine = None
 
     def interval_metrics(
-        self, gather: Callable[[torch.Tensor], torch.Tensor] | None, device: torch.device | str
+        self,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None,
+        device: torch.device | str,
+        per_rank: bool = False,
     ) -> dict[str, float]:
-        """The ``odc/*`` metrics of the steps ended since the last call (one ``gather`` of a row per rank)."""
+        """The ``odc/*`` metrics of the steps ended since the last call (one ``gather`` of a row per rank): the minimum,
+        maximum and mean over ranks of busy, wait (and generation) time, and with ``per_rank`` each rank's too."""
         pending, self.pending = self.pending, []
         step_s = sum(p["step_s"] for p in pending)
         busy_s = sum(_resolve(p) for p in pending)
@@ -346,14 +350,18 @@ class StepTimer:
             "odc/microbatches_max": int(rows[:, 3].max()),
             "odc/bubble_pct": round(100.0 * (1.0 - float(rows[:, 1].mean()) / step_s), 2) if step_s > 0 else 0.0,
         }
-        for r in range(rows.shape[0]):
-            busy = float(rows[r, 1])
-            out[f"odc/busy_s_rank{r}"] = round(busy, 4)
-            # On a device the host may close a step before its last kernels end; over an interval the clocks agree.
-            out[f"odc/wait_s_rank{r}"] = round(max(step_s - busy, 0.0), 4)
+        busy = rows[:, 1]
+        wait = (step_s - busy).clamp(min=0.0)  # on a device the host may close a step before its last kernels end
+        series = {"busy_s": busy, "wait_s": wait}
         if float(rows[:, 5].max()) > 0:  # trainers that generate: time inside generate, part of busy
-            for r in range(rows.shape[0]):
-                out[f"odc/generation_s_rank{r}"] = round(float(rows[r, 5]), 4)
+            series["generation_s"] = rows[:, 5]
+        for name, values in series.items():
+            out[f"odc/{name}_min"] = round(float(values.min()), 4)
+            out[f"odc/{name}_max"] = round(float(values.max()), 4)
+            out[f"odc/{name}_mean"] = round(float(values.mean()), 4)
+            if per_rank:
+                for r in range(rows.shape[0]):
+                    out[f"odc/{name}_rank{r}"] = round(float(values[r]), 4)
         return out
 
     def close(self) -> None:

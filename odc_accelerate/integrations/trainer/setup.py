@@ -33,21 +33,19 @@ class ODCAcceleratorSetup:
             trace_dir=config.trace_dir,
             time_collectives=config.time_collectives,
         )
+        self.odc_folded_accumulation = 1
         if config.balanced:
             world = max(1, int(getattr(self.args, "world_size", 1)))
             ga = int(self.args.gradient_accumulation_steps)
             if config.samples_per_step is None:
                 config.samples_per_step = int(self.args.per_device_train_batch_size) * ga * world
-            if ga != 1:
-                # Ranks may run different numbers of microbatches: the Trainer's accumulation counts them globally,
-                # so one dataloader item holds this rank's whole step instead (the effective batch is unchanged).
-                logger.info(
-                    "ODC: gradient_accumulation_steps=%d folded into samples_per_step=%d; the Trainer runs 1 "
-                    "accumulation step per optimizer step.",
-                    ga,
-                    config.samples_per_step,
-                )
-                self.args.gradient_accumulation_steps = 1
+            # Ranks may run different numbers of microbatches: the Trainer's accumulation counts them globally, so one
+            # dataloader item holds this rank's whole step instead (the effective batch is unchanged; the banner says
+            # so, since the Trainer's own banner then shows gradient_accumulation_steps=1).
+            self.odc_folded_accumulation = ga
+            self.args.gradient_accumulation_steps = 1
+        if not config.enable and self.args.process_index == 0:
+            self._odc_warn_if_off(config)
         super().create_accelerator_and_postprocess()
         if config.enable:
             from accelerate.utils import DistributedType
@@ -88,3 +86,68 @@ class ODCAcceleratorSetup:
     def odc_engine(self) -> Any:
         accelerator = getattr(self, "accelerator", None)
         return get_engine(accelerator) if accelerator is not None else None
+
+    # ------------------------------------------------------------------ what the run shows
+    def _odc_warn_if_off(self, config: ODCConfig) -> None:
+        """Warn when ODC settings were given but ODC is off, so that a run asked for ODC never trains without it
+        unnoticed."""
+        asked = {name: source for name, source in config.given.items() if name != "enable"}
+        env_on = str(os.environ.get("ODC_ENABLE", "")).strip().lower() in ("1", "true", "yes", "on", "y", "t")
+        if not asked and not env_on:
+            return
+        settings = ", ".join(f"odc_{name} ({source})" for name, source in sorted(asked.items()))
+        off = f"odc=false from {config.source}" if config.source != "default" else "odc is not set"
+        if env_on and config.source != "env":
+            settings = ", ".join(filter(None, ["ODC_ENABLE=true (env)", settings]))
+        applies = (
+            f" Without ODC, plain FSDP2 trains on the {config.plan!r} plan's microbatches." if config.balanced else ""
+        )
+        logger.warning(
+            "ODC is OFF for this run (%s), but ODC settings are present: %s.%s Set --odc true (or `odc: true` in the "
+            "accelerate config's fsdp_config, launched with odc-accelerate launch) to train with ODC, or remove them.",
+            off,
+            settings,
+            applies,
+        )
+
+    def _odc_banner(self) -> None:
+        """Log, once per run on the main process at WARNING, what ODC runs with: transport and why, plan, token
+        budget, samples per step and how gradient accumulation was folded into it."""
+        config = self.odc_config
+        if not config.enable or getattr(self, "_odc_banner_shown", False):
+            return
+        self._odc_banner_shown = True
+        if not self.is_world_process_zero():
+            return
+        engine = self.odc_engine
+        transport = getattr(engine, "transport", None)
+        world = max(1, int(self.args.world_size))
+        ga = self.odc_folded_accumulation
+        if self.odc_plans_from_dataset:
+            budget = f"{config.max_tokens_per_microbatch} tokens per microbatch"
+            samples = (
+                f"{config.samples_per_step} samples per optimizer step over {world} ranks "
+                f"(per_device_train_batch_size {self.args.per_device_train_batch_size} x gradient_accumulation_steps "
+                f"{ga} x {world} ranks"
+                + (", set by odc_samples_per_step" if "samples_per_step" in config.given else "")
+                + ")"
+            )
+        else:
+            budget = f"{config.max_tokens_per_microbatch or 'per step, from its completions'} tokens per microbatch"
+            samples = f"one generation batch per optimizer step over {world} ranks"
+        folded = (
+            f"; gradient_accumulation_steps={ga} folded into the plan: the Trainer runs 1 accumulation step and each "
+            "rank loops its own microbatches (effective global batch unchanged)"
+            if ga != 1
+            else ""
+        )
+        logger.warning(
+            "ODC on: transport %s (%s), plan %s, token budget %s, %s%s; metrics %s.",
+            getattr(transport, "name", config.transport),
+            getattr(transport, "chosen_because", "not attached"),
+            config.plan,
+            budget,
+            samples,
+            folded,
+            config.metrics,
+        )

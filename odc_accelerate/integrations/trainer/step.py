@@ -31,6 +31,7 @@ class ODCStepLoop:
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         start = time.perf_counter()
+        self._odc_banner()
         if not self.odc_config.balanced:
             # The Trainer's own microbatching: timed the same way, so plain runs log comparable step figures.
             batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -118,9 +119,13 @@ class ODCStepLoop:
         self.odc_step_timer.end(engine, time.perf_counter())
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if self.odc_step_timer.pending and "loss" in logs:
-            gather = self.accelerator.gather if self.accelerator.num_processes > 1 else None
-            logs.update(self.odc_step_timer.interval_metrics(gather, self.args.device))
+        timer, wanted = self.odc_step_timer, self.odc_config.metrics
+        if timer.pending and "loss" in logs:
+            if wanted == "off":  # the same setting on every rank: no rank gathers
+                timer.pending.clear()
+            else:
+                gather = self.accelerator.gather if self.accelerator.num_processes > 1 else None
+                logs.update(timer.interval_metrics(gather, self.args.device, per_rank=wanted == "per_rank"))
         super().log(logs, *args, **kwargs)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:

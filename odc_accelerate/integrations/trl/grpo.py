@@ -198,6 +198,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         # Items are lists of prompt rows; the step's work is known after generation (`_prepare_inputs`, `_odc_plan`).
         start = time.perf_counter()
+        self._odc_banner()
         batches = []
         for _ in range(num_batches):
             try:
