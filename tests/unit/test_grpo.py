@@ -8,8 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("trl")
-
 from odc_accelerate._compat import trl as trl_compat  # noqa: E402
 from odc_accelerate.config import ODCConfig  # noqa: E402
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics  # noqa: E402

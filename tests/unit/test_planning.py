@@ -437,7 +437,6 @@ def test_free_plan_is_within_half_a_percent_of_the_lower_bound_at_8_ranks():
 
 
 def test_lockstep_plan_beats_batch_rebalance_sampler():
-    pytest.importorskip("transformers")
     from benchmarks.planning.arms import brs_plans, check_brs_capture
 
     rng = np.random.default_rng(11)

@@ -205,7 +205,8 @@ def test_costs_are_computed_once_per_distinct_length():
 
 
 def test_from_dataset_lengths_and_cache():
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     rng = np.random.default_rng(3)
     true_lengths = rng.integers(1, 300, 64)
     ds = datasets.Dataset.from_dict(
@@ -243,7 +244,8 @@ def test_from_dataset_lengths_and_cache():
 
 
 def test_from_dataset_errors():
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     ds = datasets.Dataset.from_dict({"text": ["a", "bb", "ccc", "dddd"]})
     with pytest.raises(ValueError, match="length_column="):
         LengthBalancedBatchSampler.from_dataset(ds, 2, 0, 2)

@@ -145,5 +145,5 @@ class ODCStepLoaders:
             batch_size=None,
             collate_fn=StepCollator(self.data_collator),
             num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu",
         )

@@ -63,7 +63,7 @@ class ODCStreamLoaders:
             batch_size=None,
             collate_fn=StepCollator(self.data_collator),
             num_workers=0,
-            pin_memory=args.dataloader_pin_memory,
+            pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
         )
 
     def _odc_stream_lengths(self, rows: list[dict]) -> Any:

@@ -42,6 +42,18 @@ def cpu_precision_defaults(args: Any) -> None:
             args.use_cpu = True
 
 
+def _checkpointing_by_its_current_name(args: Any) -> None:
+    """TRL's configs default ``gradient_checkpointing=True``, a name transformers deprecates in favour of
+    ``activation_checkpointing``, so every process of every run printed a FutureWarning. Where transformers has the new
+    name and it is unset, the setting moves to it first: the same run, without the warning."""
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if getattr(args, new, False) is None and getattr(args, old, None) is not None:
+            setattr(args, new, getattr(args, old))
+
+
 @dataclass
 class ODCTRLConfigMixin(ODCTrainingArgumentsMixin):
     """The ODC fields plus what every ODC TRL config does first: install ODC's accelerate patches (before the training
@@ -50,6 +62,7 @@ class ODCTRLConfigMixin(ODCTrainingArgumentsMixin):
     def __post_init__(self) -> None:
         enable()
         cpu_precision_defaults(self)
+        _checkpointing_by_its_current_name(self)
         super().__post_init__()
 
 
