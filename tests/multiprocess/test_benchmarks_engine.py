@@ -1,10 +1,13 @@
-"""The engine benchmark runs end to end, ends with the JSON line other tools parse and stores the same summary in
-``--out`` (figures are not asserted)."""
+"""The engine benchmark runs end to end, ends with the JSON line other tools parse, stores the same summary in
+``--out``, and its table shows the summary's figures (their values are not asserted: benchmarks print them)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = (
@@ -28,9 +31,23 @@ def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_pa
         check=True,
     ).stdout
     lines = out.strip().splitlines()
-    assert any(line.startswith("FSDP2 (gloo)") for line in lines)
     summary = json.loads(lines[-1])
     for key in KEYS:
         assert summary[key] > 0, key
     assert json.loads((tmp_path / "results.json").read_text()) == summary
-    assert "FSDP2 (gloo)" in (tmp_path / "table.txt").read_text()
+    table = (tmp_path / "table.txt").read_text()
+    assert table in out  # what is printed is what is stored
+    rows = {line[:26].strip(): line[26:].split() for line in table.splitlines()}
+    for arm, prefix in (("FSDP2 (gloo)", "fsdp"), ("ODC", "odc")):
+        balanced, imbalanced, ratio, rss = (float(x) for x in rows[arm])
+        assert balanced == pytest.approx(summary[f"{prefix}_balanced_ms"], abs=0.051), arm
+        assert imbalanced == pytest.approx(summary[f"{prefix}_imbalanced_ms"], abs=0.051), arm
+        assert ratio == pytest.approx(imbalanced / balanced, abs=0.006), arm
+        assert rss == pytest.approx(summary[f"{prefix}_peak_rss_mb"], abs=0.51), arm
+    ratios = dict(re.findall(r"^(ODC [^\d]+?|FSDP2 [^\d]+?)\s+([\d.]+)  \(target", table, flags=re.M))
+    assert float(ratios["ODC imbalanced / ODC balanced"]) == pytest.approx(
+        summary["odc_imbalanced_ms"] / summary["odc_balanced_ms"], abs=6e-4
+    )
+    assert float(ratios["FSDP2 imbalanced / ODC imbalanced"]) == pytest.approx(
+        summary["fsdp_imbalanced_ms"] / summary["odc_imbalanced_ms"], abs=6e-4
+    )

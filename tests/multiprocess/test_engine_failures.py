@@ -8,10 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from odc_accelerate import ODCEngine
 from odc_accelerate._compat import fsdp as fsdp_compat
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
-from odc_accelerate.testing.models import ToyConfig, build_model
 from odc_accelerate.transport.shm import cleanup_stale_segments
 from tests.helpers.engine_workers import train
 from tests.helpers.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
@@ -52,11 +50,6 @@ def test_hpz_reshard_after_forward_int_is_refused():
     for outcomes in results:
         kind, message = outcomes["hpz"]
         assert kind == "ValueError" and "reshard_after_forward" in message, message
-
-
-def test_non_fsdp_model_is_refused_without_distributed():
-    with pytest.raises(TypeError, match="fully_shard"):
-        ODCEngine(build_model(ToyConfig()))
 
 
 def test_timeout_names_the_missing_rank(pid_dir):

@@ -280,7 +280,7 @@ out = {
     "workers": error(lambda: loader(texts, dataloader_num_workers=2)),
     "short": error(lambda: loader(texts[:3])),
     "late_long_sample": error(lambda: steps_until_error(loader(texts, max_length=None, odc_max_tokens_per_microbatch=40))),
-    "first_step_items": [len(step) for _, step in zip(range(3), loader(texts))],
+    "first_steps": [[list(mb["input_ids"].shape) for mb in step] for _, step in zip(range(3), loader(texts))],
 }
 print(json.dumps(out))
 """
@@ -300,7 +300,12 @@ def test_streaming_errors_say_what_to_change(tmp_path):
     )
     assert "smaller than the longest sample" in late
     assert "Raise --odc_max_tokens_per_microbatch" in late
-    assert all(n >= 1 for n in out["first_step_items"])  # the working stream yields steps of microbatches
+    # the working stream yields whole steps: 4 samples each (odc_samples_per_step), in padded microbatches that
+    # hold at most the token budget (128)
+    assert len(out["first_steps"]) == 3
+    for step in out["first_steps"]:
+        assert sum(rows for rows, _ in step) == 4, step
+        assert all(rows * length <= 128 for rows, length in step), step
 
 
 def _first_step_on_each_rank(rank: int, world_size: int) -> dict:
