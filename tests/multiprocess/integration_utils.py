@@ -32,6 +32,25 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300.
     )
 
 
+TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"
+
+
+def trl_reference(trainer: str, samples_per_step: int, *args: str, output_dir: Path) -> subprocess.CompletedProcess:
+    """TRL's own ``trainer`` ("sft" / "dpo") in one process on the same optimizer steps as an ODC run with
+    ``--odc_samples_per_step samples_per_step`` (`tests/helpers/trl_reference.py`); ``args`` are the ODC run's
+    arguments, whose ``--odc*`` options (and their values) are left out."""
+    kept, skip = [], False
+    for arg in map(str, args):
+        if skip:
+            skip = False
+        elif arg.startswith("--odc"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    cmd = [sys.executable, TRL_REFERENCE, trainer, "--samples_per_step", str(samples_per_step), *kept]
+    return run([*cmd, "--output_dir", output_dir])
+
+
 def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):
     head = (
         [sys.executable, "-m", "accelerate.commands.launch"]

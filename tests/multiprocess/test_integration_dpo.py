@@ -4,7 +4,8 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
 
 * ``odc``: ``--odc true``, 5 pairs per step so the ranks run different numbers of microbatches; reference model
   served by the gather-only engine; torch.distributed calls counted during microbatches.
-* ``single``: one plain process on the same global batches (the ground truth for the exact pair-mean loss).
+* ``single``: TRL's own ``DPOTrainer`` in one process, accumulating the same 5 pairs per optimizer step
+  (`tests/helpers/trl_reference.py`): the ground truth for the exact pair-mean loss.
 * ``odc_pre``: as ``odc`` with ``--precompute_ref_log_probs true``.
 * ``plain_bf16`` / ``odc_bf16``: plain FSDP2 vs ODC, bf16, one pair per rank per step (lockstep plan).
 * ``plain_fp32`` / ``odc_fp32``: plain FSDP2 vs ODC, fp32, two pairs per rank per step; the plain run uses
@@ -16,24 +17,21 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from integration_utils import (
     ROOT,
-    RUN_EXAMPLE,
     accelerate_launch,
     assert_same_logits,
     assert_saved_model_is_the_trained_one,
-    base_env,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
-    run,
     shm_leftovers,
+    trl_reference,
 )
 
 CONFIGS = ROOT / "examples" / "dpo" / "configs"
@@ -79,10 +77,7 @@ def runs(tmp_path_factory):
     procs["odc"] = accelerate_launch(
         *odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], ODC_TRACE_DIR=str(out["odc"] / "trace"), **COUNT, **DUMP
     )
-    procs["single"] = run(
-        [sys.executable, RUN_EXAMPLE, TRAIN, "--odc_plan", "free", *COMMON, *UNEQUAL, "--output_dir", out["single"]],
-        env=base_env(**DUMP),
-    )
+    procs["single"] = trl_reference("dpo", 5, *COMMON, output_dir=out["single"])
     pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
     procs["odc_pre"] = accelerate_launch(
         *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
@@ -145,14 +140,15 @@ def test_plain_fsdp2_reference_forwards_are_collectives(runs):
         assert all(sum(c.values()) > 0 for c in r["microbatch_dist_calls"])
 
 
-def test_unequal_counts_match_single_process(runs):
+def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
     check_ok(runs["procs"]["odc"])
     check_ok(runs["procs"]["single"])
     odc, single = runs["out"]["odc"], runs["out"]["single"]
-    assert reports(single, "odc_run_rank")[0]["world_size"] == 1
     for a, b in zip(logged_steps(odc), logged_steps(single), strict=True):
-        # the mean over every pair of the global batch, and DPO's metrics of the whole step
+        # the mean over every pair of the global batch, and DPO's per-pair metrics of the whole step (TRL, one pair
+        # per accumulated microbatch, averages them over the step's pairs)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         for key in DPO_METRICS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["num_tokens"] == b["num_tokens"]

@@ -1,0 +1,91 @@
+"""The parity reference of the SFT and DPO tests: TRL's own trainer in one process, on the same optimizer steps.
+
+    python tests/helpers/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
+        (any SFTConfig / DPOConfig argument)
+
+It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
+examples build them) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
+each optimizer step accumulates ``samples_per_step`` samples through TRL's own gradient accumulation and
+normalisation. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
+``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
+with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
+that order (a sequential sampler). ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
+``ODC_DUMP_PARAMS=1``): ``initial_params.pt``, ``final_params.pt`` and ``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+from torch.utils.data import SequentialSampler
+from transformers import AutoModelForCausalLM, set_seed
+
+
+def _model(seed: int) -> AutoModelForCausalLM:
+    from odc_accelerate.data import tiny_qwen2_config
+
+    config = tiny_qwen2_config()
+    config._attn_implementation = "sdpa"
+    set_seed(seed)  # as the examples: every model starts from the weights of this seed
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def _in_step_order(dataset, samples_per_step: int, seed: int):
+    order = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0]))).permutation(len(dataset))
+    steps = len(dataset) // samples_per_step
+    return dataset.select([int(i) for i in order[: steps * samples_per_step]])
+
+
+def main(argv: list[str]) -> None:
+    from transformers import HfArgumentParser
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trainer", choices=["sft", "dpo"])
+    parser.add_argument("--samples_per_step", type=int, required=True)
+    own, rest = parser.parse_known_args(argv)
+    config_class, trainer_class = (SFTConfig, SFTTrainer) if own.trainer == "sft" else (DPOConfig, DPOTrainer)
+    # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
+    (args,) = HfArgumentParser(config_class).parse_args_into_dataclasses(["--bf16", "false", *rest])
+    args.per_device_train_batch_size = 1
+    args.gradient_accumulation_steps = own.samples_per_step
+
+    class InStepOrder(trainer_class):  # TRL's trainer; only the order in which it reads the training set is fixed
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    tokenizer = load_offline_tokenizer()
+    if own.trainer == "sft":
+        trainer = InStepOrder(
+            model=_model(args.seed), args=args, train_dataset=offline_sft_dataset(), processing_class=tokenizer
+        )
+    else:
+        policy, reference = _model(args.seed), _model(args.seed)
+        trainer = InStepOrder(
+            model=policy,
+            ref_model=reference,
+            args=args,
+            train_dataset=offline_dpo_dataset(),
+            processing_class=tokenizer,
+        )
+    trainer.train_dataset = _in_step_order(trainer.train_dataset, own.samples_per_step, args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+    torch.save(_params(trainer.model), os.path.join(args.output_dir, "initial_params.pt"))
+    trainer.train()
+    trainer.save_state()
+    torch.save(_params(trainer.model), os.path.join(args.output_dir, "final_params.pt"))
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
