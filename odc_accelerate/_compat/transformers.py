@@ -174,3 +174,19 @@ def generation_without_peer_sync(
             model.generate = original
         else:
             del model.generate
+
+
+def guard_trainer_train(check: Callable[[Any], None]) -> None:
+    """Make ``transformers.Trainer.train`` call ``check(trainer)`` first: ``check`` raises to stop a run before it
+    trains (`odc_accelerate.cli.bootstrap`). Idempotent; `odc_accelerate._compat.restore_attribute` undoes it."""
+    from transformers import Trainer
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+            check(self)
+            return original(self, *args, **kwargs)
+
+        return train
+
+    patch_attribute(Trainer, "train", wrap, library=_LIBRARY, where="transformers.Trainer")

@@ -493,3 +493,50 @@ def count_train_tokens(trainer: Any, global_tokens: float, local_tokens: float) 
     total = require(trainer, "_total_train_tokens", library=_LIBRARY, where=type(trainer).__name__)
     trainer._total_train_tokens = total + int(global_tokens) // tp - int(local_tokens) // tp
     train_metrics(trainer)["num_tokens"] = [trainer._total_train_tokens]
+
+
+# ------------------------------------------------------------------------------ public names (odc_accelerate.cli)
+#: The classes `replace_public_classes` may replace, and the modules a script imports them from: ``from trl import
+#: SFTTrainer`` and ``from trl.trainer import SFTTrainer``. The modules that define them (``trl.trainer.sft_trainer``,
+#: ...) keep TRL's classes, so TRL's own code and the TRL trainers defined on top of them (GKD, GOLD, ...) are
+#: unchanged.
+PUBLIC_CLASSES = ("SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer")
+PUBLIC_MODULES = ("trl", "trl.trainer")
+_REPLACED: dict[tuple[str, str], Any] = {}
+
+
+def replace_public_classes(replacements: dict[str, type]) -> None:
+    """Make the names of `PUBLIC_CLASSES` in `PUBLIC_MODULES` return the given subclasses (`restore_public_classes`
+    undoes it).
+
+    Args:
+        replacements (`dict[str, type]`): TRL class name -> its replacement, a subclass of TRL's class.
+
+    Raises:
+        ValueError: a name outside `PUBLIC_CLASSES`.
+        TypeError: a replacement that does not subclass the TRL class it replaces.
+    """
+    import importlib
+
+    unknown = set(replacements) - set(PUBLIC_CLASSES)
+    if unknown:
+        raise ValueError(f"Only {', '.join(PUBLIC_CLASSES)} can be replaced, not {', '.join(sorted(unknown))}.")
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name, cls in replacements.items():
+            original = _REPLACED.get((module_name, name))
+            if original is None:
+                original = require(module, name, library=_LIBRARY, where=module_name)
+            if not (isinstance(cls, type) and issubclass(cls, original)):
+                raise TypeError(f"{module_name}.{name} can only be replaced by a subclass of it, not {cls!r}.")
+            _REPLACED.setdefault((module_name, name), original)
+            setattr(module, name, cls)
+
+
+def restore_public_classes() -> None:
+    """Give back TRL's classes replaced by `replace_public_classes`."""
+    import sys
+
+    for (module_name, name), original in _REPLACED.items():
+        setattr(sys.modules[module_name], name, original)
+    _REPLACED.clear()

@@ -1,0 +1,7 @@
+"""``python -m odc_accelerate.cli``: the ``odc-accelerate`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

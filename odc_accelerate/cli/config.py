@@ -1,0 +1,177 @@
+"""``odc-accelerate config``: write an accelerate config file for FSDP2 + ODC, as ``accelerate config`` does.
+
+Each setting comes from its flag, else from a question with a default (Enter takes it), else, with ``--default``,
+from the default. The file is the ``odc_cpu`` or ``odc_gpu`` preset (`odc_accelerate.cli.presets`) with the answers
+applied; it is checked as ``odc-accelerate launch`` and accelerate check it before it is written. Without
+``--config_file`` it goes where ``accelerate config`` writes (accelerate's default config file), which ``accelerate
+launch`` and ``odc-accelerate launch`` read when no ``--config_file`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import ODCConfig, check_positive_int
+from .presets import cuda_device_count, preset_path
+
+__all__ = ["build_config", "main", "make_parser", "write_config"]
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The parser of ``odc-accelerate config``."""
+    parser = argparse.ArgumentParser(
+        prog="odc-accelerate config",
+        description="Write an accelerate config file for FSDP2 + ODC: asks for each setting not given as a flag "
+        "(Enter keeps the default shown), or, with --default, writes the defaults without asking.",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="GPUs of one node.")
+    where.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="CPU processes (gloo).")
+    parser.add_argument("--num_processes", help="Processes (default: the GPU count, or 2 on CPU).")
+    parser.add_argument("--transport", help="ODC transport (default: auto).")
+    parser.add_argument("--plan", help="Microbatch plan: free or lockstep (default: free).")
+    parser.add_argument(
+        "--mixed_precision", choices=MIXED_PRECISION, help="Mixed precision (default: bf16 on GPUs, no on CPU)."
+    )
+    parser.add_argument(
+        "--config_file",
+        help="Where to write the file (default: accelerate's default config file, read by `accelerate launch` and "
+        "`odc-accelerate launch` without --config_file).",
+    )
+    parser.add_argument("--default", action="store_true", help="Write the defaults without asking.")
+    return parser
+
+
+def _choice(choices: Sequence[str], what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        text = text.strip().lower()
+        if text not in choices:
+            raise ValueError(f"{what} must be one of {', '.join(choices)}, got {text!r}.")
+        return text
+
+    return parse
+
+
+def _ask(question: str, default: Any, parse: Callable[[str], Any], ask: Callable[[str], str]) -> Any:
+    """Ask until the answer parses; Enter (or the end of the input) keeps ``default``."""
+    while True:
+        try:
+            answer = ask(f"{question} [{default}]: ")
+        except EOFError:
+            return default
+        if not answer.strip():
+            return default
+        try:
+            return parse(answer)
+        except ValueError as err:
+            print(err, file=sys.stderr)
+
+
+def build_config(
+    *,
+    device: str,
+    num_processes: int,
+    transport: str = "auto",
+    plan: str = "free",
+    mixed_precision: str | None = None,
+) -> dict[str, Any]:
+    """The accelerate config (a mapping) for FSDP2 + ODC: the ``odc_<device>`` preset with these settings.
+
+    Raises:
+        ValueError: an invalid setting, naming it.
+    """
+    import yaml
+
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be cpu or gpu, got {device!r}.")
+    num_processes = check_positive_int(num_processes, "num_processes")
+    resolved = ODCConfig(enable=True, transport=transport, plan=plan)  # one check of the ODC values
+    with open(preset_path(f"odc_{device}"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config["num_processes"] = num_processes
+    if mixed_precision is not None:
+        _choice(MIXED_PRECISION, "mixed_precision")(mixed_precision)
+        config["mixed_precision"] = mixed_precision
+    config["fsdp_config"].update(odc=True, odc_transport=resolved.transport, odc_plan=resolved.plan)
+    return config
+
+
+def write_config(config: dict[str, Any], path: str) -> None:
+    """Write ``config`` to ``path`` (YAML), after checking it as ``odc-accelerate launch`` and accelerate do."""
+    import yaml
+    from accelerate.commands.config import load_config_from_file
+
+    from .launch import odc_env_from_config
+
+    text = (
+        "# FSDP2 + ODC, written by `odc-accelerate config`. Launch with `odc-accelerate launch --config_file <this "
+        "file>`\n# (plain `accelerate launch` ignores the odc* keys).\n" + yaml.safe_dump(config, sort_keys=True)
+    )
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        odc_env_from_config(tmp)
+        load_config_from_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv: Sequence[str], ask: Callable[[str], str] = input) -> int:
+    """``odc-accelerate config ARGV``; ``ask`` reads one answer (``input`` by default)."""
+    from ..planning import PLANS
+    from ..transport import TRANSPORTS
+
+    opts = make_parser().parse_args(list(argv))
+
+    def setting(value: Any, question: str, default: Any, parse: Callable[[str], Any]) -> Any:
+        if value is not None:
+            return parse(str(value))
+        return default if opts.default else _ask(question, default, parse, ask)
+
+    gpus = cuda_device_count()
+    try:
+        device = setting(
+            opts.device, "Run on gpu or cpu?", "gpu" if gpus else "cpu", _choice(("gpu", "cpu"), "device")
+        )
+        default_processes = (gpus or 8) if device == "gpu" else 2
+        num_processes = setting(
+            opts.num_processes,
+            "How many processes (one per GPU)?" if device == "gpu" else "How many processes?",
+            default_processes,
+            lambda text: check_positive_int(text, "num_processes"),
+        )
+        transport = setting(
+            opts.transport, f"ODC transport ({', '.join(TRANSPORTS)})?", "auto", _choice(TRANSPORTS, "transport")
+        )
+        plan = setting(opts.plan, f"Microbatch plan ({', '.join(PLANS)})?", "free", _choice(PLANS, "plan"))
+        mixed_precision = setting(
+            opts.mixed_precision,
+            f"Mixed precision ({', '.join(MIXED_PRECISION)})?",
+            "bf16" if device == "gpu" else "no",
+            _choice(MIXED_PRECISION, "mixed_precision"),
+        )
+        config = build_config(
+            device=device, num_processes=num_processes, transport=transport, plan=plan, mixed_precision=mixed_precision
+        )
+        if opts.config_file:
+            path = opts.config_file
+        else:
+            from accelerate.commands.config import default_config_file as path
+        write_config(config, path)
+    except ValueError as err:
+        print(f"odc-accelerate config: {err}", file=sys.stderr)
+        return 2
+    print(f"odc-accelerate config: wrote {path}")
+    return 0

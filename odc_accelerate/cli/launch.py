@@ -1,0 +1,190 @@
+"""``odc-accelerate launch``: ``accelerate launch`` that honours the ODC keys of the accelerate config file.
+
+accelerate accepts unknown keys inside ``fsdp_config`` but never exports them to the worker processes. This launcher
+reads the ODC keys from the config file's ``fsdp_config`` (``odc: true``, ``odc_transport: shm``, ``odc_plan: free``,
+...: every option of `odc_accelerate.config.ODCConfig`, by its key), checks them, exports them as their ``ODC_*``
+environment variables (the launcher copies its environment into every worker), then runs ``accelerate launch`` with
+the arguments it was given. Values already set in the environment win over the file (``ODC_ENABLE=false`` works for
+one run).
+
+When the run asks for ODC (``odc: true`` in the config file or ``ODC_ENABLE``, or ``odc: true`` in the script's
+``--config`` recipe, or ``--odc true`` among the script's arguments; the script's own arguments win), the script is
+started through `odc_accelerate.cli.bootstrap`, which gives TRL's own scripts the ODC trainers and stops any run that
+would train without ODC. The script's ``--config`` recipe is checked for misspelt ``odc*`` keys first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from ..config import ODCConfig, env_from_fsdp_config, str_to_bool
+from .recipe import odc_flag_value, read_recipe, recipe_path
+
+__all__ = [
+    "ACCELERATE_MISSING",
+    "HELP",
+    "accelerate_missing",
+    "config_file_of",
+    "launch",
+    "odc_env_from_config",
+    "split_launch_args",
+    "through_bootstrap",
+]
+
+BOOTSTRAP = "odc_accelerate.cli.bootstrap"
+
+HELP = """usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [script arguments]
+
+`accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport,
+odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, the
+script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's SFTConfig/SFTTrainer,
+DPOConfig/DPOTrainer and GRPOConfig/GRPOTrainer with the ODC ones (TRL's own trl/scripts/*.py train with ODC) and
+stops, before training, a Trainer that is not an ODC trainer.
+
+    odc-accelerate launch --config_file cfg.yaml train.py --max_steps 3
+
+The arguments of `accelerate launch` follow."""
+
+
+def accelerate_missing() -> bool:
+    """Whether ``accelerate launch`` cannot run here (accelerate or PyYAML missing)."""
+    return importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("yaml") is None
+
+
+ACCELERATE_MISSING = (
+    "odc-accelerate runs `accelerate launch`, which is not installed. Install the Hugging Face extra: "
+    "pip install 'odc_accelerate[hf]'."
+)
+
+
+def config_file_of(args: Sequence[str]) -> str | None:
+    """The accelerate config file named by ``--config_file`` in ``args``, else accelerate's default config file if
+    it exists (as ``accelerate launch`` does), else None."""
+    for i, a in enumerate(args):
+        if a == "--config_file" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--config_file="):
+            return a.split("=", 1)[1]
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
+def odc_env_from_config(path: str) -> dict[str, str]:
+    """The ``ODC_*`` variables asked for by the ODC keys of ``fsdp_config`` in an accelerate config file.
+
+    Raises:
+        ValueError: an unknown ``odc*`` key (with the known ones), an invalid value, or ``odc: true`` without
+            ``distributed_type: FSDP`` and ``fsdp_version: 2``.
+    """
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    fsdp = config.get("fsdp_config") or {}
+    try:
+        env = env_from_fsdp_config(fsdp)
+        resolved = ODCConfig.from_sources(fsdp_config=fsdp, env={})  # checks every value before any process starts
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    if resolved.enable and (config.get("distributed_type") != "FSDP" or int(fsdp.get("fsdp_version", 1)) != 2):
+        raise ValueError(
+            f"{path} asks for ODC (odc: true) but not FSDP2: set `distributed_type: FSDP` and, in fsdp_config, "
+            "`fsdp_version: 2`. ODC does not run on FSDP1 or DDP."
+        )
+    return env
+
+
+def split_launch_args(args: Sequence[str]) -> tuple[list[str], str, list[str], bool, bool]:
+    """Split ``accelerate launch`` arguments with accelerate's own parser.
+
+    Returns:
+        ``(launch_args, script, script_args, module, no_python)``: the arguments before the training script, the
+        script (a module name with ``--module``), its arguments, and accelerate's ``--module`` / ``--no_python``.
+    """
+    from accelerate.commands.launch import launch_command_parser
+
+    args = list(args)
+    parsed = launch_command_parser().parse_args(args)
+    script_args = list(parsed.training_script_args)
+    at = len(args) - len(script_args) - 1
+    if at < 0 or args[at] != parsed.training_script:  # pragma: no cover - argparse keeps REMAINDER at the end
+        raise ValueError(f"Could not find the training script {parsed.training_script!r} in the launch arguments.")
+    return args[:at], parsed.training_script, script_args, bool(parsed.module), bool(parsed.no_python)
+
+
+def through_bootstrap(launch_args: Sequence[str], script: str, script_args: Sequence[str], module: bool) -> list[str]:
+    """``accelerate launch`` arguments that start ``script`` (a module name if ``module``) through the bootstrap."""
+    head = list(launch_args)
+    if not module:
+        head.append("--module")
+    target = ["-m", script] if module else [script]
+    return [*head, BOOTSTRAP, *target, *script_args]
+
+
+def _odc_requested(env: Mapping[str, str], script_args: Sequence[str]) -> bool:
+    # The script's arguments win over its recipe, which wins over the config file and the environment, as they do
+    # when the ODC training arguments resolve the options.
+    path = recipe_path(script_args)
+    recipe = read_recipe(path) if path is not None else None  # raises on a misspelt odc* key
+    flag = odc_flag_value(script_args)
+    if flag is not None:
+        return flag
+    if recipe is not None and recipe.get("odc") is not None:
+        return str_to_bool(recipe["odc"], f"odc in the recipe {path}")
+    return ODCConfig.from_sources(env=env).enable
+
+
+def launch(args: Sequence[str], *, bootstrap: bool | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Run ``accelerate launch ARGS`` with the config file's ODC keys exported; returns its exit status.
+
+    Args:
+        args (`Sequence[str]`): the arguments of ``accelerate launch`` (its options, the script, the script's ones).
+        bootstrap (`bool`, *optional*): start the script through `odc_accelerate.cli.bootstrap`; by default, when the
+            run asks for ODC.
+        env (`Mapping[str, str]`, *optional*, defaults to `os.environ`): the environment to start from.
+
+    Raises:
+        ValueError: an invalid ODC key or value in the config file, the environment or the script's recipe, or ODC
+            asked for with ``--no_python``.
+    """
+    args = list(args)
+    env = dict(os.environ if env is None else env)
+    config = config_file_of(args)
+    if config is not None:
+        for name, value in odc_env_from_config(config).items():
+            env.setdefault(name, value)
+    launch_args, script, script_args, module, no_python = split_launch_args(args)
+    if bootstrap is None:
+        bootstrap = _odc_requested(env, script_args)
+    if bootstrap:
+        if no_python:
+            raise ValueError(
+                "This run asks for ODC, which needs a Python training script: drop --no_python, or switch ODC off "
+                "(odc: false in the config file, or ODC_ENABLE=false)."
+            )
+        args = through_bootstrap(launch_args, script, script_args, module)
+    return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args], env=env)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``odc-accelerate launch ARGS``."""
+    argv = list(argv)
+    if accelerate_missing():
+        print(f"odc-accelerate: {ACCELERATE_MISSING}", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        from accelerate.commands.launch import launch_command_parser
+
+        print(HELP + "\n")
+        launch_command_parser().print_help()
+        return 0
+    try:
+        return launch(argv)
+    except ValueError as err:
+        print(f"odc-accelerate: {err}", file=sys.stderr)
+        return 2
