@@ -139,11 +139,12 @@ def instrument_trainers() -> None:
 
 def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
     """Count the torch.distributed calls of each microbatch: wrap, on this trainer only, the ``training_step`` the
-    balanced loop calls once per microbatch (the next one after `ODCTrainerMixin` in the MRO)."""
+    balanced loop calls once per microbatch (the next one after `ODCTrainerMixin` and its parts in the MRO)."""
     from odc_accelerate.integrations.trainer import ODCTrainerMixin
 
     mro = type(trainer).__mro__
-    after = mro[mro.index(ODCTrainerMixin) + 1 :]
+    # past the mixin and the parts it is made of (`ODCStepLoop` holds the loop itself)
+    after = [cls for cls in mro[mro.index(ODCTrainerMixin) + 1 :] if cls not in ODCTrainerMixin.__mro__]
     owner = next(cls for cls in after if "training_step" in vars(cls))
     microbatch_step = vars(owner)["training_step"]
     step = type(trainer).training_step  # the mixin's, or a trainer's own that ends in the mixin's loop (GRPO)
