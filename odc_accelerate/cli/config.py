@@ -16,7 +16,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import ODCConfig, check_positive_int
+from ..config import ODCConfig
+from ..validation import check_positive_int
 from .presets import cuda_device_count, preset_path
 
 __all__ = ["build_config", "main", "make_parser", "write_config"]

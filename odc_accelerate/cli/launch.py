@@ -21,7 +21,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from ..config import ODCConfig, env_from_fsdp_config, str_to_bool
+from ..config import ODCConfig, env_from_fsdp_config
+from ..validation import str_to_bool
 from .recipe import odc_flag_value, read_recipe, recipe_path
 
 __all__ = [
