@@ -148,7 +148,7 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
         # the mean over every pair of the global batch, and DPO's per-pair metrics of the whole step (TRL, one pair
         # per accumulated microbatch, averages them over the step's pairs)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
         for key in DPO_METRICS:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["num_tokens"] == b["num_tokens"]

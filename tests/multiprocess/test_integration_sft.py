@@ -213,7 +213,7 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
     for a, b in zip(h_odc, h_single, strict=True):
         # the exact per-token mean over the global batch, and the tokens of every rank
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
         assert a["num_tokens"] == b["num_tokens"]
     # Same weights up to fp32 summation order (different microbatch shapes and reduction order): the difference is
     # a tiny fraction of the training update itself. A per-microbatch mean loss would be off by percents here.
