@@ -308,6 +308,8 @@ class ODCEngine:
                     raise ValueError(
                         f"ODC does not support CPUOffloadPolicy yet; {fqn} uses it. Remove offload_policy."
                     )
+                if (problem := compat.reduce_dtype_problem(group)) is not None:
+                    raise ValueError(problem)
                 entries.append((module, group))
         if not entries:
             raise ValueError("the FSDP2 model has no parameters to shard; nothing for ODC to do")

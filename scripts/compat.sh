@@ -48,9 +48,14 @@ CONSTRAINTS="$VENV/odc-constraints.txt"
     echo "trl==1.15.*"
   fi
 } >"$CONSTRAINTS"
+# These pins replace, for this environment's pip calls only, any constraints from pip's configuration: a machine may
+# cap torch below the release under test (e.g. a pip.conf `constraint` holding "torch<=2.14.1" that keeps installs on
+# the wheels it has on disk), and pip would then refuse torch==VERSION (2.15.0 and newer). PIP_CONSTRAINT takes
+# precedence over the configuration files, which stay untouched; torch is pinned exactly here anyway.
+export PIP_CONSTRAINT="$CONSTRAINTS"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q "torch==$VERSION"
-"$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[hf,testing]"
+"$PY" -m pip install -q -e ".[hf,testing]"
 "$PY" - <<'EOF'
 import importlib
 for name in ("torch", "transformers", "accelerate", "trl", "peft", "datasets"):

@@ -48,7 +48,7 @@ __all__ = [
 #: (major, minor) versions of each library that odc_accelerate was tested with, by import name (README, "Supported
 #: versions"). pyproject.toml's ranges start at the oldest one; versions in between and untested run with a warning.
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
-    "torch": ((2, 11), (2, 12), (2, 13), (2, 14)),
+    "torch": ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)),
     "accelerate": ((1, 14), (1, 15)),
     "transformers": ((5, 17), (5, 23)),
     "trl": ((1, 15), (1, 16)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ class _Path:
     before: str
 
 
-#: The FSDP2 internals whose presence differs between the supported releases (torch 2.11 to 2.14).
+#: The FSDP2 internals whose presence differs between the supported releases (torch 2.11 to 2.15).
 PATHS: dict[str, _Path] = {
     "param_groups": _Path(
         "FSDPState._fsdp_param_groups",
@@ -119,6 +120,17 @@ PATHS: dict[str, _Path] = {
         "FSDPMeshInfo.reduce_scatter_process_group",
         (2, 13),
         "the mesh info holds `shard_process_group` only",
+    ),
+    "grad_dtypes": _Path(
+        "FSDPParam.sharded_grad_dtype",
+        (2, 15),
+        "every reduced gradient of a param group is cast to the group's `FSDPParamGroup._orig_dtype`, and the "
+        "reduce dtype is the group's `_reduce_dtype`, else the params' compute dtype",
+    ),
+    "reduce_scatter_order": _Path(
+        "FSDPParamGroup._reduce_scatter_param_indices",
+        (2, 15),
+        "a reduce-scatter holds the group's params in their `fsdp_params` order",
     ),
 }
 
@@ -160,12 +172,13 @@ _GROUP_ATTRS = (
     "post_forward_mesh_info",
     "device",
     "offload_policy",
-    "_orig_dtype",
+    *(() if has("grad_dtypes") else ("_orig_dtype",)),
     "_reduce_dtype",
     "_module_fqn",
     "gradient_divide_factor",
     "force_sum_reduction_for_comms",
     *(("reduce_scatter_unused_params",) if has("reduce_scatter_unused_params") else ()),
+    *(("_reduce_scatter_param_indices",) if has("reduce_scatter_order") else ()),
     "_all_gather_comm",
     "_reduce_scatter_comm",
 )
@@ -178,6 +191,7 @@ _PARAM_ATTRS = (
     "to_sharded_dtensor",
     "param_dtype",
     "orig_dtype",
+    *(("sharded_grad_dtype", "unsharded_grad_dtype") if has("grad_dtypes") else ()),
     "_param_fqn",
 )
 
@@ -275,9 +289,23 @@ def shard_group(group: Any) -> Any:
 
 
 def trainable_params(group: Any) -> list[Any]:
-    """Params that require grad, in the group's order: the layout of the engine's accumulator (and of every
-    reduce-scatter, where torch has ``reduce_scatter_unused_params``)."""
-    return [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    """Params that require grad, in the order FSDP2 packs them into a reduce-scatter: the layout of the engine's
+    accumulator (and of every reduce-scatter, where torch has ``reduce_scatter_unused_params``).
+
+    That is the group's ``fsdp_params`` order, except from torch 2.15 on, where FSDP2 packs the params by gradient
+    dtype (``_reduce_scatter_param_indices``, set at lazy init; the same order while all gradients share a dtype).
+    """
+    params = group.fsdp_params
+    if has("reduce_scatter_order"):
+        order = group._reduce_scatter_param_indices
+        if sorted(order) != list(range(len(params))):
+            raise CompatError(
+                f"FSDPParamGroup._reduce_scatter_param_indices of {group_fqn(group)} is not an order of its "
+                f"{len(params)} params ({order}): FSDP2's lazy init has not run, or torch {torch.__version__} packs "
+                "reduce-scatters differently from the tested releases."
+            )
+        params = [params[i] for i in order]
+    return [p for p in params if p.sharded_param.requires_grad]
 
 
 def group_device(group: Any) -> torch.device:
@@ -290,15 +318,51 @@ def group_layout(group: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def reduce_dtype(group: Any) -> torch.dtype | None:
-    """dtype of the reduce-scatter buffers, as ``foreach_reduce`` picks it; None without trainable params."""
+    """dtype of the reduce-scatter buffers, as FSDP2 picks it; None without trainable params.
+
+    Before torch 2.15: the group's ``reduce_dtype``, else the params' compute dtype (``param_dtype``, else the
+    original one). From 2.15 on (``FSDPParamGroup._get_reduce_dtype``): the group's ``reduce_dtype``, else the
+    promotion of the dtypes the params accumulate gradients in (``unsharded_grad_dtype``: the original dtype unless
+    a param sets ``grad_dtype``), so fp32 params computed in bf16 reduce in fp32 unless ``reduce_dtype`` says bf16.
+    """
     params = trainable_params(group)
     if not params:
         return None
-    return group._reduce_dtype or params[0].param_dtype or params[0].orig_dtype
+    if not has("grad_dtypes"):
+        return group._reduce_dtype or params[0].param_dtype or params[0].orig_dtype
+    if group._reduce_dtype is not None:
+        return group._reduce_dtype
+    if (problem := reduce_dtype_problem(group)) is not None:
+        raise ValueError(problem)
+    return functools.reduce(torch.promote_types, {p.unsharded_grad_dtype for p in params})
 
 
-def orig_dtype(group: Any) -> torch.dtype | None:
-    return group._orig_dtype
+def reduce_dtype_problem(group: Any) -> str | None:
+    """Why the dtype of ``group``'s reduce-scatters is not fixed when the engine is built (a sentence), or None.
+
+    From torch 2.15 on, a trainable param whose ``grad_dtype`` is explicitly None takes gradients of any dtype, so
+    without a ``reduce_dtype`` the reduce dtype (the engine's accumulator dtype) depends on each backward; FSDP2
+    itself refuses such a param once unused params are reduced, as the engine has them.
+    """
+    if not has("grad_dtypes") or group._reduce_dtype is not None:
+        return None
+    loose = [p._param_fqn for p in trainable_params(group) if p.unsharded_grad_dtype is None]
+    if not loose:
+        return None
+    return (
+        f"ODC needs a fixed gradient dtype per param group, but {loose[0]} in {group_fqn(group)} has grad_dtype=None "
+        "and the group has no reduce_dtype. Pass MixedPrecisionPolicy(reduce_dtype=...) to fully_shard, or leave "
+        "grad_dtype unset."
+    )
+
+
+def grad_dtypes(group: Any) -> list[torch.dtype | None]:
+    """The dtype each trainable param's reduced gradient is cast to (None: left in the reduce dtype), in
+    `trainable_params` order: the group's original dtype before torch 2.15, each param's ``sharded_grad_dtype``
+    from 2.15 on."""
+    if has("grad_dtypes"):
+        return [p.sharded_grad_dtype for p in trainable_params(group)]
+    return [group._orig_dtype] * len(trainable_params(group))
 
 
 def reduce_scatter_numel(group: Any) -> int:
@@ -339,26 +403,35 @@ def postdivide_factor(group: Any) -> float | None:
 def fold_into_grads(group: Any, reduce_output: torch.Tensor) -> None:
     """Apply FSDP2's post-reduce-scatter processing to ``reduce_output`` (this rank's summed slice).
 
-    Mirrors ``foreach_reduce`` after the collective: postdivide, cast to the original dtype, split
-    per parameter with ``as_strided`` and ``+=`` into (or create) ``sharded_param.grad``.
-    ``reduce_output`` must be fresh memory: new gradients become views of it, as in FSDP2.
+    Mirrors ``foreach_reduce`` after the collective: postdivide, cast each run of params that share a gradient
+    dtype (`grad_dtypes`; one run before torch 2.15) to it, split per parameter with ``as_strided`` and ``+=`` into
+    (or create) ``sharded_param.grad``. ``reduce_output`` must be fresh memory: new gradients become views of it (or
+    of their run's cast), as in FSDP2.
     """
     post = postdivide_factor(group)
     if post is not None and post != 1:
         reduce_output.div_(post)
-    dtype = orig_dtype(group)
-    if dtype is not None and reduce_output.dtype != dtype:
-        reduce_output = reduce_output.to(dtype)
+    params = trainable_params(group)
     offset = 0
-    for p in trainable_params(group):
-        new_grad = torch.as_strided(
-            reduce_output, size=p.sharded_size, stride=p.contiguous_sharded_stride, storage_offset=offset
-        )
-        if p.sharded_param.grad is not None:
-            p.sharded_param.grad._local_tensor += new_grad
-        else:
-            p.sharded_param.grad = p.to_sharded_dtensor(tensor=new_grad)
-        offset += p.padded_sharded_param_size.numel()
+    # FSDP2 2.15 also copies an uncast run out when the cast runs are larger (so that views of it do not keep the
+    # whole output alive): memory only, the values are the same.
+    for dtype, pairs in itertools.groupby(zip(params, grad_dtypes(group), strict=True), key=lambda pair: pair[1]):
+        run = [p for p, _ in pairs]
+        numel = sum(p.padded_sharded_param_size.numel() for p in run)
+        output = reduce_output if numel == reduce_output.numel() else reduce_output.narrow(0, offset, numel)
+        if dtype is not None and output.dtype != dtype:
+            output = output.to(dtype)
+        view_offset = output.storage_offset()
+        for p in run:
+            new_grad = torch.as_strided(
+                output, size=p.sharded_size, stride=p.contiguous_sharded_stride, storage_offset=view_offset
+            )
+            if p.sharded_param.grad is not None:
+                p.sharded_param.grad._local_tensor += new_grad
+            else:
+                p.sharded_param.grad = p.to_sharded_dtensor(tensor=new_grad)
+            view_offset += p.padded_sharded_param_size.numel()
+        offset += numel
 
 
 def get_comms(group: Any) -> tuple[Any, Any]:

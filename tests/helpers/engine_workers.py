@@ -25,6 +25,8 @@ def _mp_policy(precision: str):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision == "bf16-reduce":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    if precision == "bf16-compute":  # reduce_dtype left to FSDP2: bf16 before torch 2.15, fp32 from 2.15 on
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     return MixedPrecisionPolicy()
 
 
@@ -61,8 +63,13 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         with open(os.path.join(spec["pid_dir"], f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
     cfg = ToyConfig(**spec.get("cfg", {}))
+    model = build_model(cfg, seed=spec.get("seed", 0))
+    # Per-param gradient dtypes ({name: "bfloat16"}), which FSDP2 honours from torch 2.15 on (earlier releases drop
+    # the setting when they shard the param).
+    for name, dtype in spec.get("grad_dtypes", {}).items():
+        model.get_parameter(name).grad_dtype = getattr(torch, dtype)
     model = shard_model(
-        build_model(cfg, seed=spec.get("seed", 0)),
+        model,
         mp_policy=_mp_policy(spec.get("precision", "fp32")),
         shard_placement_fn=_placement(spec, world_size),
     )
@@ -80,9 +87,14 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             timeout=spec.get("timeout", 60.0),
             sync_every_hook=spec["mode"] == "odc_layersync",
         )
-    optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
+    if spec.get("grad_dtypes"):
+        # AdamW's state updates need each gradient in its param's dtype (which a param with its own grad_dtype
+        # refuses); plain SGD adds any floating gradient into its param.
+        optim = torch.optim.SGD(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1, foreach=False)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
     steps = make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1))
-    counts, norms, grads = [], [], []
+    counts, norms, grads, grad_dtypes = [], [], [], []
     kill_at = spec.get("kill_rank_at_step")
     for step_index, step in enumerate(steps):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
@@ -108,6 +120,7 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
                     for n, p in model.named_parameters()
                 }
             )
+            grad_dtypes.append({n: str(p.grad.dtype) for n, p in model.named_parameters() if p.grad is not None})
         clip = spec.get("clip")
         if clip:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -117,11 +130,18 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             optim.zero_grad()
         if engine is not None:
             engine.post_optimizer_step()
-    result = {"params": full_params(model), "counts": counts, "norms": norms, "grads": grads}
+    result = {
+        "params": full_params(model),
+        "counts": counts,
+        "norms": norms,
+        "grads": grads,
+        "grad_dtypes": grad_dtypes,
+    }
     if engine is not None and spec.get("skip_close"):
         result["job_id"] = engine.transport.job_id
         return result  # interpreter exit must clean up
     if engine is not None:
+        result["reduce_dtypes"] = [str(g.reduce_dtype) for g in engine._groups]
         result["job_id"] = engine.transport.job_id
         result["modes"] = sorted(
             oct(os.stat(os.path.join("/dev/shm", f)).st_mode & 0o777)

@@ -105,6 +105,11 @@ def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[
         elif case == "nested_module":
             model = shard_model(build_model(cfg))
             out[case] = _outcome(lambda m=model: ODCEngine(m.blocks[0]))
+        elif case == "grad_dtype_none":  # a gradient of any dtype, no reduce_dtype: no fixed accumulator dtype
+            model = build_model(cfg)
+            model.blocks[1].up.weight.grad_dtype = None
+            model = shard_model(model)
+            out[case] = _outcome(lambda m=model: ODCEngine(m))
         elif case == "lifecycle":
             model = shard_model(build_model(cfg))
             with ODCEngine(model, timeout=30) as engine:

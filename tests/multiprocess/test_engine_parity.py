@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from odc_accelerate._compat import fsdp as fsdp_compat
 from odc_accelerate.testing import launch
 from tests.helpers.engine_workers import reference, train
 
@@ -44,6 +45,38 @@ def test_bf16_mixed_precision_bit_identical_to_fsdp2():
     spec = dict(plan=EQUAL, clip=0.5, precision="bf16")
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
     assert_no_comm_during_microbatches(odc)
+    for name, ref in fsdp[0]["params"].items():
+        np.testing.assert_array_equal(odc[0]["params"][name], ref, err_msg=name)
+
+
+def test_bf16_compute_with_fsdp2s_default_reduce_dtype_bit_identical_to_fsdp2():
+    # MixedPrecisionPolicy(param_dtype=bf16) without a reduce_dtype: FSDP2 reduces in bf16 before torch 2.15 and in
+    # the params' fp32 from 2.15 on. The engine must pick the same dtype, or the runs would differ.
+    spec = dict(plan=EQUAL, clip=0.5, precision="bf16-compute")
+    fsdp, odc = run("fsdp", **spec), run("odc", **spec)
+    expected = "torch.float32" if fsdp_compat.has("grad_dtypes") else "torch.bfloat16"
+    assert set(odc[0]["reduce_dtypes"]) == {expected}, (odc[0]["reduce_dtypes"], fsdp_compat.TORCH_VERSION)
+    for name, ref in fsdp[0]["params"].items():
+        np.testing.assert_array_equal(odc[0]["params"][name], ref, err_msg=name)
+
+
+def test_per_param_grad_dtypes_bit_identical_to_fsdp2():
+    # bf16 gradients for a few fp32 params: from torch 2.15 on, FSDP2 packs each group's reduce-scatter by gradient
+    # dtype (these params last), reduces in fp32 and casts their slices back to bf16; the engine's accumulator layout
+    # and fold must follow. Earlier releases drop the setting: every gradient is fp32 and the order is the group's.
+    # One microbatch per rank and step, so that both sum the same two fp32 gradients (bit-identical before the
+    # bf16 cast); zero_grad every other step, so that the second step adds into the bf16 .grad of the first.
+    narrow = ["blocks.0.qkv.weight", "blocks.0.up.weight", "blocks.2.norm1.bias"]
+    plan = [[[12], [8]], [[7], [11]], [[9], [6]]]
+    spec = dict(plan=plan, record_grads=True, zero_grad_every=2, grad_dtypes=dict.fromkeys(narrow, "bfloat16"))
+    fsdp, odc = run("fsdp", **spec), run("odc", **spec)
+    honoured = fsdp_compat.has("grad_dtypes")
+    for step, dtypes in enumerate(odc[0]["grad_dtypes"]):
+        assert dtypes == fsdp[0]["grad_dtypes"][step]
+        assert {n for n, d in dtypes.items() if d == "torch.bfloat16"} == (set(narrow) if honoured else set()), dtypes
+    for step, ref_grads in enumerate(fsdp[0]["grads"]):
+        for name, ref in ref_grads.items():
+            np.testing.assert_array_equal(odc[0]["grads"][step][name], ref, err_msg=f"step {step} {name}")
     for name, ref in fsdp[0]["params"].items():
         np.testing.assert_array_equal(odc[0]["params"][name], ref, err_msg=name)
 

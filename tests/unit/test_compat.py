@@ -291,7 +291,7 @@ def test_torch_paths_table_matches_the_installed_torch():
     import inspect
 
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_state
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group, _fsdp_state
 
     from odc_accelerate._compat import fsdp
 
@@ -300,10 +300,14 @@ def test_torch_paths_table_matches_the_installed_torch():
         "param_groups": "self._fsdp_param_groups" in state_init,
         "reduce_scatter_unused_params": hasattr(FSDPModule, "set_reduce_scatter_unused_params"),
         "reduce_scatter_process_group": "reduce_scatter_process_group" in inspect.getsource(_fsdp_common),
+        "grad_dtypes": "self.sharded_grad_dtype" in inspect.getsource(_fsdp_param.FSDPParam),
+        "reduce_scatter_order": "self._reduce_scatter_param_indices" in inspect.getsource(_fsdp_param_group),
     }
     assert real.keys() == fsdp.PATHS.keys()
     assert {feature: fsdp.has(feature) for feature in fsdp.PATHS} == real, fsdp.TORCH_VERSION
     assert "self._fsdp_param_group:" in state_init or real["param_groups"]  # the older path's attribute is there
+    group_init = inspect.getsource(_fsdp_param_group.FSDPParamGroup._init_mp_dtypes)
+    assert "self._orig_dtype =" in group_init or real["grad_dtypes"]
 
 
 def test_torch_older_than_the_supported_range_is_refused_naming_the_release(monkeypatch):
