@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._compat import CompatError
+from ._compat import CompatError, warn_if_untested
 from ._compat import fsdp as compat
 from .transport import BufferSpec, Transport, create_transport
 
@@ -190,8 +190,7 @@ class ODCEngine:
             )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
-        if (warning := compat.version_warning()) is not None:
-            logger.warning(warning)
+        warn_if_untested("torch", "The FSDP2 internals it reads may behave differently there.")
         compat.lazy_init(model)
         compat.check(model)
         self.model = model

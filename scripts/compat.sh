@@ -8,10 +8,11 @@
 #   bash scripts/compat.sh 2.12.1 -x -k parity    # more arguments go to pytest
 #
 # It builds (or reuses) $COMPAT_VENVS/torch-VERSION[-hf-previous] (default ~/.cache/odc_accelerate/compat; a CUDA
-# build of torch takes ~5 GB and runs on CPU), installs torch==VERSION first and odc_accelerate with the hf and
-# testing extras around it (pip keeps that torch), prints the versions, and runs the tests that depend on torch's
-# and the Hugging Face libraries' internals: the unit tests, the engine's multi-process tests, and a few integration
-# runs of the SFT and DPO examples (with --hf-previous, every SFT and DPO integration test: the TRL differs from CI's).
+# build of torch takes ~5 GB and runs on CPU), installs torch==VERSION first and odc_accelerate with the hf, peft,
+# demo and testing extras around it (pip keeps that torch), prints the versions, and runs the tests that depend on
+# torch's and the Hugging Face libraries' internals: the unit tests, the engine's multi-process tests, and a few
+# integration runs of the SFT and DPO examples (with --hf-previous, every SFT and DPO integration test: the TRL
+# differs from CI's).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -55,7 +56,7 @@ CONSTRAINTS="$VENV/odc-constraints.txt"
 export PIP_CONSTRAINT="$CONSTRAINTS"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q "torch==$VERSION"
-"$PY" -m pip install -q -e ".[hf,testing]"
+"$PY" -m pip install -q -e ".[hf,peft,demo,testing]"
 "$PY" - <<'EOF'
 import importlib
 for name in ("torch", "transformers", "accelerate", "trl", "peft", "datasets"):

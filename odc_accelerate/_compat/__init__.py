@@ -6,7 +6,9 @@ those modules uses the helpers below, so that they all fail the same way (`datas
 internal read, a speed-up with a public fallback that needs no check):
 
 * `TESTED` holds, per library, the versions odc_accelerate was tested with; every message derives its version text
-  from it, and `untested_warning` says when the installed version is not among them.
+  from it. `untested_warning` says when the installed version is not among them, and `warn_if_untested` logs that
+  once per process and library (pyproject.toml lets newer minor releases install, so an untested version is expected
+  to run; what it must have is checked, not assumed).
 * `require` / `import_attr` fetch an internal or raise `CompatError` naming what is missing, the installed version
   and the tested ones; `check_signature` does the same for a parameter that a private function must accept by name
   (internals are called by keyword, so a renamed or reordered parameter fails loudly instead of binding wrongly).
@@ -21,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,21 +47,26 @@ __all__ = [
     "tested_text",
     "untested_warning",
     "version_tuple",
+    "warn_if_untested",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: (major, minor) versions of each library that odc_accelerate was tested with, by import name (README, "Supported
-#: versions"). pyproject.toml's ranges start at the oldest one; versions in between and untested run with a warning.
+#: versions"). pyproject.toml's ranges start at the oldest one; any other version runs with a warning (once).
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "torch": ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)),
     "accelerate": ((1, 14), (1, 15)),
-    "transformers": ((5, 17), (5, 23)),
+    "transformers": ((5, 17), (5, 23), (5, 24)),
     "trl": ((1, 15), (1, 16)),
 }
 
-# How messages spell a library where it differs from its import name, and the extra of odc_accelerate that installs
-# a supported version of it.
+# How messages spell a library where it differs from its import name.
 _DISPLAY = {"trl": "TRL"}
-_EXTRA = {"accelerate": "hf", "transformers": "hf", "trl": "hf"}
+
+# Libraries whose untested-version warning this process has logged (`warn_if_untested`).
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 class CompatError(RuntimeError):
@@ -100,24 +109,54 @@ def _display(library: str) -> str:
     return _DISPLAY.get(library, library)
 
 
+def _newest_pin(library: str) -> str:
+    """A pip requirement for the newest tested release of ``library``: ``"transformers==5.23.*"``."""
+    major, minor = max(TESTED[library])
+    return f"{library}=={major}.{minor}.*"
+
+
 def untested_warning(library: str, detail: str | None = None) -> str | None:
     """A warning for the installed ``library`` if it is not a tested version (else None); ``detail`` says what
     may go wrong."""
     if is_tested(library):
         return None
     name = _display(library)
-    installed = installed_version(library)
-    text = f"odc_accelerate was tested with {name} {tested_text(library)}; {name} {installed} is untested."
+    text = (
+        f"odc_accelerate was tested with {name} {tested_text(library)}; {name} {installed_version(library)} is "
+        f"untested. Every {name} internal odc_accelerate uses is checked at start-up, and a missing or changed one "
+        f"raises CompatError naming it (pip install '{_newest_pin(library)}' installs a tested release)."
+    )
     return f"{text} {detail}" if detail else text
+
+
+def warn_if_untested(library: str, detail: str | None = None) -> bool:
+    """Log `untested_warning` for ``library`` once per process; returns whether this call logged it.
+
+    A `logging` warning on the ``odc_accelerate`` logger, as transformers, accelerate and TRL report their own
+    environment notices (``logger.warning_once``): it is about the installation, not the caller's code, so it is not
+    a `warnings.warn` (which those libraries keep for deprecations, which ``-W error`` turns into exceptions, and
+    whose registry deduplicates per call site rather than per library). Silence it with
+    ``logging.getLogger("odc_accelerate").setLevel(logging.ERROR)``. Each process (each rank of a launch) logs it
+    once per library, with the ``detail`` of whichever check ran first.
+    """
+    with _WARNED_LOCK:
+        if library in _WARNED:
+            return False
+        warning = untested_warning(library, detail)
+        if warning is None:
+            return False
+        _WARNED.add(library)
+    logger.warning(warning)
+    return True
 
 
 def missing_message(what: str, *, library: str, advice: str | None = None) -> str:
     """The text of a `CompatError` for the internal ``what`` of ``library`` that is missing or changed."""
     name = _display(library)
-    extra = f" (pip install 'odc_accelerate[{_EXTRA[library]}]')" if library in _EXTRA else ""
     text = (
         f"odc_accelerate needs the {name} internal `{what}`, which {name} {installed_version(library)} does not have "
-        f"(tested with {name} {tested_text(library)}). Install a supported {name}{extra} or upgrade odc_accelerate."
+        f"(tested with {name} {tested_text(library)}). Install a tested {name} (pip install "
+        f"'{_newest_pin(library)}') or upgrade odc_accelerate."
     )
     return f"{text} {advice}" if advice else text
 

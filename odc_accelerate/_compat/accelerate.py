@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..validation import str_to_bool
-from . import check_signature, is_patched, patch_attribute, require, restore_attribute, untested_warning
+from . import check_signature, is_patched, patch_attribute, require, restore_attribute, warn_if_untested
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +146,8 @@ def install(
         for t in targets:  # every check before the first patch: a failure leaves accelerate untouched
             original = _require(t.owner, t.name, t.where)
             check_signature(original, t.params, library=_LIBRARY, where=f"{t.where}.{t.name}")
-        detail = "The patched internals are checked, but their behaviour may differ."
-        if (warning := untested_warning(_LIBRARY, detail)) is not None:
-            logger.warning(warning)
+        detail = "The accelerate methods it patches may behave differently there."
+        warn_if_untested(_LIBRARY, detail)
     _CALLBACKS = _Callbacks(on_prepared, before_end_training, after_end_training, default_plugin)
     for t in targets:
         patch_attribute(t.owner, t.name, t.wrap, library=_LIBRARY, where=t.where)

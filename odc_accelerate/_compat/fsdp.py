@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import CompatError, check_signature, import_attr, patch_attribute, require, untested_warning, version_tuple
+from . import CompatError, check_signature, import_attr, patch_attribute, require, version_tuple
 
 _LIBRARY = "torch"
 
@@ -537,11 +537,6 @@ def reduce_scatter_spans(group: Any, comm: Any) -> list[tuple[int, int, int]] | 
         spans.append((row_offset, offsets[id(p)], numel))
         row_offset += numel
     return spans
-
-
-def version_warning() -> str | None:
-    """A warning if the installed torch is not a tested version, else None."""
-    return untested_warning(_LIBRARY)
 
 
 # ----------------------------------------------------------------- teardown

