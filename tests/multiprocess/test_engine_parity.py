@@ -9,6 +9,7 @@ from tests.helpers.engine_workers import reference, train
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch (>1 microbatch = gradient accumulation)
 EQUAL = [[[12, 8], [10, 9]], [[7, 11], [13, 5]], [[9, 9], [6, 14]]]
+ONE_EACH = [[[12], [8]], [[7], [11]], [[9], [6]]]  # one microbatch per rank and step
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -51,8 +52,10 @@ def test_bf16_mixed_precision_bit_identical_to_fsdp2():
 
 def test_bf16_compute_with_fsdp2s_default_reduce_dtype_bit_identical_to_fsdp2():
     # MixedPrecisionPolicy(param_dtype=bf16) without a reduce_dtype: FSDP2 reduces in bf16 before torch 2.15 and in
-    # the params' fp32 from 2.15 on. The engine must pick the same dtype, or the runs would differ.
-    spec = dict(plan=EQUAL, clip=0.5, precision="bf16-compute")
+    # the params' fp32 from 2.15 on. The engine must pick the same dtype, or the runs would differ. One microbatch per
+    # rank and step: with several, a bf16 reduce rounds differently in the engine's bf16 accumulator than in FSDP2's
+    # per-microbatch reduce-scatters added into the fp32 .grad.
+    spec = dict(plan=ONE_EACH, clip=0.5, precision="bf16-compute")
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
     expected = "torch.float32" if fsdp_compat.has("grad_dtypes") else "torch.bfloat16"
     assert set(odc[0]["reduce_dtypes"]) == {expected}, (odc[0]["reduce_dtypes"], fsdp_compat.TORCH_VERSION)
@@ -67,8 +70,7 @@ def test_per_param_grad_dtypes_bit_identical_to_fsdp2():
     # One microbatch per rank and step, so that both sum the same two fp32 gradients (bit-identical before the
     # bf16 cast); zero_grad every other step, so that the second step adds into the bf16 .grad of the first.
     narrow = ["blocks.0.qkv.weight", "blocks.0.up.weight", "blocks.2.norm1.bias"]
-    plan = [[[12], [8]], [[7], [11]], [[9], [6]]]
-    spec = dict(plan=plan, record_grads=True, zero_grad_every=2, grad_dtypes=dict.fromkeys(narrow, "bfloat16"))
+    spec = dict(plan=ONE_EACH, record_grads=True, zero_grad_every=2, grad_dtypes=dict.fromkeys(narrow, "bfloat16"))
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
     honoured = fsdp_compat.has("grad_dtypes")
     for step, dtypes in enumerate(odc[0]["grad_dtypes"]):
