@@ -64,7 +64,13 @@ def _odc_steps(state_file: Path) -> list[dict]:
     assert len(steps) == 2, steps
     for step in steps:
         odc = {key for key in step if key.startswith("odc/")}
-        assert {"odc/step_s", "odc/microbatches_min", "odc/microbatches_max", "odc/busy_s_rank1"} <= odc, step
+        assert {
+            "odc/step_s",
+            "odc/microbatches_min",
+            "odc/microbatches_max",
+            "odc/busy_s_max",
+            "odc/wait_s_min",
+        } <= odc, step
     return steps
 
 
@@ -200,11 +206,16 @@ def test_trls_own_sft_script_trains_with_odc_under_launch(runs):
     out = runs["out"]["trl_sft"]
     # TRL's script saves no trainer state itself: the Trainer's final checkpoint holds it
     steps = _odc_steps(out / "checkpoint-2" / "trainer_state.json")
-    assert all(step["odc/microbatches_max"] >= 1 for step in steps)
-    # the recipe's odc_trace_dir reached the ODC trainer: each rank traced its 2 steps
+    # the recipe's odc_trace_dir reached the ODC trainer: each rank traced its 2 steps, and the logged microbatch
+    # counts are the traced ones
+    traced = []
     for rank in (0, 1):
         lines = (runs["root"] / "trace" / f"trace_rank{rank}.jsonl").read_text().splitlines()
         assert len(lines) == 2, lines
+        traced.append([len(json.loads(line)["microbatches"]) for line in lines])
+    for i, step in enumerate(steps):
+        assert step["odc/microbatches_min"] == min(t[i] for t in traced) >= 1, (step, traced)
+        assert step["odc/microbatches_max"] == max(t[i] for t in traced), (step, traced)
     _assert_loads_trained(out, runs["initial"])
 
 
