@@ -1,11 +1,15 @@
-"""The built wheel installs next to the newest TRL and transformers without downgrading or removing anything.
+"""The built wheel installs next to the newest TRL and transformers without downgrading or removing anything, and its
+commands train with ODC from that environment, with no clone of the repository.
 
 A user who already has the newest Hugging Face releases runs ``pip install 'odc_accelerate[hf,demo]'``: pip must
 keep every package it finds. The module builds the wheel of this checkout once, installs it into a fresh virtual
 environment that already holds torch and the newest ``trl`` and ``transformers`` from the registry, and checks what
-pip did. `venv_python` (that environment's interpreter) is the fixture for further checks of the installed package.
+pip did. `venv_python` (that environment's interpreter) is the fixture for the checks of the installed package: its
+commands run from a folder outside the checkout, 2 CPU processes each: ``odc-accelerate sft`` (3 steps), ``dpo`` and
+``grpo`` (1 step each) on the offline default, and TRL's own ``trl/scripts/sft.py`` (from the environment's trl)
+under ``odc-accelerate launch`` with a config written by ``odc-accelerate config --cpu --default``.
 
-Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk); about a minute.
+Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk); a few minutes.
 """
 
 from __future__ import annotations
@@ -175,8 +179,127 @@ def test_the_installed_package_comes_from_the_wheel(venv_python: Path, tmp_path:
     assert Path(where).is_relative_to(venv_python.parents[1]), where  # site-packages, not this checkout
 
 
-def test_odc_accelerate_command_runs(venv_python: Path, tmp_path: Path):
+def test_odc_accelerate_command_lists_its_subcommands(venv_python: Path, tmp_path: Path):
     command = venv_python.parent / "odc-accelerate"
     assert command.is_file()
     text = _run(command, "--help", cwd=tmp_path)
-    assert "odc-accelerate launch --config_file" in text  # the usage it documents
+    for name in ("launch", "config", "sft", "dpo", "grpo"):
+        assert f"    {name} " in text, text
+
+
+# Small runs: 2 CPU processes, no trackers; the package's scripts save the trainer state and the model at the end.
+_SMALL = ("--logging_steps", "1", "--report_to", "none", "--main_process_port", "0")
+_NO_CHECKPOINTS = ("--save_strategy", "no")
+
+# In the fresh environment: a local model folder (the offline tiny Qwen2 and its tokenizer) and a JSON-lines dataset
+# for TRL's own script, which needs a model and a dataset by name.
+_LOCAL_MODEL_AND_DATA = """
+import json, sys
+from transformers import AutoModelForCausalLM, set_seed
+from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
+
+set_seed(0)
+AutoModelForCausalLM.from_config(tiny_qwen2_config()).save_pretrained(sys.argv[1])
+load_offline_tokenizer().save_pretrained(sys.argv[1])
+with open(sys.argv[2], "w") as f:
+    for text in offline_texts()[:32]:
+        f.write(json.dumps({"text": text}) + "\n")
+"""
+
+# A saved model loads with transformers and gives finite logits.
+_LOADS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+logits = model(torch.arange(8)[None] % model.config.vocab_size).logits
+assert torch.isfinite(logits).all()
+print("loaded", type(model).__name__)
+"""
+
+
+def _odc_steps(state_file: Path) -> list[dict]:
+    history = json.loads(state_file.read_text())["log_history"]
+    return [row for row in history if "loss" in row]
+
+
+def _assert_trained_with_odc(state_file: Path, steps: int) -> None:
+    rows = _odc_steps(state_file)
+    assert [row["step"] for row in rows] == list(range(1, steps + 1)), rows
+    for row in rows:
+        assert {"odc/step_s", "odc/tokens_per_s", "odc/busy_s_max", "odc/wait_s_min"} <= row.keys(), row
+        assert row["odc/microbatches_min"] >= 1 and row["odc/busy_s_min"] > 0, row
+
+
+@pytest.fixture(scope="module")
+def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """The installed commands, run once: name -> (output folder, stderr)."""
+    work = tmp_path_factory.mktemp("runs")
+    command = venv_python.parent / "odc-accelerate"
+    env = {**_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ODC_CACHE": str(work / "cache")}
+    # The environment's bin first: accelerate launch starts the workers with the interpreter it finds there.
+    env["PATH"] = f"{venv_python.parent}{os.pathsep}{env.get('PATH', '')}"
+
+    def run(name: str, *cmd: str | Path) -> tuple[Path, str]:
+        out = work / name
+        proc = subprocess.run(
+            _command((*cmd, "--output_dir", out)), cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
+        _check(cmd, proc)
+        return out, proc.stderr
+
+    done = {
+        "sft": run("sft", command, "sft", "--max_steps", "3", *_SMALL, *_NO_CHECKPOINTS),
+        "dpo": run("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_NO_CHECKPOINTS),
+        "grpo": run(
+            "grpo", command, "grpo", "--max_steps", "1", "--max_completion_length", "16", *_SMALL, *_NO_CHECKPOINTS
+        ),
+    }
+    cfg = work / "odc.yaml"
+    subprocess.run(
+        _command((command, "config", "--cpu", "--default", "--config_file", cfg)), cwd=work, env=env, check=True
+    )
+    model, data = work / "model", work / "data"
+    data.mkdir()
+    _run(venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", cwd=work)
+    trl_sft = _run(venv_python, "-c", "import trl, os; print(os.path.dirname(trl.__file__))", cwd=work).strip()
+    done["trl_sft"] = run(
+        "trl_sft",
+        command,
+        "launch",
+        "--config_file",
+        cfg,
+        Path(trl_sft) / "scripts" / "sft.py",
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        str(data),
+        "--max_steps",
+        "2",
+        "--max_length",
+        "128",
+        *_SMALL,
+    )
+    return done
+
+
+def test_odc_accelerate_sft_trains_the_offline_default_with_odc(runs, venv_python: Path, tmp_path: Path):
+    out, stderr = runs["sft"]
+    _assert_trained_with_odc(out / "trainer_state.json", 3)
+    assert stderr.count("ODC on: transport shm (auto: CPU tensors, every rank on one host), plan free") == 1
+    assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
+
+
+def test_odc_accelerate_dpo_and_grpo_train_with_odc(runs, venv_python: Path, tmp_path: Path):
+    for name in ("dpo", "grpo"):
+        out, stderr = runs[name]
+        _assert_trained_with_odc(out / "trainer_state.json", 1)
+        assert stderr.count("ODC on: transport shm") == 1, name
+        assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
+
+
+def test_trls_own_sft_script_trains_with_odc_under_the_installed_launcher(runs, venv_python: Path, tmp_path: Path):
+    out, stderr = runs["trl_sft"]
+    # TRL's script saves no trainer state itself: the Trainer's final checkpoint holds it
+    _assert_trained_with_odc(out / "checkpoint-2" / "trainer_state.json", 2)
+    assert stderr.count("ODC on: transport shm") == 1
+    assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
