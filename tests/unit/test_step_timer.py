@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from odc_accelerate.integrations.trainer import metrics
+from odc_accelerate.integrations.trainer import timing
 
 
 class Clock:
@@ -22,7 +22,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
     return clock
 
 
@@ -32,7 +32,7 @@ def _batch(tokens: int) -> dict:
 
 def test_busy_is_compute_less_blocked_time_and_wait_is_the_rest(clock):
     engine = SimpleNamespace(stats=SimpleNamespace(wait_s=0.0))  # what an ODCEngine exposes: seconds in barriers
-    timer = metrics.StepTimer(rank=0)
+    timer = timing.StepTimer(rank=0)
     timer.start(None, engine, [_batch(5), _batch(3)], clock.now)
     clock.now += 0.25  # fetching the step
     with timer.compute("cpu"):
@@ -55,7 +55,7 @@ def test_busy_is_compute_less_blocked_time_and_wait_is_the_rest(clock):
 
 
 def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhere(clock):
-    timer = metrics.StepTimer(rank=0)
+    timer = timing.StepTimer(rank=0)
     with timer.compute("cpu"):  # no open step: ignored
         clock.now += 9.0
     for compute in (1.0, 3.0):
@@ -82,7 +82,7 @@ def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhe
 
 def test_per_rank_keys_only_when_asked(clock):
     peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
-    timer = metrics.StepTimer(rank=0)
+    timer = timing.StepTimer(rank=0)
     timer.start(None, None, [_batch(4)], clock.now)
     with timer.compute("cpu"):
         clock.now += 2.0
@@ -95,7 +95,7 @@ def test_per_rank_keys_only_when_asked(clock):
 
 def test_generation_is_busy_once_and_reported_per_rank(clock):
     """A step of an RL trainer: generation (with a nested forward), then work known only afterwards."""
-    timer = metrics.StepTimer(rank=0)
+    timer = timing.StepTimer(rank=0)
     timer.start(None, None, [], clock.now)
     with timer.generation("cpu"):
         clock.now += 2.0

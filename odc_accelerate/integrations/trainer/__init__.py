@@ -2,9 +2,12 @@
 
 Use as ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL trainers of `odc_accelerate.integrations.trl`).
 
-* `mixin`: the mixin (accelerator set-up, balanced step loop, exact loss, checkpoints).
-* `callback`: closes each ODC step after the optimizer.
-* `metrics`: metric gathers answered locally during microbatches and reduced once per step; per-step timing.
+* `mixin`: the mixin, made of one part per concern: `setup` (accelerator, banner), `loaders` and `streaming` (the
+  balanced step loaders), `step` (the microbatch loop, exact loss), `resume` (checkpoints);
+* `budget`: the token budget per microbatch, one rule for every trainer;
+* `callback`: closes each ODC step after the optimizer;
+* `metrics`: metric gathers answered locally during microbatches and reduced once per step;
+* `timing`: per-step timing behind the ``odc/*`` metrics;
 * `data`: the dataloader whose items are whole steps (a rank's microbatches).
 """
 

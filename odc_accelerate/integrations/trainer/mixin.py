@@ -25,7 +25,7 @@ What the mixin changes, and why:
 * **Metrics** (logged with the loss, so they land in ``trainer_state.json``'s ``log_history``): ``odc/tokens_per_s``
   (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``, ``odc/microbatches_min|max``,
   per-rank ``odc/busy_s_rank<r>`` (the rank's own forward and backward) and ``odc/wait_s_rank<r>`` (the rest of the
-  step: barriers, metric reductions, collectives, the optimizer), ``odc/bubble_pct`` (see `metrics.StepTimer`). Plain
+  step: barriers, metric reductions, collectives, the optimizer), ``odc/bubble_pct`` (see `timing.StepTimer`). Plain
   FSDP2 runs through this mixin log the same keys, measured the same way; ``odc_time_collectives`` makes FSDP2's
   waits inside its per-layer collectives count as wait instead of busy.
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a

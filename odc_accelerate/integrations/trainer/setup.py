@@ -14,7 +14,7 @@ from typing import Any
 from ...config import ODCConfig
 from ...validation import str_to_bool
 from ..accelerate import ODCPlugin, get_engine
-from .metrics import StepTimer
+from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
 

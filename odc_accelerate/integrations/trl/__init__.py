@@ -18,6 +18,7 @@ One module per concern:
 * `sft`, `dpo`, `grpo`: one trainer each;
 * `reference`: the reference model of DPO and GRPO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
+* `rollouts`: GRPO completions re-batched per row and per planned microbatch;
 * `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
 
 TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`. Names are imported on

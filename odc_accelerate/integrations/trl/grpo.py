@@ -40,79 +40,11 @@ from ..trainer.metrics import StepMetrics
 from .loss import grpo_loss_weight
 from .metrics import finalize_grpo_metrics
 from .reference import ODCReferenceModelMixin, check_reference_settings
+from .rollouts import collate_rollouts, loss_tokens, split_rollouts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCGRPOTrainer", "collate_rollouts", "split_rollouts"]
-
-
-def split_rollouts(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
-    """One dict of CPU tensors per completion of a GRPO generation batch, without padding.
-
-    ``prompt_ids`` / ``prompt_mask`` keep the prompt's tokens (TRL pads prompts on the left); the per-token keys of
-    `odc_accelerate._compat.trl.GRPO_TOKEN_KEYS` keep the completion's first ``c`` positions, ``c`` being one past its
-    last position with ``completion_mask == 1`` (0 for a completion TRL masked out entirely); ``advantages`` keeps its
-    value.
-
-    Raises:
-        ValueError: the batch holds a key the ODC plan cannot re-batch (images and other model inputs).
-    """
-    known = set(trl_compat.GRPO_TOKEN_KEYS) | set(trl_compat.GRPO_SAMPLE_KEYS) | set(trl_compat.GRPO_PROMPT_KEYS)
-    unknown = sorted(k for k in batch if k not in known and k != "num_items_in_batch")
-    if unknown:
-        raise ValueError(
-            f"ODC's balanced GRPO plan re-batches completions across ranks and cannot carry {unknown} (multimodal or "
-            "vLLM importance-sampling inputs). Run without --odc / --odc_plan, or without these inputs."
-        )
-    prompt_mask = batch["prompt_mask"].detach().cpu()
-    completion_mask = batch["completion_mask"].detach().cpu()
-    positions = torch.arange(1, completion_mask.shape[1] + 1)
-    completion_lengths = (completion_mask.bool() * positions).amax(dim=1) if completion_mask.numel() else None
-    prompt_lengths = prompt_mask.sum(dim=1)
-    rows = []
-    for i in range(prompt_mask.shape[0]):
-        p = int(prompt_lengths[i])
-        c = int(completion_lengths[i]) if completion_lengths is not None else 0
-        row = {key: batch[key][i, batch[key].shape[1] - p :].detach().cpu() for key in trl_compat.GRPO_PROMPT_KEYS}
-        for key in trl_compat.GRPO_TOKEN_KEYS:
-            if batch.get(key) is not None:
-                row[key] = batch[key][i, :c].detach().cpu()
-        for key in trl_compat.GRPO_SAMPLE_KEYS:
-            if batch[key].dim() != 1:
-                raise ValueError(
-                    f"ODC's balanced GRPO plan expects one `{key}` value per completion, got shape "
-                    f"{tuple(batch[key].shape)}. Run without --odc / --odc_plan."
-                )
-            row[key] = batch[key][i].detach().cpu()
-        rows.append(row)
-    return rows
-
-
-def collate_rollouts(rows: list[dict[str, torch.Tensor]], pad_token_id: int, device: Any) -> dict[str, Any]:
-    """A GRPO training microbatch of ``rows`` (from `split_rollouts`), padded as TRL pads one: prompts on the left,
-    completions on the right (at least one column, so that ``logits_to_keep`` is never 0)."""
-    width_p = max(int(r["prompt_ids"].numel()) for r in rows)
-    width_c = max(1, max(int(r["completion_ids"].numel()) for r in rows))
-    out: dict[str, Any] = {}
-    for key, value in (("prompt_ids", pad_token_id), ("prompt_mask", 0)):
-        out[key] = torch.stack(
-            [torch.cat([r[key].new_full((width_p - r[key].numel(),), value), r[key]]) for r in rows]
-        )
-    for key, value in trl_compat.GRPO_TOKEN_KEYS.items():
-        if key not in rows[0]:
-            continue
-        value = pad_token_id if value is None else value
-        out[key] = torch.stack(
-            [torch.cat([r[key], r[key].new_full((width_c - r[key].numel(),), value)]) for r in rows]
-        )
-    for key in trl_compat.GRPO_SAMPLE_KEYS:
-        out[key] = torch.stack([r[key] for r in rows])
-    return {k: v.to(device) for k, v in out.items()}
-
-
-def _loss_tokens(batch: dict[str, Any]) -> torch.Tensor:
-    mask = batch["completion_mask"]
-    return mask * batch["tool_mask"] if batch.get("tool_mask") is not None else mask
+__all__ = ["ODCGRPOTrainer", "check_grpo_args"]
 
 
 class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
@@ -273,7 +205,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         plan = planner.plan(lengths)
         pad = int(self._tokenizer.pad_token_id)
         device = self.accelerator.device
-        total_tokens = float(sum(float(_loss_tokens(r).sum()) for r in everyone))
+        total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)
         num_items = torch.tensor(total_tokens, device=device)
         microbatches = []
@@ -308,7 +240,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         weight = grpo_loss_weight(
             self,
             rows=rows,
-            tokens=float(_loss_tokens(inputs).sum()),
+            tokens=float(loss_tokens(inputs).sum()),
             total_rows=total_rows,
             total_tokens=total_tokens,
             world_size=self.accelerator.num_processes,
