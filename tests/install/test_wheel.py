@@ -193,7 +193,7 @@ _NO_CHECKPOINTS = ("--save_strategy", "no")
 
 # In the fresh environment: a local model folder (the offline tiny Qwen2 and its tokenizer) and a JSON-lines dataset
 # for TRL's own script, which needs a model and a dataset by name.
-_LOCAL_MODEL_AND_DATA = """
+_LOCAL_MODEL_AND_DATA = r"""
 import json, sys
 from transformers import AutoModelForCausalLM, set_seed
 from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
