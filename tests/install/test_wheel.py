@@ -188,7 +188,8 @@ def test_odc_accelerate_command_lists_its_subcommands(venv_python: Path, tmp_pat
 
 
 # Small runs: 2 CPU processes, no trackers; the package's scripts save the trainer state and the model at the end.
-_SMALL = ("--logging_steps", "1", "--report_to", "none", "--main_process_port", "0")
+_SMALL = ("--logging_steps", "1", "--report_to", "none")
+_PORT = ("--main_process_port", "0")  # any free port (accelerate's option: before the script under `launch`)
 _NO_CHECKPOINTS = ("--save_strategy", "no")
 
 # In the fresh environment: a local model folder (the offline tiny Qwen2 and its tokenizer) and a JSON-lines dataset
@@ -248,10 +249,19 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         return out, proc.stderr
 
     done = {
-        "sft": run("sft", command, "sft", "--max_steps", "3", *_SMALL, *_NO_CHECKPOINTS),
-        "dpo": run("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_NO_CHECKPOINTS),
+        "sft": run("sft", command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "dpo": run("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
         "grpo": run(
-            "grpo", command, "grpo", "--max_steps", "1", "--max_completion_length", "16", *_SMALL, *_NO_CHECKPOINTS
+            "grpo",
+            command,
+            "grpo",
+            "--max_steps",
+            "1",
+            "--max_completion_length",
+            "16",
+            *_SMALL,
+            *_PORT,
+            *_NO_CHECKPOINTS,
         ),
     }
     cfg = work / "odc.yaml"
@@ -268,6 +278,7 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         "launch",
         "--config_file",
         cfg,
+        *_PORT,
         Path(trl_sft) / "scripts" / "sft.py",
         "--model_name_or_path",
         model,
@@ -286,6 +297,8 @@ def test_odc_accelerate_sft_trains_the_offline_default_with_odc(runs, venv_pytho
     out, stderr = runs["sft"]
     _assert_trained_with_odc(out / "trainer_state.json", 3)
     assert stderr.count("ODC on: transport shm (auto: CPU tensors, every rank on one host), plan free") == 1
+    # a clean run warns about nothing else (progress bars aside, stderr holds the banner only)
+    assert "Warning" not in stderr and "WARNING" not in stderr, stderr
     assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
 
 
