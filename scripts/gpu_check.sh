@@ -14,6 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
 # Symmetric memory's rendezvous opens a Unix socket under TMPDIR: keep the path short and shared by both ranks.
 export TMPDIR="${TMPDIR:-/tmp}"
-python="${PYTHON:-python}"
+# python3 first: the GPU machines have no `python`.
+python="${PYTHON:-$(command -v python3 || command -v python)}"
 exec "$python" -c 'import sys; from tests.helpers.gpu_check import main; sys.exit(main(sys.argv[1:]))' \
   --out "$out" "$@"
