@@ -133,7 +133,12 @@ class ODCAcceleratorSetup:
                 + ")"
             )
         else:
-            budget = f"{config.max_tokens_per_microbatch or 'per step, from its completions'} tokens per microbatch"
+            budget = (
+                f"{config.max_tokens_per_microbatch} tokens per microbatch"
+                if config.max_tokens_per_microbatch
+                else "set at each step from its completions (per_device_train_batch_size x (longest prompt + "
+                "max_completion_length))"
+            )
             samples = f"one generation batch per optimizer step over {world} ranks"
         folded = (
             f"; gradient_accumulation_steps={ga} folded into the plan: the Trainer runs 1 accumulation step and each "
