@@ -22,12 +22,13 @@ What the mixin changes, and why:
   values (see `metrics.reduce_step_metrics` and `ODCTrainerMixin._odc_finalize_metrics`).
 * **Step boundary.** ``engine.pre_optimizer_step()`` runs at the end of ``training_step``, so the Trainer's grad-norm
   and clipping see the final gradients; `ODCCallback.on_optimizer_step` calls ``engine.post_optimizer_step()``.
-* **Metrics** (logged with the loss, so they land in ``trainer_state.json``'s ``log_history``): ``odc/tokens_per_s``
-  (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``, ``odc/microbatches_min|max``,
-  per-rank ``odc/busy_s_rank<r>`` (the rank's own forward and backward) and ``odc/wait_s_rank<r>`` (the rest of the
-  step: barriers, metric reductions, collectives, the optimizer), ``odc/bubble_pct`` (see `timing.StepTimer`). Plain
-  FSDP2 runs through this mixin log the same keys, measured the same way; ``odc_time_collectives`` makes FSDP2's
-  waits inside its per-layer collectives count as wait instead of busy.
+* **Metrics** (logged with the loss, so they land in ``trainer_state.json``'s ``log_history``; ``odc_metrics``):
+  ``odc/tokens_per_s`` (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``,
+  ``odc/microbatches_min|max``, ``odc/bubble_pct``, and the minimum, maximum and mean over ranks of busy (a rank's own
+  forward and backward) and wait (the rest of the step: barriers, metric reductions, collectives, the optimizer);
+  each rank's own with ``odc_metrics=per_rank`` (see `timing.StepTimer`). Plain FSDP2 runs through this mixin log the
+  same keys when asked, measured the same way; ``odc_time_collectives`` makes FSDP2's waits inside its per-layer
+  collectives count as wait instead of busy.
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
   time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
