@@ -621,6 +621,15 @@ def symmetric_memory_unavailable_reason() -> str | None:
     return None
 
 
+def symmetric_signal_pad_bytes() -> int | None:
+    """The signal pad torch's symmetric memory allocates with each segment (``get_signal_pad_size``), or `None` where
+    this torch does not say (the caller then counts an upper bound)."""
+    import importlib
+
+    get_size = getattr(importlib.import_module(_SYMM), "get_signal_pad_size", None)
+    return int(get_size()) if callable(get_size) else None
+
+
 def symmetric_backend(device: torch.device) -> str:
     """The symmetric-memory backend this process allocates with on ``device`` (``"CUDA"``, ``"NCCL"``, ...).
 

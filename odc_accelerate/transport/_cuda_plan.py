@@ -115,12 +115,14 @@ class SegmentPlan:
     chunk_numel: int
     cast_dtype: torch.dtype | None = None
     needs_cast: bool = False
+    signal_pad_bytes: int = SEGMENT_GRANULARITY
 
     @property
     def device_bytes(self) -> int:
-        """What the transport allocates on its GPU: the segment at mapping granularity plus the pool."""
-        segment = -(-self.segment_bytes // SEGMENT_GRANULARITY) * SEGMENT_GRANULARITY
-        return segment + self.staging_bytes
+        """What the transport allocates on its GPU: the segment and torch's signal pad (allocated with it), rounded up
+        to the mapping granularity, plus the pool."""
+        mapped = self.segment_bytes + self.signal_pad_bytes
+        return -(-mapped // SEGMENT_GRANULARITY) * SEGMENT_GRANULARITY + self.staging_bytes
 
     def report(self) -> dict[str, int]:
         """The memory report (bytes): ``published``, ``accumulator``, ``staging``, ``total`` (allocated)."""
@@ -149,6 +151,7 @@ def plan_segment(
     specs: Mapping[str, BufferSpec],
     staging_bytes: int,
     accumulate_dtype: torch.dtype | None = None,
+    signal_pad_bytes: int | None = None,
 ) -> SegmentPlan:
     """Lay out the segment for ``specs`` and size the staging pool's chunks.
 
@@ -156,6 +159,8 @@ def plan_segment(
         specs: the registered buffers, in registration order.
         staging_bytes: the pool's budget (see `staging_bytes_setting`).
         accumulate_dtype: dtype to store accumulated buffers in; None widens 16-bit floats to fp32.
+        signal_pad_bytes: the signal pad torch's symmetric memory allocates with each segment; None (a torch that
+            does not say) counts a whole mapping granule, an upper bound.
 
     Raises:
         ValueError: the pool cannot hold even one useful chunk, or accumulators disagree on their dtype.
@@ -207,6 +212,7 @@ def plan_segment(
         chunk_numel=chunk,
         cast_dtype=cast_dtype,
         needs_cast=needs_cast,
+        signal_pad_bytes=SEGMENT_GRANULARITY if signal_pad_bytes is None else int(signal_pad_bytes),
     )
 
 

@@ -104,6 +104,9 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
     visible = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
     access = tuple(i == index or torch.cuda.can_device_access_peer(index, i) for i in range(count))
     atomics = tuple(True if i == index else _p2p_native_atomics(index, i) for i in range(count))
+    # The segment comes from cuMemCreate, which cannot reuse blocks PyTorch's caching allocator holds unused: give
+    # them back first, so that the free figure is what the allocation can get (a loaded model leaves many behind).
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(index)
     return DeviceFacts(
         uuid=visible[index],
@@ -203,7 +206,11 @@ class CudaTransport(Transport):
         reason = device_refusal(facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
-        plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype)
+        from .._compat import fsdp as compat
+
+        plan = plan_segment(
+            specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=compat.symmetric_signal_pad_bytes()
+        )
         reason = memory_refusal(plan, facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")

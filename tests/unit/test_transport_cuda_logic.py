@@ -322,3 +322,19 @@ def test_peer_atomics_query_is_unknown_without_a_driver():
     if torch.cuda.is_available():
         pytest.skip("a GPU driver is present")
     assert _p2p_native_atomics(0, 1) is None  # refused as "could not query", never assumed
+
+
+def test_the_signal_pad_is_counted_with_the_segment_at_mapping_granularity():
+    # a segment of exactly one granule: torch's signal pad, allocated with it, takes the mapping into a second one
+    specs = {"p": BufferSpec(numel=SEGMENT_GRANULARITY // 4, dtype=torch.float32)}
+    assert plan_segment(specs, 1 * MiB, signal_pad_bytes=0).device_bytes == SEGMENT_GRANULARITY
+    assert plan_segment(specs, 1 * MiB, signal_pad_bytes=2048).device_bytes == 2 * SEGMENT_GRANULARITY
+    # a torch that does not say how large its pad is: a whole granule, an upper bound
+    assert plan_segment(specs, 1 * MiB).device_bytes == 2 * SEGMENT_GRANULARITY
+
+
+def test_this_torch_reports_its_signal_pad_size():
+    from odc_accelerate._compat import fsdp as compat
+
+    size = compat.symmetric_signal_pad_bytes()
+    assert size is None or 0 < size <= SEGMENT_GRANULARITY
