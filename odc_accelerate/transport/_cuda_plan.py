@@ -374,10 +374,9 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
     by_gpu: dict[str, list[int]] = {}
     for rank, f in enumerate(facts):
         by_gpu.setdefault(f.uuid, []).append(rank)
-    shared = {uuid: ranks for uuid, ranks in by_gpu.items() if len(ranks) > 1}
-    if shared:
-        ranks = next(iter(shared.values()))
-        without = [r for r in ranks if not facts[r].allow_overlap]
+    # Every group of ranks sharing a GPU is checked: the switch may be set on the ranks of one GPU and not another's.
+    for ranks in by_gpu.values():
+        without = [r for r in ranks if not facts[r].allow_overlap] if len(ranks) > 1 else []
         if without:
             return (
                 f"ranks {ranks} share one GPU, which torch's symmetric memory refuses unless {OVERLAP_ENV}=1 is set "

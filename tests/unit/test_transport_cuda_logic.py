@@ -205,6 +205,15 @@ def test_shared_gpu_needs_the_override_on_every_rank():
     assert device_refusal([_gpu(r, one, 0, allow_overlap=True) for r in range(2)]) is None
 
 
+def test_every_shared_gpu_is_checked_for_the_override():
+    # Ranks 0-1 share GPU-a with the switch set; ranks 2-3 share GPU-b and rank 3 lacks it.
+    pair = ("GPU-a", "GPU-b")
+    facts = [_gpu(r, pair, r // 2, allow_overlap=r != 3) for r in range(4)]
+    reason = device_refusal(facts)
+    assert reason and "ranks [2, 3] share one GPU" in reason and "rank(s) [3]" in reason
+    assert device_refusal([_gpu(r, pair, r // 2, allow_overlap=True) for r in range(4)]) is None
+
+
 def test_one_visible_gpu_per_rank_is_refused_before_rendezvous():
     # CUDA_VISIBLE_DEVICES per rank: every rank is device 0 and sees only its own GPU.
     facts = [_gpu(r, (NODE[r],), 0) for r in range(2)]
