@@ -647,18 +647,17 @@ def symmetric_backend(device: torch.device) -> str:
 
 def _without_multicast(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with NVLS multicast disabled for symmetric memory (torch reads the switch at allocation and
-    rendezvous), restoring the caller's setting afterwards."""
+    rendezvous).
+
+    The variable is written at most once per process and left set: by now NCCL and gloo threads run and may call
+    ``getenv``, and a ``setenv`` racing them is undefined behaviour in glibc, so writing it again to restore the old
+    value would double that risk. When it is already ``1`` (e.g. set by the launcher), nothing is written.
+    """
     import os
 
-    previous = os.environ.get(MULTICAST_OFF_ENV)
-    os.environ[MULTICAST_OFF_ENV] = "1"
-    try:
-        return fn()
-    finally:
-        if previous is None:
-            del os.environ[MULTICAST_OFF_ENV]
-        else:
-            os.environ[MULTICAST_OFF_ENV] = previous
+    if os.environ.get(MULTICAST_OFF_ENV) != "1":
+        os.environ[MULTICAST_OFF_ENV] = "1"
+    return fn()
 
 
 def symmetric_segment(nbytes: int, device: torch.device, group: Any) -> torch.Tensor:

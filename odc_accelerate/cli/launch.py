@@ -169,6 +169,11 @@ def launch(args: Sequence[str], *, bootstrap: bool | None = None, env: Mapping[s
                 "(odc: false in the config file, or ODC_ENABLE=false)."
             )
         args = through_bootstrap(launch_args, script, script_args, module)
+        # The 'cuda' transport keeps multicast off for its segment; set here, no worker writes its environment while
+        # NCCL or gloo threads may read it. A value the user set wins.
+        from .._compat.fsdp import MULTICAST_OFF_ENV
+
+        env.setdefault(MULTICAST_OFF_ENV, "1")
     return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args], env=env)
 
 

@@ -34,7 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple, results) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple, results, env: dict
+) -> None:
+    # Before the process group exists: once gloo's threads run, a setenv racing their getenv is undefined behaviour.
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -67,6 +75,7 @@ def launch(
     timeout: float = 300.0,
     threads: int = 1,
     allow_failures: bool = False,
+    env: dict[str, str | None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
 
@@ -77,12 +86,16 @@ def launch(
         threads: torch threads per process (1 = one core per rank).
         allow_failures: return ``LaunchError.results``-style partial results instead of raising; failed
             ranks then hold ``LaunchError`` text in their slot.
+        env: environment variables to set (a value of None removes the variable) in every rank before its process
+            group is created.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args, results), daemon=True)
+        ctx.Process(
+            target=_entry, args=(fn, r, world_size, port, threads, args, results, dict(env or {})), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

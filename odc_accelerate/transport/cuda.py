@@ -174,6 +174,10 @@ class CudaTransport(Transport):
         self._segment: torch.Tensor | None = None
         self._views: list[dict[str, torch.Tensor]] = []
         self._closed = False
+        # Streams this rank enqueued transport work on since the last flush. `flush` waits for these only: a
+        # device-wide synchronize would also wait for queued NCCL kernels, which hangs if a peer enqueues the matching
+        # collective only after the ODC barrier.
+        self._streams: set[torch.cuda.Stream] = set()
         #: seconds spent in `flush` (this rank's own queued GPU work), summed since construction
         self.flush_s = 0.0
 
@@ -256,20 +260,36 @@ class CudaTransport(Transport):
             for peer in range(self.world_size)
         ]
 
-    def _sync(self) -> None:
+    def _note_stream(self) -> None:
+        """Remember the caller's current stream: transport work is enqueued there, and `flush` waits for it."""
         if self._segment is not None and self._segment.device.type == "cuda":
-            torch.cuda.synchronize(self._segment.device)
+            self._streams.add(torch.cuda.current_stream(self._segment.device))
+
+    def _sync(self) -> None:
+        """Wait for this rank's own queued work: the streams it used (and the current one, where publishes are
+        written), never the whole device."""
+        if self._segment is None or self._segment.device.type != "cuda":
+            return
+        self._note_stream()
+        streams, self._streams = self._streams, set()
+        for stream in streams:
+            stream.synchronize()
 
     def read(self, peer: int, name: str, out: torch.Tensor) -> None:
+        self._note_stream()
         out.copy_(self._views[peer][name].view(out.shape), non_blocking=True)
 
     def accumulate(self, owner: int, name: str, src: torch.Tensor) -> None:
         if name not in self._plan.accumulated:
             raise KeyError(f"buffer {name!r} was not registered with accumulated=True: nothing may add into it")
+        self._note_stream()
         self._pool.add(self._views[owner][name], src)
 
     def flush(self) -> None:
-        """Wait until every add, read and publish this rank enqueued (on any stream) has completed on its GPU."""
+        """Wait until every add, read and publish this rank enqueued has completed on its GPU.
+
+        Waits on the streams that `read` and `accumulate` were called on, and on the current stream (publishes are
+        written there), not on the whole device: queued NCCL kernels of other process groups are not waited for."""
         if self._segment is None:
             return  # not registered, or closed: nothing of ours is in flight
         start = time.perf_counter()

@@ -60,14 +60,6 @@ def _device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _apply_env(env: dict[str, str | None]) -> None:
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def _policy(precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -149,7 +141,6 @@ def train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.loss import loss_scale
 
-    _apply_env(spec.get("env", {}))
     device = _device(spec["device"])
     cfg = ToyConfig(**spec["cfg"])
     model = shard_model(build_model(cfg, seed=0).to(device), mp_policy=_policy(spec["precision"]))
@@ -226,7 +217,6 @@ def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str
     """Build an engine that must be refused; return each attempt's error text ('' if it was not refused)."""
     from odc_accelerate.engine import ODCEngine
 
-    _apply_env(spec.get("env", {}))
     device = _device("cuda")
     cfg = ToyConfig(**spec["cfg"])
     model = shard_model(build_model(cfg, seed=0).to(device), mp_policy=_policy("fp32"))
@@ -256,7 +246,6 @@ def memory_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
     """Free GPU memory before, with and after an engine; the transport's own report."""
     from odc_accelerate.engine import ODCEngine
 
-    _apply_env({OVERLAP_ENV: "1"})
     device = _device("cuda")
     cfg = ToyConfig(**spec["cfg"])
     model = shard_model(build_model(cfg, seed=0).to(device), mp_policy=_policy("bf16"))
@@ -289,7 +278,6 @@ def memory_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
 
 def speed_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Bandwidth of ``read`` and ``accumulate`` (bf16 into fp32, atomic) between the two ranks, and a sum check."""
-    _apply_env({OVERLAP_ENV: "1"})
     device = _device("cuda")
     numel, iters = spec["numel"], spec["iters"]
     transport = CudaTransport(rank, world_size, timeout=120.0, device=device)
@@ -362,10 +350,10 @@ def case_parity(device: str) -> dict[str, Any]:
     runs = {"fp32": ["auto", wide], "bf16-fp32-reduce": [wide], "bf16": [wide, narrow]}
     out: dict[str, Any] = {}
     for precision, transports in runs.items():
-        spec = dict(device=device, cfg=SMALL, plan=PLAN, precision=precision, env=env)
+        spec = dict(device=device, cfg=SMALL, plan=PLAN, precision=precision)
         ref = reference(spec)
         for name in dict.fromkeys(transports):
-            ranks = launch(train_worker, 2, {**spec, "transport": name}, timeout=300)
+            ranks = launch(train_worker, 2, {**spec, "transport": name}, timeout=300, env=env)
             out[f"{precision}/{name}"] = {
                 "transport": ranks[0]["transport"],
                 "grad": _compare([r["grads"] for r in ranks], ref["grads"], 2),
@@ -397,14 +385,15 @@ def case_parity(device: str) -> dict[str, Any]:
 
 def case_refusals() -> dict[str, Any]:
     base = dict(cfg=SMALL, transports=["cuda", "auto"])
-    shared = launch(refusal_worker, 2, {**base, "env": {OVERLAP_ENV: None}}, timeout=300)
-    backend = launch(refusal_worker, 2, {**base, "env": {OVERLAP_ENV: "1", "TORCH_SYMMMEM": "NCCL"}}, timeout=300)
+    shared = launch(refusal_worker, 2, base, timeout=300, env={OVERLAP_ENV: None})
+    backend = launch(refusal_worker, 2, base, timeout=300, env={OVERLAP_ENV: "1", "TORCH_SYMMMEM": "NCCL"})
     # The medium model needs ~270 MiB per rank for its transport; the GPU is filled to leave 128 MiB free.
     memory = launch(
         refusal_worker,
         2,
-        {"cfg": MEDIUM, "env": {OVERLAP_ENV: "1"}, "leave_free_mib": 128, "transports": ["cuda"]},
+        {"cfg": MEDIUM, "leave_free_mib": 128, "transports": ["cuda"]},
         timeout=300,
+        env={OVERLAP_ENV: "1"},
     )
     checks = {
         "shared GPU without override refused on both ranks, naming the override": all(
@@ -420,7 +409,7 @@ def case_refusals() -> dict[str, Any]:
 
 
 def case_memory() -> dict[str, Any]:
-    ranks = launch(memory_worker, 2, {"cfg": MEDIUM}, timeout=300)
+    ranks = launch(memory_worker, 2, {"cfg": MEDIUM}, timeout=300, env={OVERLAP_ENV: "1"})
     r = ranks[0]
     used = r["before"]["free"] - r["with_engine"]["free"]  # both ranks' transports (one GPU)
     given_back = r["after_close"]["free"] - r["with_engine"]["free"]
@@ -440,12 +429,13 @@ def case_memory() -> dict[str, Any]:
 
 
 def case_speed() -> dict[str, Any]:
-    ranks = launch(speed_worker, 2, {"numel": 64 * 2**20, "iters": 10}, timeout=300)
+    ranks = launch(speed_worker, 2, {"numel": 64 * 2**20, "iters": 10}, timeout=300, env={OVERLAP_ENV: "1"})
     steps = launch(
         train_worker,
         2,
-        dict(device="cuda", cfg=MEDIUM, plan=[[[256], [256, 256]]] * 4, precision="bf16", env={OVERLAP_ENV: "1"}),
+        dict(device="cuda", cfg=MEDIUM, plan=[[[256], [256, 256]]] * 4, precision="bf16"),
         timeout=300,
+        env={OVERLAP_ENV: "1"},
     )
     return {
         "transport": ranks,

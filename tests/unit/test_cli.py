@@ -36,6 +36,7 @@ def calls(monkeypatch):
         return 0
 
     monkeypatch.setattr(launch_mod.subprocess, "call", call)
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
     for key in list(os.environ):
         if key.startswith("ODC_"):
             monkeypatch.delenv(key)
@@ -256,6 +257,8 @@ def test_launch_starts_the_script_through_the_bootstrap_when_odc_is_asked_for(tm
         "1",
     ]
     assert (env["ODC_ENABLE"], env["ODC_PLAN"]) == ("true", "lockstep")
+    # set for the workers up front, so that the 'cuda' transport need not write it while threads read the environment
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     # a module script (accelerate's --module) runs as `bootstrap -m MODULE`
     assert main(["launch", "--config_file", odc, "-m", "pkg.train", "--lr", "1"]) == 0
     cmd, _ = calls.pop()
@@ -284,7 +287,7 @@ def test_launch_without_odc_runs_the_script_as_given_unless_the_recipe_asks(tmp_
     assert main(["launch", "--config_file", plain, "train.py", "--lr", "1"]) == 0
     cmd, env = calls.pop()
     assert _script_part(cmd) == ["--config_file", plain, "train.py", "--lr", "1"]
-    assert not any(key.startswith("ODC_") for key in env)
+    assert not any(key.startswith("ODC_") for key in env) and "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in env
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("odc: true\nmax_steps: 2\n")
     assert main(["launch", "--config_file", plain, "train.py", "--config", str(recipe)]) == 0

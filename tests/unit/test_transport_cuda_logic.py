@@ -319,10 +319,8 @@ def test_symmetric_memory_backend_and_multicast_switch_without_a_gpu(monkeypatch
     assert fsdp.symmetric_backend(torch.device("cuda")) == "NCCL"
     monkeypatch.setenv(fsdp.MULTICAST_OFF_ENV, "0")
     assert fsdp._without_multicast(lambda: os.environ[fsdp.MULTICAST_OFF_ENV]) == "1"
-    assert os.environ[fsdp.MULTICAST_OFF_ENV] == "0"  # the caller's setting is back
-    monkeypatch.delenv(fsdp.MULTICAST_OFF_ENV)
-    fsdp._without_multicast(lambda: None)
-    assert fsdp.MULTICAST_OFF_ENV not in os.environ
+    # Left set: restoring would be a second write while NCCL / gloo threads may read the environment.
+    assert os.environ[fsdp.MULTICAST_OFF_ENV] == "1"
 
 
 def test_peer_atomics_query_is_unknown_without_a_driver():
