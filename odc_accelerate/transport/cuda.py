@@ -37,6 +37,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from . import _setup_watchdog as watchdog
 from ._cuda_plan import (
     OVERLAP_ENV,
     DeviceFacts,
@@ -52,6 +53,7 @@ from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
+_PHASE = "setup_phase"  # the control plane's one buffer: how far this rank got in set-up (`_setup_watchdog`)
 _P2P_NATIVE_ATOMIC = 3  # CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cudaDevP2PAttrNativeAtomicSupported)
 
 
@@ -168,6 +170,7 @@ class CudaTransport(Transport):
         self._staging_bytes = staging_bytes_setting(staging_mib)
         self._accumulate_dtype = accumulate_dtype
         self._control: ShmTransport | None = None
+        self._phase: torch.Tensor | None = None
         self._plan: SegmentPlan | None = None
         self._pool: StagingPool | None = None
         self._handle = None
@@ -221,9 +224,14 @@ class CudaTransport(Transport):
         self._plan = plan
         # Control plane first: it also checks that every rank is on this host (CUDA IPC cannot cross hosts).
         self._control = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
-        self._control.register({})
+        self._phase = self._control.register({_PHASE: BufferSpec(numel=1, dtype=torch.int64)})[_PHASE]
         try:
-            segments = self._map_segments(plan.segment_bytes, device)
+            # Symmetric memory's allocation and rendezvous have no timeout: the watchdog ends this process, naming the
+            # rank at fault, if a peer fails or dies there or nothing finishes within the timeout.
+            with watchdog.SetupWatchdog(
+                self.rank, self.world_size, self.timeout, self._phase_of, self._control.dead_peers
+            ):
+                segments = self._map_segments(plan.segment_bytes, device)
             self._segment = segments[self.rank]
             self._views = [{name: plan.view(seg, name) for name in plan.offsets} for seg in segments]
             if plan.accumulated:
@@ -231,6 +239,7 @@ class CudaTransport(Transport):
             self._sync()  # zeroed before any peer can add
             self._control.barrier()
         except BaseException:
+            self._set_phase(watchdog.FAILED)  # the peers' watchdogs stop waiting for this rank
             self.close()
             raise
         logger.info(
@@ -247,14 +256,37 @@ class CudaTransport(Transport):
         settings = (self._staging_bytes, str(self._accumulate_dtype))
         return gather_device_facts(self._group, self.world_size, device, settings)
 
+    def _set_phase(self, phase: int) -> None:
+        if self._phase is not None:
+            self._phase.fill_(phase)
+
+    def _phase_of(self, rank: int) -> int:
+        out = torch.empty(1, dtype=torch.int64)
+        self._control.read(rank, _PHASE, out)
+        return int(out)
+
     def _map_segments(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
         """Collective: allocate this rank's zeroed segment and map every peer's; element ``r`` is rank ``r``'s."""
+        self._set_phase(watchdog.ALLOCATING)
+        own = self._allocate_segment(nbytes, device)
+        self._set_phase(watchdog.RENDEZVOUS)
+        segments = self._exchange_segments(own, nbytes)
+        self._set_phase(watchdog.MAPPED)
+        return segments
+
+    def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Collective (every rank of the group calls it): this rank's zeroed segment in symmetric memory."""
         from .._compat import fsdp as compat
 
-        group = self._group or dist.group.WORLD
-        own = compat.symmetric_segment(nbytes, device, group)
+        own = compat.symmetric_segment(nbytes, device, self._group or dist.group.WORLD)
         own.zero_()
-        self._handle = compat.symmetric_rendezvous(own, group)
+        return own
+
+    def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
+        """Collective: the rendezvous; every rank's segment mapped into this process, indexed by rank."""
+        from .._compat import fsdp as compat
+
+        self._handle = compat.symmetric_rendezvous(own, self._group or dist.group.WORLD)
         return [
             own if peer == self.rank else compat.peer_segment(self._handle, peer, nbytes)
             for peer in range(self.world_size)
@@ -319,3 +351,4 @@ class CudaTransport(Transport):
         self._segment = None
         if self._control is not None:
             self._control.close()
+            self._phase = None

@@ -340,6 +340,10 @@ class ShmTransport(Transport):
             else:
                 time.sleep(min(1e-3, 1e-5 * (spins - 199)))
 
+    def dead_peers(self) -> list[int]:
+        """The peers whose processes no longer run (pid and start time checked; empty before ``register``)."""
+        return [p for p, ids in enumerate(self._peer_ids) if p != self.rank and not _pid_matches(*ids)]
+
     def _remove_peer_files(self, peers: list[int]) -> None:
         for peer in peers:
             _unlink_quietly(self._peer_paths[peer])

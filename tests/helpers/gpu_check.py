@@ -116,7 +116,10 @@ class CpuSegmentsCudaTransport(CudaTransport):
         yes = (True,) * self.world_size
         return [DeviceFacts(host="cpu", uuid=g, visible=gpus, access=yes, atomics=yes, free_bytes=2**62) for g in gpus]
 
-    def _map_segments(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+    def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)  # the shared-memory segments are made by `_exchange_segments`
+
+    def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
         self._shm = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
         self._shm.register({"segment": BufferSpec(numel=nbytes, dtype=torch.uint8)})
         return [self._shm._views[peer]["segment"] for peer in range(self.world_size)]

@@ -1,0 +1,53 @@
+"""Workers for the 'cuda' transport's set-up watchdog, on CPU: the transport's protocol over shared memory
+(`CpuSegmentsCudaTransport`) with the symmetric-memory allocation or rendezvous made to fail or hang on one rank."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from odc_accelerate.transport import BufferSpec
+from tests.helpers.gpu_check import CpuSegmentsCudaTransport
+
+FOREVER = 3600.0  # longer than any test's limit: only the watchdog can end it
+
+
+class StuckSetupTransport(CpuSegmentsCudaTransport):
+    """``mode="fail"``: rank 1 runs out of memory allocating its segment while rank 0 waits in the rendezvous;
+    ``mode="hang"``: rank 1 never finishes allocating and rank 0 waits in the rendezvous."""
+
+    def __init__(self, rank: int, world_size: int, mode: str, **kwargs: Any) -> None:
+        super().__init__(rank, world_size, **kwargs)
+        self.mode = mode
+
+    def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self.rank == 1 and self.mode == "fail":
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory while allocating the ODC segment")
+        if self.rank == 1 and self.mode == "hang":
+            time.sleep(FOREVER)
+        return super()._allocate_segment(nbytes, device)
+
+    def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
+        if self.rank == 0:
+            time.sleep(FOREVER)  # torch's rendezvous waits for rank 1 in C++, with no timeout
+        return super()._exchange_segments(own, nbytes)
+
+
+def stuck_setup_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
+    """Register a `StuckSetupTransport`; its stderr goes to ``spec["dir"]/rank<r>.stderr``, its pid to ``.pid``."""
+    out = Path(spec["dir"])
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    os.dup2(os.open(out / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+    transport = StuckSetupTransport(rank, world_size, spec["mode"], timeout=spec["timeout"])
+    transport.register(
+        {
+            "p0": BufferSpec(numel=64, dtype=torch.float32),
+            "g0": BufferSpec(numel=64, dtype=torch.float32, accumulated=True),
+        }
+    )
+    transport.close()
+    return "registered"
