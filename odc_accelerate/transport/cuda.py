@@ -22,8 +22,11 @@ backend is not CUDA, deterministic algorithms are on, or the memory does not fit
 the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
-dead-peer detection). ``flush`` waits for this rank's own queued GPU work (its adds and publishes land); ``barrier``
-flushes, then meets the peers on the host, so only the second part is time spent waiting for peers.
+dead-peer detection) and holds each rank's set-up phase, which a watchdog (:mod:`._setup_watchdog`) reads while the
+symmetric-memory allocation and rendezvous run: they have no timeout, so a rank failing or stalling there ends its
+blocked peers with a message naming it. ``flush`` waits for this rank's own queued GPU work on the streams it used
+(its reads, adds and publishes land), not the whole device; ``barrier`` flushes, then meets the peers on the host,
+so only the second part is time spent waiting for peers.
 """
 
 from __future__ import annotations
