@@ -179,7 +179,7 @@ def _add_fit(entry: dict[str, Any]) -> QuadraticFit | None:
     fit = fit_quadratic([p["length"] for p in points], [p["median_s"] for p in points])
     flops = cost_from_config(entry["config"])
     entry["fit"] = {
-        "model": "median_s = intercept_s + linear_s_per_token * L + quadratic_s_per_token2 * L^2",
+        "formula": "median_s = intercept_s + linear_s_per_token * L + quadratic_s_per_token2 * L^2",
         "method": "least squares on relative residuals, coefficients >= 0",
         "intercept_s": fit.intercept_s,
         "linear_s_per_token": fit.linear_s,
@@ -190,6 +190,7 @@ def _add_fit(entry: dict[str, Any]) -> QuadraticFit | None:
         "flops_linear_per_token": flops.linear,
         "flops_quadratic_per_token2": flops.quadratic,
         "effective_tflops_linear": flops.linear / fit.linear_s / 1e12 if fit.linear_s > 0 else None,
+        "effective_tflops_quadratic": flops.quadratic / fit.quadratic_s / 1e12 if fit.quadratic_s > 0 else None,
     }
     return fit
 
@@ -214,10 +215,15 @@ def _summary(data: dict[str, Any], fits: list[QuadraticFit | None]) -> str:
             lines.append(f"  {p['length']:7d} {p['median_s'] * 1e3:10.2f} {fit_ms} {mem}")
         if fit:
             lines.append(f"  {describe_fit(fit)}")
-            tf = entry["fit"]["effective_tflops_linear"]
-            if tf:
+            rates = [
+                f"{part} part at {entry['fit'][f'effective_tflops_{part}']:.3g}"
+                for part in ("linear", "quadratic")
+                if entry["fit"][f"effective_tflops_{part}"]
+            ]
+            if rates:
                 lines.append(
-                    f"  linear part at {tf:.1f} TFLOP/s of the planner's FLOP count (which counts no recompute)"
+                    f"  {' and '.join(rates)} TFLOP/s of the planner's FLOP count (flops_cost, which counts no "
+                    "activation recompute)"
                 )
         else:
             lines.append("  no fit: fewer than 3 lengths measured")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,9 +110,8 @@ def fit_quadratic(lengths, seconds) -> QuadraticFit:
 
 def describe_fit(fit: QuadraticFit) -> str:
     """One line: the coefficients in readable units and the worst point."""
-    ratio = fit.quadratic_s / fit.linear_s if fit.linear_s > 0 else math.inf
+    ratio = f"{fit.quadratic_s / fit.linear_s:.3e} per token" if fit.linear_s > 0 else "n/a: no linear term"
     return (
         f"time(L) = {fit.intercept_s * 1e3:.3f} ms + {fit.linear_s * 1e6:.4f} us * L + "
-        f"{fit.quadratic_s * 1e9:.6f} ns * L^2 (quadratic/linear {ratio:.3e} per token); "
-        f"max relative error {fit.max_rel_error:.2%}"
+        f"{fit.quadratic_s * 1e9:.6f} ns * L^2 (quadratic/linear {ratio}); max relative error {fit.max_rel_error:.2%}"
     )
