@@ -53,6 +53,8 @@ def run_job(job: dict[str, Any], result_path: Path) -> dict[str, Any]:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: torch sees no CUDA device here; use --device cpu for a dry run.")
+        if device.index is None:  # torch.cuda.set_device refuses a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     result: dict[str, Any] = {
         "model": name,

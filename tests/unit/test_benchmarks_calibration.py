@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.calibration import (
     MODEL_CONFIGS,
@@ -266,3 +267,33 @@ def test_module_on_cpu_writes_a_file_the_loader_and_simulator_accept(tmp_path):
     hw = Hardware(flops=1.0, gpus_per_node=1, intra_bw=1e30, inter_bw=1e30)
     res = simulate([[[0], [1]]], np.array([100, 200]), spec, hw, "fsdp2")
     assert res.step_s == pytest.approx(float(cal.seconds(100) + cal.seconds(200)), rel=1e-12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_module_without_cuda_says_so_and_fails(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.calibration", "--models", "tiny", "--lengths", "16,32,64"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "torch sees no CUDA device here; use --device cpu" in proc.stdout
+    (entry,) = json.loads((tmp_path / "calibration.json").read_text())["models"]
+    assert entry["fit"] is None and "torch sees no CUDA device" in entry["error"]
+    with pytest.raises(CalibrationError, match="has no fit .*torch sees no CUDA device"):
+        load_calibration(tmp_path, "tiny")
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    from benchmarks.calibration.cli import main
+
+    for argv, match in [
+        (["--models", "qwen9"], "unknown ['qwen9']"),
+        (["--lengths", "16,32"], "at least 3 distinct lengths"),
+        (["--lengths", "16,32,x"], "comma-separated list"),
+        (["--models", "qwen2.5-0.5b", "--lengths", "256,512,65536"], "beyond qwen2.5-0.5b's max_position_embeddings"),
+        (["--attn", "flash"], "unknown 'flash'"),
+        (["--repeats", "2", "--min-repeats", "3"], "--min-repeats <= --repeats"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv + ["--out", "unused"])
+        assert exc.value.code == 2
+        assert match in capsys.readouterr().err
