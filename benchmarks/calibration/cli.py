@@ -26,7 +26,7 @@ from odc_accelerate.planning import cost_from_config
 ATTN_KINDS = ("sdpa", "flash_attention_2", "eager")
 # Time a process may take beyond its share of the budget before it is killed: interpreter start, imports, CUDA
 # context, building the model (the per-length loop itself keeps to the share).
-GRACE_S = 120.0
+GRACE_S = 60.0
 
 
 def _csv(kind, what: str):
@@ -176,7 +176,11 @@ def _add_fit(entry: dict[str, Any]) -> QuadraticFit | None:
     if len(points) < 3:
         entry["fit"] = None
         return None
-    fit = fit_quadratic([p["length"] for p in points], [p["median_s"] for p in points])
+    try:
+        fit = fit_quadratic([p["length"] for p in points], [p["median_s"] for p in points])
+    except ValueError as exc:  # times that do not grow with L: keep the file and its raw points, say why
+        entry["fit"], entry["fit_error"] = None, str(exc)
+        return None
     flops = cost_from_config(entry["config"])
     entry["fit"] = {
         "formula": "median_s = intercept_s + linear_s_per_token * L + quadratic_s_per_token2 * L^2",
@@ -225,9 +229,9 @@ def _summary(data: dict[str, Any], fits: list[QuadraticFit | None]) -> str:
                     f"  {' and '.join(rates)} TFLOP/s of the planner's FLOP count (flops_cost, which counts no "
                     "activation recompute)"
                 )
-        else:
+        elif not entry.get("fit_error"):
             lines.append("  no fit: fewer than 3 lengths measured")
-        for key in ("stopped", "error"):
+        for key in ("stopped", "error", "fit_error"):
             if entry.get(key):
                 lines.append(f"  {key}: {entry[key]}")
         lines.append("")

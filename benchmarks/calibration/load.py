@@ -155,7 +155,9 @@ def load_calibration(path: str | Path, model: str, attn_implementation: str | No
     where, entry = entries[0]
     fit = entry.get("fit")
     if fit is None:
-        reason = entry.get("error") or entry.get("stopped") or "fewer than 3 lengths measured"
+        reason = (
+            entry.get("error") or entry.get("fit_error") or entry.get("stopped") or "fewer than 3 lengths measured"
+        )
         raise CalibrationError(f"{path}: {model!r} has no fit ({reason}). Measure it again with `{WRITER}`.")
     fit_where = f"{where}['fit']"
     _get(entry, "fit", dict, where, path)

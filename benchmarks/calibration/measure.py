@@ -79,6 +79,8 @@ def run_job(job: dict[str, Any], result_path: Path) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, job["dtype"]), attn_implementation=job["attn_implementation"]
         )
+    if any(p.device != device for p in model.parameters()):  # a transformers version that ignores the context
+        model.to(device)
     model.config.use_cache = False
     model.train()
     if job["gradient_checkpointing"]:  # TRL's SFTConfig default (gradient_checkpointing=True)

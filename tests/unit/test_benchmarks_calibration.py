@@ -234,17 +234,18 @@ def test_measure_stops_at_its_deadline(tmp_path):
 def test_module_on_cpu_writes_a_file_the_loader_and_simulator_accept(tmp_path):
     out = tmp_path / "calib"
     cmd = [sys.executable, "-m", "benchmarks.calibration", "--device", "cpu", "--models", "tiny"]
-    cmd += ["--lengths", "16,32,64", "--warmup", "1", "--repeats", "3", "--threads", "1", "--out", str(out)]
+    # Lengths far apart: on a shared CPU, noise would swamp the difference between close short lengths.
+    cmd += ["--lengths", "64,512,2048", "--warmup", "1", "--repeats", "3", "--threads", "1", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[calibration] tiny (sdpa): L=    64" in proc.stdout  # progress is printed as it goes
+    assert "[calibration] tiny (sdpa): L=  2048" in proc.stdout  # progress is printed as it goes
     data = json.loads((out / "calibration.json").read_text())
     assert data["format"] == FORMAT and data["device"]["type"] == "cpu"
     assert data["versions"]["torch"] and data["versions"]["transformers"] and data["created"]
     (entry,) = data["models"]
     assert entry["model"] == "tiny" and entry["config"] == MODEL_CONFIGS["tiny"]
-    assert [p["length"] for p in entry["points"]] == [16, 32, 64]
+    assert [p["length"] for p in entry["points"]] == [64, 512, 2048]
     for p in entry["points"]:
         assert len(p["times_s"]) == 3 and p["median_s"] == sorted(p["times_s"])[1]
     fit = entry["fit"]
@@ -297,3 +298,16 @@ def test_cli_refuses_bad_arguments(capsys):
             main(argv + ["--out", "unused"])
         assert exc.value.code == 2
         assert match in capsys.readouterr().err
+
+
+def test_a_failed_fit_keeps_the_points_and_says_why(tmp_path):
+    from benchmarks.calibration.cli import _add_fit
+
+    entry = _entry("qwen2.5-1.5b", MODEL_CONFIGS["qwen2.5-1.5b"])
+    for p, s in zip(entry["points"], np.linspace(3.0, 1.0, LENGTHS.size), strict=True):
+        p["median_s"] = float(s)  # times that fall with the length
+    assert _add_fit(entry) is None
+    assert entry["fit"] is None and "do not grow with the length" in entry["fit_error"]
+    path = _write(tmp_path / "calibration.json", entry)
+    with pytest.raises(CalibrationError, match=r"has no fit \(fit_quadratic found no non-negative fit"):
+        load_calibration(path, "qwen2.5-1.5b")
