@@ -112,6 +112,6 @@ def describe_fit(fit: QuadraticFit) -> str:
     """One line: the coefficients in readable units and the worst point."""
     ratio = f"{fit.quadratic_s / fit.linear_s:.3e} per token" if fit.linear_s > 0 else "n/a: no linear term"
     return (
-        f"time(L) = {fit.intercept_s * 1e3:.3f} ms + {fit.linear_s * 1e6:.4f} us * L + "
-        f"{fit.quadratic_s * 1e9:.6f} ns * L^2 (quadratic/linear {ratio}); max relative error {fit.max_rel_error:.2%}"
+        f"time(L) = {fit.intercept_s * 1e3:.4g} ms + {fit.linear_s * 1e6:.4g} us * L + "
+        f"{fit.quadratic_s * 1e9:.4g} ns * L^2 (quadratic/linear {ratio}); max relative error {fit.max_rel_error:.2%}"
     )
