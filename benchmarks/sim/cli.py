@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.calibration.load import CalibrationError
 from benchmarks.sim.results import E2E_SFT_RESULTS, ENGINE_RESULTS, TRANSPORT_RESULTS
 from benchmarks.sim.scale import MODELS, run_scale
 from benchmarks.sim.simulator import H100
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--contention", type=float, default=1.0, help="factor >= 1 on ODC one-sided traffic")
         p.add_argument("--no-overlap", action="store_true", help="communication does not overlap compute")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument(
+            "--calibration",
+            default=None,
+            help="calibration.json of `python -m benchmarks.calibration`: measured GPU compute time per model, in "
+            "place of the FLOP count at --tflops (models it lacks keep the FLOP count; the output names the source)",
+        )
         p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
         run = run_scale
     elif cmd == "validate-e2e":
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         res = run(args)
-    except FileNotFoundError as exc:  # a stored result is missing: the message names the command that writes it
+    except (FileNotFoundError, CalibrationError) as exc:  # missing or unusable input: the message says what to do
         p.exit(2, f"{p.prog}: error: {exc}\n")
     if args.json:
         print(json.dumps(res, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))

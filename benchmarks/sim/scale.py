@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -23,11 +24,44 @@ PAPER_SFT_MAX_SPEEDUP = 1.36  # "Revisiting Parameter Server in LLM Post-Trainin
 
 def planner_cost(model: ModelSpec) -> QuadraticCost:
     """The planner's cost of a sample: the FLOP model the simulator charges (what ``cost="auto"`` derives from a
-    config)."""
+    config), or the measured seconds of a calibration (only its ratios matter to the planner)."""
+    if model.seconds is not None:
+        return model.seconds
     return flops_cost(
         model.layers, model.hidden, model.intermediate, model.heads, model.kv_heads, model.vocab, model.head_dim,
         model.gated_mlp,
     )  # fmt: skip
+
+
+def compute_sources(names: list[str], calibration: str | None, tflops: float) -> tuple[dict[str, ModelSpec], dict]:
+    """Each model's `ModelSpec` and where its compute time comes from: a calibration file's measured seconds when
+    ``calibration`` names one that has the model (``qwen2.5-<name>``), else the FLOP count at ``tflops`` (assumed).
+
+    Raises:
+        FileNotFoundError / `benchmarks.calibration.CalibrationError`: an unusable file, or a file whose model
+            shape differs from the simulator's.
+    """
+    models, sources = {name: MODELS[name] for name in names}, {}
+    assumed = f"FLOP count at {tflops:.0f} TFLOP/s per GPU (assumed)"
+    if calibration is None:
+        return models, {name: assumed for name in names}
+    from benchmarks.calibration import CalibrationError, calibrated_models, load_calibration
+
+    available = calibrated_models(calibration)
+    for name in names:
+        key = f"qwen2.5-{name}"
+        if key not in available:
+            sources[name] = f"{assumed}: {calibration} has no {key}"
+            continue
+        cal = load_calibration(calibration, key)
+        measured = ModelSpec.from_config(cal.config)
+        if measured != replace(models[name], param_bytes=measured.param_bytes, grad_bytes=measured.grad_bytes):
+            raise CalibrationError(
+                f"{calibration}: the shape of {key} ({measured}) is not the simulator's ({MODELS[name]})."
+            )
+        models[name] = replace(models[name], seconds=cal.cost, fixed_s=cal.intercept_s)
+        sources[name] = cal.describe()
+    return models, sources
 
 
 def _random_plan(n: int, world: int) -> list[list[list[int]]]:
@@ -84,12 +118,15 @@ def run_scale(args: argparse.Namespace) -> dict:
         contention=args.contention,
     )
     rng = np.random.default_rng(args.seed)
+    models, sources = compute_sources(args.models, getattr(args, "calibration", None), hw.flops / 1e12)
     print(
         f"Simulated step times: {hw.flops / 1e12:.0f} TFLOP/s effective per GPU, {hw.gpus_per_node} GPUs/node, "
         f"intra {hw.intra_bw / 1e9:.0f} GB/s ({hw.intra_lat * 1e6:.0f} us/hop), inter {hw.inter_bw / 1e9:.0f} GB/s "
         f"({hw.inter_lat * 1e6:.0f} us/hop), overlap={hw.overlap}, contention={hw.contention}, bf16 params, fp32 "
         f"grad reduce; {args.samples_per_rank} samples per rank per step"
     )
+    for name in args.models:
+        print(f"compute, {name}: {sources[name]}")
     header = (
         f"{'model':6s} {'GPUs':>5s} {'arm':24s} {'step s':>8s} {'Mtok/s':>8s} {'bubble%':>8s} {'vs rand':>8s} "
         f"{'vs BRS':>7s} {'vs lock':>7s} {'/limit':>7s}"
@@ -97,7 +134,7 @@ def run_scale(args: argparse.Namespace) -> dict:
     results: dict = {}
     printed_dist = False
     for name in args.models:
-        model = MODELS[name]
+        model = models[name]
         results[name] = {}
         for world in args.worlds:
             spr = args.samples_per_rank * world
@@ -151,4 +188,5 @@ def run_scale(args: argparse.Namespace) -> dict:
         f"FSDP2 + lockstep plan (same balancing effort): {min(lock):.2f}x-{max(lock):.2f}x "
         f"(paper, SFT: up to {PAPER_SFT_MAX_SPEEDUP:.2f}x over FSDP)"
     )
+    results["compute_source"] = sources
     return results

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from odc_accelerate.planning import flops_cost
+from odc_accelerate.planning import QuadraticCost, flops_cost
 
 Plan = list[list[list[int]]]
 
@@ -58,6 +58,11 @@ class ModelSpec:
         tied_embeddings (`bool`, *optional*, defaults to `False`): embedding and LM head share one matrix.
         param_bytes (`int`, *optional*, defaults to 2): bytes per gathered parameter (bf16 mixed precision).
         grad_bytes (`int`, *optional*, defaults to 4): bytes per reduced gradient element (fp32 reduce).
+        seconds (`QuadraticCost`, *optional*): measured seconds of one sequence's forward + backward on one device
+            (`benchmarks.calibration`); when set, compute time is this instead of FLOPs / ``Hardware.flops``, split
+            over the param groups as the FLOP count splits it.
+        fixed_s (`float`, *optional*, defaults to 0): measured fixed seconds per microbatch (the calibration's
+            intercept), with ``seconds`` only.
     """
 
     layers: int
@@ -71,6 +76,8 @@ class ModelSpec:
     tied_embeddings: bool = False
     param_bytes: int = 2
     grad_bytes: int = 4
+    seconds: QuadraticCost | None = None
+    fixed_s: float = 0.0
 
     def __post_init__(self):
         for name in ("layers", "hidden", "intermediate", "heads"):
@@ -275,6 +282,10 @@ class StepResult:
 def _per_group_compute(tok: np.ndarray, sq: np.ndarray, model: ModelSpec, hw: Hardware) -> np.ndarray:
     """Compute seconds ``[group, r, k]`` (forward + backward) of every microbatch in every param group."""
     lin, quad, _ = model.group_costs()
+    if model.seconds is not None:  # measured: the FLOP count only says how the time splits over the groups
+        lin_s, quad_s = lin * (model.seconds.linear / lin.sum()), quad * (model.seconds.quadratic / quad.sum())
+        fixed = np.full(lin.shape, model.fixed_s / lin.size)[:, None, None] * (tok > 0)[None]
+        return lin_s[:, None, None] * tok[None] + quad_s[:, None, None] * sq[None] + fixed
     return (lin[:, None, None] * tok[None] + quad[:, None, None] * sq[None]) / hw.flops
 
 
