@@ -51,5 +51,5 @@ case "$step" in
 sys.exit(0 if v >= (24, 0) else f"pyarrow {pyarrow.__version__} < 24: add pyarrow to GPU_WHEELS and rebuild .whl")'
     "$python" -m tests.helpers.gpu_trainer --device cuda --out "$out/trainer" ;;
   calibrate)
-    "$python" -m benchmarks.calibration --device cuda --out "$out/calibrate" --budget-s "${BUDGET_S:-480}" ;;
+    "$python" -m benchmarks.calibration --device cuda --out "$out/calibrate" --budget-s "${BUDGET_S:-420}" ;;
 esac
