@@ -245,7 +245,7 @@ class ODCEngine:
         self._device = compat.group_device(entries[0][1])
         if replicate_pg is not None:
             name = transport if isinstance(transport, str) else getattr(transport, "name", "")
-            hsdp.check_shard_group_hosts(self._pg, self.world_size, self.replicas, name)
+            hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
 
         specs: dict[str, BufferSpec] = {}
         for index, (module, group) in enumerate(entries):

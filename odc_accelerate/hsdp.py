@@ -40,30 +40,36 @@ _NOTE_WAIT_S = 30.0  # how long a rank whose all-reduce failed waits for the not
 CPU_TRANSPORTS_ACROSS_HOSTS = ("network", "hierarchical")
 
 
-def check_shard_group_hosts(
-    shard_group: dist.ProcessGroup, shard_size: int, replicate_size: int, transport: object
-) -> None:
-    """Collective over the shard group: refuse a shard group whose ranks run on more than one host.
+def check_shard_group_hosts(shard_groups: list[list[int]], transport: object) -> None:
+    """Collective over the whole job: refuse the mesh if any shard group's ranks run on more than one host.
 
-    ODC's per-layer traffic inside the shard group needs shared memory (CPU) or CUDA IPC (GPU), both within a host.
-    An explicit ``network`` / ``hierarchical`` transport (CPU) is accepted: it reaches other hosts.
+    ODC's per-layer traffic inside a shard group needs shared memory (CPU) or CUDA IPC (GPU), both within a host.
+    An explicit ``network`` / ``hierarchical`` transport (CPU) is accepted: it reaches other hosts. Every rank decides
+    from every rank's host, so all raise together.
+
+    Args:
+        shard_groups (`list[list[int]]`): the global ranks of each shard group (the rows of the 2-D mesh).
+        transport: the engine's ``transport`` argument.
 
     Raises:
-        ValueError: on every rank of the shard group, naming the hosts and the fix.
+        ValueError: on every rank, naming the hosts and the fix.
     """
     from .transport.hierarchical import gather_hosts, host_layout
 
     if transport in CPU_TRANSPORTS_ACROSS_HOSTS:
         return
-    hosts = host_layout(gather_hosts(shard_group, shard_size))
-    if len(hosts) == 1:
+    hosts = gather_hosts(None, dist.get_world_size())
+    spread = [ranks for ranks in shard_groups if len({hosts[r] for r in ranks}) > 1]
+    if not spread:
         return
-    per_host = [len(ranks) for ranks in hosts]
+    per_host = [len(ranks) for ranks in host_layout(hosts)]
+    shard = min(per_host)
     raise ValueError(
-        f"ODC with HSDP needs each shard group on one host, but this shard group of {shard_size} ranks spans "
-        f"{len(hosts)} hosts (ranks per host {per_host}). Make the shard dimension fit in a node: set dp_shard_size "
-        f"(parallelism_config_dp_shard_size) to at most the processes per node ({min(per_host)} here) and "
-        f"dp_replicate_size to the number of nodes (now {replicate_size}). On CPU, full sharding across hosts is "
+        f"ODC with HSDP needs each shard group on one host, but the shard group of ranks {spread[0]} spans "
+        f"{len({hosts[r] for r in spread[0]})} hosts (the job runs {per_host} processes on {len(per_host)} hosts). "
+        f"Make the shard dimension fit in a node: set dp_shard_size (parallelism_config_dp_shard_size) to the "
+        f"processes per node ({shard}) or a divisor of it, and dp_replicate_size to the rest "
+        f"({dist.get_world_size() // shard} with dp_shard_size {shard}). On CPU, full sharding across hosts is "
         "possible with a 1-D mesh (no parallelism_config) and odc_transport: hierarchical."
     )
 

@@ -301,6 +301,12 @@ def mesh_of(group: Any) -> Any:
     return group.mesh_info.mesh
 
 
+def mesh_ranks(group: Any) -> list[list[int]]:
+    """The global ranks of ``group``'s mesh, one list per row (on an HSDP mesh: per shard group)."""
+    ranks = mesh_of(group).mesh
+    return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
+
 def clear_partial_reduce_output(group: Any) -> None:
     """Drop the buffer FSDP2 keeps between reduce-scatters that skip the HSDP all-reduce (``all_reduce_grads``
     False). Under ODC it only ever holds the zeros the hook returns; dropping it frees that memory between steps."""
