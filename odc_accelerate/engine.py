@@ -57,7 +57,9 @@ class StepStats:
         publish_s: time publishing the new shards after the optimizer step.
         flush_s: time waiting, before a barrier, for this rank's own queued device work (its backward, adds and
             publishes; GPU transports only). Busy, not wait: ``wait_s`` is time blocked on peers only.
-        replicate_s: HSDP only: time in the step's all-reduce across replicas (packing, waiting, folding excluded).
+        replicate_s: HSDP only: time in the step's all-reduce across replicas (packing and waiting; folding excluded).
+            Counted in ``wait_s`` too: a rank there is blocked on its replicas.
+        replicate_bytes: HSDP only: bytes this rank's step all-reduced across replicas.
         gathers / scatters: hook calls during the step.
         bytes_read / bytes_accumulated: payload moved through the transport.
         transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
@@ -519,7 +521,9 @@ class ODCEngine:
         waited = time.perf_counter()
         try:
             for index, summed, touched_anywhere in self._replicas.reduce(accumulators, touched):
-                self.stats.replicate_s += time.perf_counter() - waited
+                blocked = time.perf_counter() - waited
+                self.stats.replicate_s += blocked
+                self.stats.wait_s += blocked
                 if index is not None and touched_anywhere[index]:
                     compat.fold_into_grads(self._groups[index].group, summed)
                 waited = time.perf_counter()
