@@ -246,6 +246,7 @@ class ODCEngine:
         self._check_same_model_everywhere(entries, problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
         if replicate_pg is not None:
+            compat.check_hsdp(entries[0][1])
             name = transport if isinstance(transport, str) else getattr(transport, "name", "")
             hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
 

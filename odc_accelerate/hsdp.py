@@ -217,7 +217,8 @@ def report_failure(err: ODCTimeoutError, shard_group: dist.ProcessGroup) -> ODCT
     store = _store()
     if store is not None:
         try:
-            store.set(_FAILURE_KEY, ",".join(map(str, dead)) + "|" + text)
+            # The first note wins: later ones come from ranks that saw a peer leave because of the first failure.
+            store.compare_set(_FAILURE_KEY, "", ",".join(map(str, dead)) + "|" + text)
         except Exception as store_err:  # the store lives in a process that may be the one that died
             logger.debug("could not leave the failure note: %s", store_err)
     return ODCTimeoutError(f"ODC (HSDP): {text}", dead)

@@ -307,6 +307,12 @@ def mesh_ranks(group: Any) -> list[list[int]]:
     return ranks.reshape(-1, ranks.shape[-1]).tolist()
 
 
+def check_hsdp(group: Any) -> None:
+    """Verify the FSDP2 internals the engine touches on an HSDP mesh (at start, not at the first step)."""
+    for attr in ("_partial_reduce_output", "all_reduce_grads"):
+        _require(group, attr, "FSDPParamGroup")
+
+
 def clear_partial_reduce_output(group: Any) -> None:
     """Drop the buffer FSDP2 keeps between reduce-scatters that skip the HSDP all-reduce (``all_reduce_grads``
     False). Under ODC it only ever holds the zeros the hook returns; dropping it frees that memory between steps."""
