@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import hsdp
 from ._compat import CompatError, warn_if_untested
 from ._compat import fsdp as compat
-from .transport import BufferSpec, Transport, create_transport
+from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class StepStats:
         publish_s: time publishing the new shards after the optimizer step.
         flush_s: time waiting, before a barrier, for this rank's own queued device work (its backward, adds and
             publishes; GPU transports only). Busy, not wait: ``wait_s`` is time blocked on peers only.
+        replicate_s: HSDP only: time in the step's all-reduce across replicas (packing and waiting; folding excluded).
+            Counted in ``wait_s`` too: a rank there is blocked on its replicas.
+        replicate_bytes: HSDP only: bytes this rank's step all-reduced across replicas.
         gathers / scatters: hook calls during the step.
         bytes_read / bytes_accumulated: payload moved through the transport.
         transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
@@ -72,6 +76,8 @@ class StepStats:
     bytes_accumulated: int = 0
     flush_s: float = 0.0
     transport_bytes: int = 0
+    replicate_s: float = 0.0
+    replicate_bytes: int = 0
 
 
 @dataclass
@@ -122,6 +128,13 @@ class _ODCReduceScatter(compat.ReduceScatter):
         return None
 
 
+class _ODCReduceScatterHSDP(_ODCReduceScatter):
+    """The reduce-scatter hook on an HSDP mesh: FSDP2's per-microbatch all-reduce across replicas is switched off
+    (the engine all-reduces once per step)."""
+
+    odc_defers_all_reduce = True
+
+
 class ODCEngine:
     """Turn an FSDP2 model into an ODC model: per-layer one-sided communication, one sync per step.
 
@@ -130,7 +143,10 @@ class ODCEngine:
     Args:
         model (`torch.nn.Module`):
             The ROOT module returned by ``fully_shard``, with every block already wrapped. One param
-            group per ``fully_shard`` call, a 1-D mesh (no HSDP), ``reshard_after_forward`` a bool.
+            group per ``fully_shard`` call, ``reshard_after_forward`` a bool, and a 1-D mesh or a 2-D
+            (replicate, shard) HSDP mesh covering every rank of the job. On an HSDP mesh ODC runs within each shard
+            group, which must be on one host, and the gradient shards are all-reduced across replicas once per step
+            in ``pre_optimizer_step`` (see `odc_accelerate.hsdp`).
         transport (`str` or `Transport`, *optional*, defaults to `"auto"`):
             ``"auto"`` (shared memory for CPU tensors), ``"shm"``, or a :class:`~odc_accelerate.transport.Transport`.
         timeout (`float`, *optional*, defaults to 600.0):
@@ -144,6 +160,8 @@ class ODCEngine:
             require grad, no accumulator is allocated, the shards are published once here, and forwards read
             them with no synchronisation at all (there is no optimizer step to call). After changing the
             weights (e.g. syncing a reference model), call `republish` on every rank.
+        replicate_bucket_bytes (`int`, *optional*, defaults to 64 MiB):
+            HSDP only: bucket size of the once-per-step all-reduce across replicas.
 
     Example:
 
@@ -176,10 +194,12 @@ class ODCEngine:
         *,
         sync_every_hook: bool = False,
         frozen: bool = False,
+        replicate_bucket_bytes: int = hsdp.DEFAULT_BUCKET_BYTES,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[_Group] = []
         self.transport: Transport | None = None
+        self._replicas: hsdp.ReplicaReducer | None = None
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not compat.is_fsdp2(model):
@@ -214,8 +234,21 @@ class ODCEngine:
         # next collective.
         self._pg = compat.shard_group(entries[0][1]) if entries else None
         self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
-        self._check_same_model_everywhere(entries, problem)
+        replicate_pg = compat.replicate_group(entries[0][1]) if entries else None
+        #: replicas of each shard (1 without HSDP); the engine's ``world_size`` is the shard group's
+        self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
+        if replicate_pg is not None and compat.mesh_of(entries[0][1]).size() != dist.get_world_size():
+            problem = problem or (
+                f"ODC with HSDP needs the (replicate, shard) mesh to cover every rank of the job, but it has "
+                f"{compat.mesh_of(entries[0][1]).size()} of {dist.get_world_size()}. Build the mesh over all ranks."
+            )
+        # HSDP: the whole job checks together (a refusal on one replica must reach the others).
+        self._check_same_model_everywhere(entries, problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
+        if replicate_pg is not None:
+            compat.check_hsdp(entries[0][1])
+            name = transport if isinstance(transport, str) else getattr(transport, "name", "")
+            hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
 
         specs: dict[str, BufferSpec] = {}
         for index, (module, group) in enumerate(entries):
@@ -239,6 +272,16 @@ class ODCEngine:
                 specs[f"g{index}"] = BufferSpec(numel=g.reduce_numel, dtype=rdtype, accumulated=True)
         specs["touched"] = BufferSpec(numel=len(self._groups), dtype=torch.uint8)
 
+        if replicate_pg is not None and not self.frozen:
+            layout = [(g.index, g.reduce_numel, g.reduce_dtype) for g in self._groups if f"g{g.index}" in specs]
+            self._replicas = hsdp.ReplicaReducer(
+                replicate_pg,
+                layout,
+                len(self._groups),
+                self._device,
+                self.timeout,
+                bucket_bytes=replicate_bucket_bytes,
+            )
         self.transport = create_transport(
             transport,
             rank=self.rank,
@@ -253,10 +296,11 @@ class ODCEngine:
                 # Engine owns the divisor (applied at the fold): sum-only hooks, and a known layout.
                 module = g.module
                 module.set_force_sum_reduction_for_comms(True)
-                compat.fix_reduce_scatter_layout(module)
+                compat.fix_reduce_scatter_layout(module, defer_all_reduce=replicate_pg is not None)
                 module.set_custom_all_gather(_ODCAllGather(self, g.index))
                 if not self.frozen:
-                    module.set_custom_reduce_scatter(_ODCReduceScatter(self, g.index))
+                    hook = _ODCReduceScatterHSDP if replicate_pg is not None else _ODCReduceScatter
+                    module.set_custom_reduce_scatter(hook(self, g.index))
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0
@@ -266,12 +310,15 @@ class ODCEngine:
             raise
         _watch_for_exit(self)
         logger.info(
-            "ODC engine on rank %d/%d: %d param groups%s, transport %s",
+            "ODC engine on rank %d/%d: %d param groups%s, transport %s%s",
             self.rank,
             self.world_size,
             len(self._groups),
             " (frozen, gather-only)" if self.frozen else "",
             self.transport.name,
+            f", HSDP: {self.replicas} replicas, {len(self._replicas.buckets)} all-reduce bucket(s) per step"
+            if self._replicas is not None
+            else "",
         )
 
     # ------------------------------------------------------------------ set-up checks
@@ -293,11 +340,8 @@ class ODCEngine:
                 )
             for group in groups:
                 fqn = compat.group_fqn(group)
-                if compat.is_hsdp_or_ddp(group):
-                    raise ValueError(
-                        f"ODC supports a 1-D FSDP mesh only; {fqn} uses HSDP/replication or a 2-D mesh. "
-                        "Pass a 1-D DeviceMesh (or none) to fully_shard."
-                    )
+                if (problem := compat.mesh_problem(group)) is not None:
+                    raise ValueError(problem)
                 if compat.uses_hpz(group):
                     raise ValueError(
                         f"ODC does not support reshard_after_forward as an int (HPZ) yet; {fqn} uses it. "
@@ -312,23 +356,26 @@ class ODCEngine:
                 entries.append((module, group))
         if not entries:
             raise ValueError("the FSDP2 model has no parameters to shard; nothing for ODC to do")
-        pgs = {id(compat.shard_group(g)) for _, g in entries}
+        pgs = {(id(compat.shard_group(g)), id(compat.replicate_group(g))) for _, g in entries}
         if len(pgs) != 1:
             raise ValueError("ODC needs every fully_shard call to use the same mesh / process group")
         return entries
 
-    def _check_same_model_everywhere(self, entries: list[tuple[nn.Module, Any]], problem: str | None) -> None:
+    def _check_same_model_everywhere(
+        self, entries: list[tuple[nn.Module, Any]], problem: str | None, group: Any = None
+    ) -> None:
         """All ranks must build the same groups in the same order, or reads would mix layers.
 
-        Also the one place where a set-up error found on some ranks only is raised on every rank.
+        Also the one place where a set-up error found on some ranks only is raised on every rank of ``group``.
         """
         signature = [(compat.group_fqn(g), compat.group_layout(g), str(compat.reduce_dtype(g))) for _, g in entries]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (signature, problem), group=self._pg)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (signature, problem), group=group)
+        rank = dist.get_rank(group)
         problems = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
         if problems:
-            rank, text = problems[0]
-            raise ValueError(text if rank == self.rank else f"rank {rank} refused the model: {text}")
+            first, text = problems[0]
+            raise ValueError(text if first == rank else f"rank {first} refused the model: {text}")
         signatures = [s for s, _ in gathered]
         different = [r for r, s in enumerate(signatures) if s != signatures[0]]
         if different:
@@ -420,6 +467,12 @@ class ODCEngine:
             self.stats.flush_s += time.perf_counter() - start
             start = time.perf_counter()
             self.transport.barrier()
+        except ODCTimeoutError as err:
+            self._state = EngineState.BROKEN
+            if self.replicas > 1 and self._pg is not None:
+                # Name the dead rank by its global rank, and tell the other hosts (whose all-reduce fails) who it was.
+                raise hsdp.report_failure(err, self._pg) from err
+            raise
         except BaseException:
             self._state = EngineState.BROKEN
             raise
@@ -447,18 +500,45 @@ class ODCEngine:
             if peer != self.rank:
                 self.transport.read(peer, "touched", peer_flags)
                 any_touched |= peer_flags
-        touched_anywhere = any_touched.tolist()  # one device-to-host copy per step, not one per param group
-        for g in self._groups:
-            if g.reduce_dtype is None or not touched_anywhere[g.index]:
-                continue
-            acc = self._buffers[f"g{g.index}"]
-            reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
-            acc.zero_()  # safe: no peer adds again before the post-step barrier
-            compat.fold_into_grads(g.group, reduce_output)
+        if self._replicas is not None:
+            self._fold_across_replicas(any_touched)
+        else:
+            touched_anywhere = any_touched.tolist()  # one device-to-host copy per step, not one per param group
+            for g in self._groups:
+                if g.reduce_dtype is None or not touched_anywhere[g.index]:
+                    continue
+                acc = self._buffers[f"g{g.index}"]
+                reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
+                acc.zero_()  # safe: no peer adds again before the post-step barrier
+                compat.fold_into_grads(g.group, reduce_output)
         for g in self._groups:
             g.touched = False
-        self.stats.fold_s += time.perf_counter() - start
+        self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s
         self._state = EngineState.IN_OPTIMIZER
+
+    def _fold_across_replicas(self, touched: torch.Tensor) -> None:
+        """HSDP: sum this rank's owned shards over the replicas (bucketed all-reduces), folding as buckets arrive."""
+        accumulators = {g.index: self._buffers[f"g{g.index}"] for g in self._groups if f"g{g.index}" in self._buffers}
+        waited = time.perf_counter()
+        try:
+            for index, summed, touched_anywhere in self._replicas.reduce(accumulators, touched):
+                blocked = time.perf_counter() - waited
+                self.stats.replicate_s += blocked
+                self.stats.wait_s += blocked
+                if index is not None and touched_anywhere[index]:
+                    compat.fold_into_grads(self._groups[index].group, summed)
+                waited = time.perf_counter()
+        except BaseException:
+            self._state = EngineState.BROKEN
+            raise
+        self.stats.replicate_bytes += self._replicas.nbytes()
+        for g in self._groups:
+            compat.clear_partial_reduce_output(g.group)
+
+    @property
+    def replicate_buckets(self) -> list[list[int]]:
+        """HSDP: the param-group indices of each all-reduce bucket (one all-reduce per bucket and step); else []."""
+        return self._replicas.bucket_groups if self._replicas is not None else []
 
     @torch.no_grad()
     def post_optimizer_step(self) -> None:

@@ -1,4 +1,7 @@
-"""``python -m benchmarks.e2e sft`` (and ``dpo``): the real training example, end to end, arm against arm.
+"""``python -m benchmarks.e2e sft`` (and ``dpo``, ``sft_hsdp``): the real training example, end to end, arm against arm.
+
+``sft_hsdp`` runs the same arms on a 2-D mesh, 2 replicas x 2 shards (4 processes, ``fsdp2_hsdp_cpu.yaml`` /
+``odc_hsdp_cpu.yaml``): FSDP2's HSDP against ODC within each shard group with one all-reduce across replicas per step.
 
 Each arm runs the example script (``examples/sft/train.py``, ``examples/dpo/train.py``) unchanged with ``accelerate
 launch`` on 2 CPU processes (one thread each), on the same model, data and samples per optimizer step; only the way

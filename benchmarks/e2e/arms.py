@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ class Workload:
         planned_args (`tuple[str, ...]`): script arguments for the arms on this package's plan (which pack several
             samples into one microbatch).
         unsupported (`dict[str, str]`): arms that cannot run on this workload, with the reason.
+        config_files (`dict[str, str]`): accelerate config files that replace the arms' own (e.g. the HSDP versions);
+            the world size is the ODC arm's config's ``num_processes``.
     """
 
     name: str
@@ -72,6 +74,11 @@ class Workload:
     args: tuple[str, ...] = ()
     planned_args: tuple[str, ...] = ()
     unsupported: dict[str, str] = field(default_factory=dict)
+    config_files: dict[str, str] = field(default_factory=dict)
+
+    def config_of(self, arm: Arm) -> str | None:
+        """The accelerate config file ``arm`` runs with on this workload (`None`: the limit)."""
+        return None if arm.config is None else self.config_files.get(arm.config, arm.config)
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -106,6 +113,13 @@ WORKLOADS: dict[str, Workload] = {
         },
     ),
 }
+# The SFT example on a 2-D mesh (2 replicas x 2 shards, 4 processes): FSDP2's HSDP under the three samplers vs ODC
+# inside each shard group with one all-reduce across replicas per step. Same arms, the HSDP config files.
+WORKLOADS["sft_hsdp"] = replace(
+    WORKLOADS["sft"],
+    name="sft_hsdp",
+    config_files={"fsdp2_cpu.yaml": "fsdp2_hsdp_cpu.yaml", "odc_cpu.yaml": "odc_hsdp_cpu.yaml"},
+)
 
 QUICK = dict(arms=("fsdp2_random", "odc"), repeats=1, max_steps=2, warmup=1, max_length=64, batch=1, grad_accum=2)
 """Defaults of ``--quick``: a tiny run for tests."""

@@ -32,8 +32,9 @@ def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
         argv, extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(
         prog=f"python -m benchmarks.e2e {workload.name}",
-        description=f"{workload.script} end to end: FSDP2 (random / batch_rebalance / lockstep plan) vs ODC, 2 CPU "
-        "processes, interleaved repeats. Arguments after `--` go to the script of every arm.",
+        description=f"{workload.script} end to end: FSDP2 (random / batch_rebalance / lockstep plan) vs ODC, "
+        f"{'4 CPU processes as 2 replicas x 2 shards (HSDP)' if workload.config_files else '2 CPU processes'}, "
+        "interleaved repeats. Arguments after `--` go to the script of every arm.",
     )
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every arm (default 3)")
     p.add_argument("--max_steps", type=int, default=workload.max_steps, help="optimizer steps per run")

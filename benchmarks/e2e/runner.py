@@ -67,7 +67,7 @@ def commands(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int,
             }
             for out in (run_dir / f"p{i}" for i in range(world))
         ]
-    config = REPO / workload.configs / arm.config
+    config = REPO / workload.configs / workload.config_of(arm)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     launch += ["--main_process_port", "0", str(RUN_EXAMPLE)]
     out = run_dir / "out"
@@ -177,7 +177,7 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
     script = REPO / workload.script
     if not script.is_file():
         raise SystemExit(f"{script} not found: run the benchmark from a source checkout of odc_accelerate.")
-    world = world_size_of(REPO / workload.configs / ARMS["odc"].config)
+    world = world_size_of(REPO / workload.configs / workload.config_of(ARMS["odc"]))
     runs: dict[str, list[dict]] = {a: [] for a in opts.arms}
     loads = []
     started = time.perf_counter()

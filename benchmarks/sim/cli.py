@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.calibration.load import CalibrationError
+from benchmarks.sim import hsdp
 from benchmarks.sim.results import E2E_SFT_RESULTS, ENGINE_RESULTS, TRANSPORT_RESULTS
 from benchmarks.sim.scale import MODELS, run_scale
 from benchmarks.sim.simulator import H100
@@ -16,6 +17,8 @@ from benchmarks.sim.validate import run_validate, run_validate_e2e
 DESCRIPTIONS = {
     "scale": "Predicted step times at scale: FSDP2 + random / batch_rebalance / lockstep plan vs ODC + free plan, "
     "Qwen2.5 1.5B / 7B, H100-like figures (assumed), on the same long-tailed steps.",
+    "hsdp": "Several nodes: ODC-HSDP vs FSDP2-HSDP vs full sharding (FSDP2, and ODC as the NVSHMEM route would run "
+    "it), 16-1024 GPUs, 8 per node, H100-like figures (assumed); and which models fit HSDP in 80 GB.",
     "validate": "Predict the stored engine benchmark's 2-rank CPU arms (python -m benchmarks.engine) and print the "
     "errors.",
     "validate-e2e": "Replay the stored end-to-end benchmark's steps (python -m benchmarks.e2e sft) and print each "
@@ -67,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
         run = run_scale
+    elif cmd == "hsdp":
+        hsdp.add_arguments(p)
+        run = hsdp.run_hsdp
     elif cmd == "validate-e2e":
         p.add_argument(
             "--e2e-json",

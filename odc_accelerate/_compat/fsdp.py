@@ -274,6 +274,52 @@ def is_hsdp_or_ddp(group: Any) -> bool:
     return isinstance(group.mesh_info, (HSDPMeshInfo, DDPMeshInfo)) or group.mesh_info.mesh.ndim != 1
 
 
+def is_hsdp(group: Any) -> bool:
+    """A (replicate, shard) 2-D mesh: FSDP2 shards within ``shard_process_group`` and all-reduces across
+    ``replicate_process_group``."""
+    return isinstance(group.mesh_info, HSDPMeshInfo) and group.mesh_info.mesh.ndim == 2
+
+
+def mesh_problem(group: Any) -> str | None:
+    """Why ODC cannot serve ``group``'s mesh (a sentence), or None for a 1-D FSDP mesh or a 2-D HSDP one."""
+    if is_hsdp(group) or not is_hsdp_or_ddp(group):
+        return None
+    return (
+        f"ODC supports a 1-D FSDP mesh or a 2-D (replicate, shard) HSDP mesh; {group_fqn(group)} uses "
+        f"{type(group.mesh_info).__name__} on a {group.mesh_info.mesh.ndim}-D mesh. Pass a 1-D DeviceMesh (full "
+        "shard) or a 2-D (dp_replicate, dp_shard) one to fully_shard."
+    )
+
+
+def replicate_group(group: Any) -> Any:
+    """The process group FSDP2 all-reduces ``group``'s gradients over (HSDP), else None."""
+    return group.mesh_info.replicate_process_group if is_hsdp(group) else None
+
+
+def mesh_of(group: Any) -> Any:
+    """The DeviceMesh ``group``'s params are sharded on."""
+    return group.mesh_info.mesh
+
+
+def mesh_ranks(group: Any) -> list[list[int]]:
+    """The global ranks of ``group``'s mesh, one list per row (on an HSDP mesh: per shard group)."""
+    ranks = mesh_of(group).mesh
+    return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
+
+def check_hsdp(group: Any) -> None:
+    """Verify the FSDP2 internals the engine touches on an HSDP mesh (at start, not at the first step)."""
+    for attr in ("_partial_reduce_output", "all_reduce_grads"):
+        _require(group, attr, "FSDPParamGroup")
+
+
+def clear_partial_reduce_output(group: Any) -> None:
+    """Drop the buffer FSDP2 keeps between reduce-scatters that skip the HSDP all-reduce (``all_reduce_grads``
+    False). Under ODC it only ever holds the zeros the hook returns; dropping it frees that memory between steps."""
+    _require(group, "_partial_reduce_output", "FSDPParamGroup")
+    group._partial_reduce_output = None
+
+
 def uses_hpz(group: Any) -> bool:
     """``reshard_after_forward=int``: params are resharded to a smaller post-forward mesh."""
     post = group.post_forward_mesh_info
@@ -391,7 +437,7 @@ def postdivide_factor(group: Any) -> float | None:
     """What FSDP2 divides the summed reduce-scatter output by (sum reduction forced on)."""
     _, post, _, _ = _get_gradient_divide_factors(
         reduce_scatter_group=shard_group(group),
-        all_reduce_group=None,
+        all_reduce_group=replicate_group(group),  # HSDP: FSDP2 divides by replicas x shards
         reduce_dtype=reduce_dtype(group),
         device_type=group.device.type,
         factor=group.gradient_divide_factor,
@@ -467,35 +513,53 @@ _reduce_call = threading.local()
 _PARAM_GROUP_MODULE = f"{_FSDP}._fsdp_param_group"
 
 
+#: Set to True on a reduce-scatter hook whose HSDP all-reduce the engine runs itself, once per optimizer step.
+DEFERS_ALL_REDUCE = "odc_defers_all_reduce"
+_HSDP_PARAMS = ("all_reduce_grads", "partial_reduce_output")
+
+
 def _record_reduce_params(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def foreach_reduce(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
+        comm = bound.arguments["reduce_scatter_comm"]
+        if getattr(comm, DEFERS_ALL_REDUCE, False):
+            # HSDP under ODC: no per-microbatch all-reduce across replicas (it would pair ranks microbatch by
+            # microbatch). ``set_requires_gradient_sync(True)`` (accelerate's no_sync exit) turns FSDP2's
+            # all_reduce_grads back on, so the flag is forced here, where FSDP2 reads it, not once at set-up. No
+            # partial output is carried: the hook's output is zeros.
+            bound.arguments["all_reduce_grads"] = False
+            bound.arguments["partial_reduce_output"] = None
         previous = getattr(_reduce_call, "current", None)
-        _reduce_call.current = (bound.arguments["reduce_scatter_comm"], list(bound.arguments["fsdp_params"]))
+        _reduce_call.current = (comm, list(bound.arguments["fsdp_params"]))
         try:
-            return original(*args, **kwargs)
+            return original(*bound.args, **bound.kwargs)
         finally:
             _reduce_call.current = previous
 
     return foreach_reduce
 
 
-def fix_reduce_scatter_layout(module: nn.Module) -> None:
+def fix_reduce_scatter_layout(module: nn.Module, *, defer_all_reduce: bool = False) -> None:
     """Make the reduce-scatter layout of ``module``'s param group knowable to the engine's hook.
 
     With ``set_reduce_scatter_unused_params`` (torch 2.13+) every reduce-scatter holds all trainable params; on
     torch 2.11 and 2.12 FSDP2's ``foreach_reduce`` is wrapped (once per process) to record which params each call
     holds, read by `reduce_scatter_spans`. The wrapper only records its arguments; FSDP2 runs unchanged.
+
+    With ``defer_all_reduce`` (an HSDP mesh) the wrapper is installed on every release: for reduce-scatter hooks
+    marked `DEFERS_ALL_REDUCE` it turns off FSDP2's per-microbatch all-reduce across replicas.
     """
     if has("reduce_scatter_unused_params"):
         module.set_reduce_scatter_unused_params(True, recurse=False)
-        return
+        if not defer_all_reduce:
+            return
     group_module = importlib.import_module(_PARAM_GROUP_MODULE)
     original = _require(group_module, "foreach_reduce", _PARAM_GROUP_MODULE)
-    _check_signature(original, ("fsdp_params", "reduce_scatter_comm"), f"{_PARAM_GROUP_MODULE}.foreach_reduce")
+    params = ("fsdp_params", "reduce_scatter_comm", *(_HSDP_PARAMS if defer_all_reduce else ()))
+    _check_signature(original, params, f"{_PARAM_GROUP_MODULE}.foreach_reduce")
     patch_attribute(group_module, "foreach_reduce", _record_reduce_params, library=_LIBRARY, where=_PARAM_GROUP_MODULE)
 
 
@@ -537,6 +601,12 @@ def reduce_scatter_spans(group: Any, comm: Any) -> list[tuple[int, int, int]] | 
         spans.append((row_offset, offsets[id(p)], numel))
         row_offset += numel
     return spans
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (every rank of the job reaches it)."""
+    get_store = _import("torch.distributed.distributed_c10d", "_get_default_store")
+    return get_store()
 
 
 # ----------------------------------------------------------------- teardown

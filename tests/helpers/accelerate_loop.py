@@ -47,6 +47,9 @@ def main() -> None:
     p.add_argument("--single", action="store_true")
     p.add_argument("--transport", default=None)
     p.add_argument("--thread-report", action="store_true")
+    p.add_argument(
+        "--count-collectives", action="store_true", help="record torch.distributed calls per step (microbatches, sync)"
+    )
     args = p.parse_args()
     report: dict = {}
     if args.thread_report:
@@ -88,22 +91,32 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     engine = get_engine(accelerator)
 
-    losses = []
+    import contextlib
+
+    if args.count_collectives:
+        from dist_counter import count_dist_calls  # tests/helpers, next to this script
+    else:
+        count_dist_calls = contextlib.nullcontext
+    losses, collectives = [], []
     for step in range(args.steps):
         batches = _batches(step, sum(counts), args.seq, vocab)
         mine = batches if args.single else batches[sum(counts[:rank]) : sum(counts[: rank + 1])]
         n_global = sum(int(b[:, 1:].numel()) for b in batches)
         scale = loss_scale(n_global, 1 if args.single else world)
         step_loss = 0.0
-        for ids in mine:
-            logits = model(input_ids=ids).logits.float()
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum"
-            )
-            accelerator.backward(nll * scale)
-            step_loss += float(nll.detach()) / n_global
-        if engine is not None:
-            engine.pre_optimizer_step()
+        with count_dist_calls() as in_microbatches:
+            for ids in mine:
+                logits = model(input_ids=ids).logits.float()
+                nll = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum"
+                )
+                accelerator.backward(nll * scale)
+                step_loss += float(nll.detach()) / n_global
+        with count_dist_calls() as at_sync:
+            if engine is not None:
+                engine.pre_optimizer_step()
+        if args.count_collectives:
+            collectives.append({"microbatches": dict(in_microbatches), "pre_optimizer_step": dict(at_sync)})
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -125,6 +138,10 @@ def main() -> None:
         "fsdp_version": getattr(plugin, "fsdp_version", None),
         "engine": type(engine).__name__ if engine is not None else None,
         "transport": type(engine.transport).__name__ if engine is not None else None,
+        "replicas": getattr(engine, "replicas", None),
+        "replicate_buckets": getattr(engine, "replicate_buckets", None),
+        "mesh": list(accelerator.torch_device_mesh.mesh_dim_names or ()) if accelerator.torch_device_mesh else None,
+        "collectives": collectives,
         "losses": losses,
         "params": params,
     }

@@ -74,10 +74,14 @@ def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[
         elif case == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(build_model(cfg))
             out[case] = _outcome(lambda m=model: ODCEngine(m))
-        elif case == "hsdp":
+        elif case == "hsdp_shard_across_hosts":  # each rank its own (emulated) host: the shard group spans hosts
             mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
             model = shard_model(build_model(cfg), mesh=mesh)
-            out[case] = _outcome(lambda m=model: ODCEngine(m))
+            os.environ["ODC_HOST_ID"] = f"host{rank}"
+            try:
+                out[case] = _outcome(lambda m=model: ODCEngine(m))
+            finally:
+                del os.environ["ODC_HOST_ID"]
         elif case == "hpz":  # needs world_size 4: reshard to groups of 2 after forward
             model = shard_model(build_model(cfg), reshard_after_forward=2)
             out[case] = _outcome(lambda m=model: ODCEngine(m))

@@ -44,6 +44,7 @@ class RunReport:
         self.trainer = trainer
         self.microbatch_dist_calls: list[dict[str, int]] = []
         self.generation_dist_calls: list[dict[str, int]] = []
+        self.sync_dist_calls: list[dict[str, int]] = []  # each engine.pre_optimizer_step()
 
     def dump_initial_params(self) -> None:
         import torch
@@ -75,12 +76,15 @@ class RunReport:
             "engine": type(engine).__name__ if engine is not None else None,
             "transport": type(engine.transport).__name__ if engine is not None and engine.transport else None,
             "engine_param_groups": len(engine.param_groups) if engine is not None else None,
+            "replicas": getattr(engine, "replicas", None),  # HSDP: replicas of each shard
+            "replicate_buckets": getattr(engine, "replicate_buckets", None),
             # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
             "engine_last_step": dataclasses.asdict(stats) if stats is not None else None,
             "odc_config": {**trainer.odc_config.options(), "source": trainer.odc_config.source},
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "microbatch_dist_calls": self.microbatch_dist_calls,
             "generation_dist_calls": self.generation_dist_calls,
+            "sync_dist_calls": self.sync_dist_calls,
             "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
         }
         if hasattr(trainer, "odc_reference_engine"):  # DPO
@@ -150,6 +154,7 @@ def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
     step = type(trainer).training_step  # the mixin's, or a trainer's own that ends in the mixin's loop (GRPO)
 
     def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        _count_sync(trainer, count_dist_calls)
         if not isinstance(inputs, list):
             return step(trainer, model, inputs, num_items_in_batch)
         # The mixin's loop calls super().training_step, which resolves on the class: route it through the counter.
@@ -158,6 +163,22 @@ def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:
 
     trainer.training_step = training_step
     _count_generation(trainer, count_dist_calls)
+
+
+def _count_sync(trainer: Any, count_dist_calls: Any) -> None:
+    """Count the torch.distributed calls of each ``engine.pre_optimizer_step()`` (wrapped once, on the instance, once
+    the engine exists)."""
+    engine = trainer.odc_engine
+    if engine is None or "pre_optimizer_step" in vars(engine):
+        return
+    original = engine.pre_optimizer_step
+
+    def pre_optimizer_step() -> None:
+        with count_dist_calls() as counts:
+            original()
+        trainer.odc_run_report.sync_dist_calls.append(dict(counts))
+
+    engine.pre_optimizer_step = pre_optimizer_step
 
 
 def _count_generation(trainer: Any, count_dist_calls: Any) -> None:

@@ -21,7 +21,7 @@ CASES = {
     "plain_module": ("TypeError", ["fully_shard", "FSDP1", "DDP"]),
     "fsdp1": ("TypeError", ["FSDP2", "FullyShardedDataParallel"]),
     "ddp": ("TypeError", ["FSDP2", "DDP"]),
-    "hsdp": ("ValueError", ["1-D", "HSDP"]),
+    "hsdp_shard_across_hosts": ("ValueError", ["spans 2 hosts", "dp_shard_size", "hierarchical"]),
     "several_param_groups": ("ValueError", ["one param group"]),
     "different_models": ("ValueError", ["same FSDP2 model", "rank(s) [1]"]),
     "offload_on_rank1_only": ("ValueError", ["CPUOffloadPolicy"]),

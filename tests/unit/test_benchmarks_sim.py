@@ -148,3 +148,43 @@ def test_cli_scale_smoke(capsys):
     out = capsys.readouterr().out
     for arm in ("FSDP2 + random", "FSDP2 + batch_rebalance", "FSDP2 + plan lockstep", "ODC + plan free"):
         assert arm in out
+
+
+def test_hsdp_one_node_equals_the_single_node_model_and_odc_pays_one_all_reduce_per_step():
+    from benchmarks.sim.hsdp import simulate_hsdp
+
+    hw = _hw(gpus_per_node=2, intra_bw=1e8, inter_bw=1e7, intra_lat=1e-5, inter_lat=1e-4)
+    lengths = np.array([120, 40, 300, 80, 60, 200, 90, 10])
+    # one replica: HSDP is plain sharding within the node (FSDP2 on equal microbatch counts, ODC on any)
+    for system, plan in (("fsdp2", [[[0, 1], [2]], [[3], [4, 5]]]), ("odc", [[[0, 1], [2]], [[3], [4], [5]]])):
+        expected = simulate(plan, lengths, MODEL, hw, system).step_s
+        assert simulate_hsdp(plan, lengths, MODEL, hw, system).step_s == pytest.approx(expected)
+    # two nodes x 2 GPUs, a rank with no microbatch: the slowest rank's in-node time plus one ring all-reduce of every
+    # group's gradient shard (2 (R-1)/R x bytes / inter-node bandwidth + 2 hops), computed by hand here
+    two_nodes = [[[0, 1], [2]], [[3]], [], [[4], [5], [6, 7]]]
+    odc = simulate_hsdp(two_nodes, lengths, MODEL, hw, "odc")
+    in_node = max(
+        simulate([two_nodes[r], []], lengths, MODEL, hw, "odc").step_s - 2 * hw.barrier_lat for r in range(4)
+    )
+    shard_bytes = MODEL.num_params * MODEL.grad_bytes / 2
+    assert odc.step_s == pytest.approx(in_node + 2 * hw.barrier_lat + shard_bytes / 1e7 + 2 * 1e-4)
+    # FSDP2-HSDP pays an all-reduce per param group in every microbatch's backward (without overlap: exactly added)
+    slots = [[[0], [1], [2]], [[3], [4], [5]], [[6], [7], [0]], [[1], [2], [3]]]
+    serial = hw.with_(overlap=False)
+    free_network = serial.with_(inter_bw=FAST, inter_lat=0.0)
+    extra = (
+        simulate_hsdp(slots, lengths, MODEL, serial, "fsdp2").step_s
+        - simulate_hsdp(slots, lengths, MODEL, free_network, "fsdp2").step_s
+    )
+    _, _, params = MODEL.group_costs()
+    per_slot = sum(p * MODEL.grad_bytes / 2 / 1e7 + 2 * 1e-4 for p in params)
+    assert extra == pytest.approx(3 * per_slot)
+
+
+def test_hsdp_memory_estimate_shards_the_training_state_over_the_node():
+    from benchmarks.sim.hsdp import STATE_BYTES, hsdp_memory_gb
+
+    parts = hsdp_memory_gb(MODEL, 8, 1024)
+    assert parts["state"] == pytest.approx(STATE_BYTES * MODEL.num_params / 8 / 1e9)
+    assert parts["total"] == pytest.approx(parts["state"] + parts["unsharded"] + parts["activations"])
+    assert hsdp_memory_gb(MODEL, 4, 1024)["state"] == pytest.approx(2 * parts["state"])

@@ -146,10 +146,18 @@ class ODCAcceleratorSetup:
             if ga != 1
             else ""
         )
+        replicas = getattr(engine, "replicas", 1)
+        hsdp = (
+            f"; HSDP: {replicas} replicas x {engine.world_size} ranks per shard group, ODC within each shard group and "
+            f"{len(engine.replicate_buckets)} all-reduce(s) across replicas per optimizer step"
+            if replicas > 1
+            else ""
+        )
         logger.warning(
-            "ODC on: transport %s (%s), plan %s, token budget %s, %s%s; metrics %s.",
+            "ODC on: transport %s (%s)%s, plan %s, token budget %s, %s%s; metrics %s.",
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
+            hsdp,
             config.plan,
             budget,
             samples,

@@ -1,0 +1,238 @@
+"""HSDP under ODC: one bucketed all-reduce of the folded gradient shards across replicas per optimizer step.
+
+On a 2-D (replicate, shard) mesh FSDP2 reduce-scatters every microbatch's gradients within the shard group and then
+all-reduces the result across the replicate group, again every microbatch. Under ODC the shard group runs as on a
+1-D mesh (one-sided gathers and scatter-accumulates, ranks free to run any number of microbatches); the replicas only
+need each owner's summed shard once per step. :class:`ReplicaReducer` does that at ``pre_optimizer_step``, after the
+shard group's barrier: it packs the accumulators into buckets, starts one ``torch.distributed.all_reduce`` per bucket
+(NCCL on GPUs, gloo on CPU; asynchronous, so later buckets travel while earlier ones are folded) and hands the summed
+shards back in order. The "touched" flags (which param groups got a gradient anywhere) ride in the first bucket, so
+the step makes no other collective.
+
+The shard group must live on one host (its transport is shared memory or CUDA IPC): :func:`check_shard_group_hosts`
+refuses one that spans hosts, saying how to fix the mesh.
+
+A rank that dies is noticed by its own host's peers at the shard group's barrier; they leave a note in the job's
+``torch.distributed`` store (:func:`report_failure`), which the ranks of other hosts read when their all-reduce fails
+(:func:`explain_failure`), so every surviving rank's error names the rank that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .transport.base import ODCTimeoutError
+
+logger = logging.getLogger(__name__)
+
+#: Default bucket size of the replicate all-reduce (bytes); a bucket holds whole param groups, so a group larger than
+#: this travels alone.
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+_FAILURE_KEY = "odc/hsdp/failure"
+_NOTE_WAIT_S = 30.0  # how long a rank whose all-reduce failed waits for the note of the rank that saw the death
+CPU_TRANSPORTS_ACROSS_HOSTS = ("network", "hierarchical")
+
+
+def check_shard_group_hosts(shard_groups: list[list[int]], transport: object) -> None:
+    """Collective over the whole job: refuse the mesh if any shard group's ranks run on more than one host.
+
+    ODC's per-layer traffic inside a shard group needs shared memory (CPU) or CUDA IPC (GPU), both within a host.
+    An explicit ``network`` / ``hierarchical`` transport (CPU) is accepted: it reaches other hosts. Every rank decides
+    from every rank's host, so all raise together.
+
+    Args:
+        shard_groups (`list[list[int]]`): the global ranks of each shard group (the rows of the 2-D mesh).
+        transport: the engine's ``transport`` argument.
+
+    Raises:
+        ValueError: on every rank, naming the hosts and the fix.
+    """
+    from .transport.hierarchical import gather_hosts, host_layout
+
+    if transport in CPU_TRANSPORTS_ACROSS_HOSTS:
+        return
+    hosts = gather_hosts(None, dist.get_world_size())
+    spread = [ranks for ranks in shard_groups if len({hosts[r] for r in ranks}) > 1]
+    if not spread:
+        return
+    per_host = [len(ranks) for ranks in host_layout(hosts)]
+    shard = min(per_host)
+    raise ValueError(
+        f"ODC with HSDP needs each shard group on one host, but the shard group of ranks {spread[0]} spans "
+        f"{len({hosts[r] for r in spread[0]})} hosts (the job runs {per_host} processes on {len(per_host)} hosts). "
+        f"Make the shard dimension fit in a node: set dp_shard_size (parallelism_config_dp_shard_size) to the "
+        f"processes per node ({shard}) or a divisor of it, and dp_replicate_size to the rest "
+        f"({dist.get_world_size() // shard} with dp_shard_size {shard}). On CPU, full sharding across hosts is "
+        "possible with a 1-D mesh (no parallelism_config) and odc_transport: hierarchical."
+    )
+
+
+@dataclass
+class _Bucket:
+    indices: list[int]  # engine group indices, in order
+    numels: list[int]
+    dtype: torch.dtype
+    flags: int  # trailing elements that carry the touched flags (first bucket only)
+
+
+class ReplicaReducer:
+    """Sum each owner's gradient shards over the replicate group, once per optimizer step, in buckets.
+
+    Args:
+        group (`torch.distributed.ProcessGroup`): the replicate group (the same shard of every replica).
+        layout (`Sequence[tuple[int, int, torch.dtype]]`): ``(group index, numel, dtype)`` of every accumulator the
+            engine holds, in order.
+        num_groups (`int`): the engine's param groups (the touched flags' length).
+        device (`torch.device`): where the accumulators live.
+        timeout (`float`): seconds the all-reduces may take before the step is declared lost.
+        bucket_bytes (`int`, *optional*): target bucket size; consecutive groups of one dtype share a bucket up to it.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        layout: Sequence[tuple[int, int, torch.dtype]],
+        num_groups: int,
+        device: torch.device,
+        timeout: float,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group)
+        self.device = device
+        self.timeout = float(timeout)
+        self.num_groups = num_groups
+        self.buckets: list[_Bucket] = []
+        for index, numel, dtype in layout:
+            last = self.buckets[-1] if self.buckets else None
+            if (
+                last is not None
+                and last.dtype == dtype
+                and (sum(last.numels) + numel) * dtype.itemsize <= bucket_bytes
+            ):
+                last.indices.append(index)
+                last.numels.append(numel)
+            else:
+                self.buckets.append(_Bucket([index], [numel], dtype, 0))
+        if not self.buckets:  # nothing trainable: the flags still travel, so that every rank agrees
+            self.buckets.append(_Bucket([], [], torch.float32, 0))
+        self.buckets[0].flags = num_groups
+
+    @property
+    def bucket_groups(self) -> list[list[int]]:
+        """The engine group indices of each bucket (one all-reduce per bucket and step)."""
+        return [list(b.indices) for b in self.buckets]
+
+    def reduce(
+        self, accumulators: dict[int, torch.Tensor], touched: torch.Tensor
+    ) -> Iterator[tuple[int | None, torch.Tensor | None, list[bool]]]:
+        """Start every bucket's all-reduce, then yield ``(group index, summed shard, touched anywhere)`` in order.
+
+        ``accumulators`` are copied into fresh bucket memory and zeroed (no peer adds again before the next
+        post-step barrier); the yielded shards are views of the buckets (FSDP2's fold may make ``.grad`` a view of
+        them). The first item yielded is ``(None, None, flags)`` once the flags have arrived.
+
+        Raises:
+            ODCTimeoutError: an all-reduce failed or did not finish within ``timeout``; names the rank that died when
+                a peer of its host reported it, else the replicate group's ranks.
+        """
+        buffers, works = [], []
+        for bucket in self.buckets:
+            parts = [accumulators[i].view(-1) for i in bucket.indices]
+            if bucket.flags:
+                parts.append(touched.to(device=self.device, dtype=bucket.dtype).view(-1))
+            buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=bucket.dtype, device=self.device)
+            for i in bucket.indices:
+                accumulators[i].zero_()
+            buffers.append(buffer)
+            try:
+                works.append(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            except Exception as err:
+                raise self._failure(err) from err
+        flags: list[bool] | None = None
+        for bucket, buffer, work in zip(self.buckets, buffers, works, strict=True):
+            self._wait(work)
+            if flags is None:
+                flags = [v > 0 for v in buffer[buffer.numel() - bucket.flags :].tolist()]
+                yield None, None, flags
+            offset = 0
+            for index, numel in zip(bucket.indices, bucket.numels, strict=True):
+                yield index, buffer.narrow(0, offset, numel), flags
+                offset += numel
+
+    def nbytes(self) -> int:
+        """Bytes one step's all-reduces carry (per rank, before the algorithm's own factor)."""
+        return sum((sum(b.numels) + b.flags) * b.dtype.itemsize for b in self.buckets)
+
+    def _wait(self, work: dist.Work) -> None:
+        start = time.monotonic()
+        try:
+            finished = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as err:
+            raise self._failure(err) from err
+        if finished is False:
+            raise self._failure(TimeoutError(f"no answer within {time.monotonic() - start:.1f}s"))
+
+    def _failure(self, err: BaseException) -> ODCTimeoutError:
+        note = explain_failure(wait_s=min(self.timeout, _NOTE_WAIT_S))
+        if note is not None:
+            text, dead = note
+            return ODCTimeoutError(f"ODC (HSDP): the all-reduce across replicas failed: {text}", dead)
+        others = [r for r in self.ranks if r != dist.get_rank()]
+        return ODCTimeoutError(
+            f"ODC (HSDP) on rank {dist.get_rank()}: the all-reduce across replicas with rank(s) {others} failed: "
+            f"{err}. One of them (or a rank of its host) exited, hung or became unreachable; the optimizer step is "
+            "lost.",
+            others,
+        )
+
+
+# ---------------------------------------------------------------------- failure notes through the job's store
+def _store() -> object | None:
+    from ._compat import fsdp as compat
+
+    try:
+        return compat.default_store()
+    except Exception:  # no store (a bare init with a file:// method, or already destroyed): no note
+        return None
+
+
+def report_failure(err: ODCTimeoutError, shard_group: dist.ProcessGroup) -> ODCTimeoutError:
+    """Turn a shard-group barrier error into one that names global ranks, and leave it as a note for other hosts."""
+    dead = [dist.get_global_rank(shard_group, r) for r in err.ranks]
+    text = (
+        f"global rank(s) {dead} (seen by rank {dist.get_rank()}, on the same host, at the shard group's barrier): "
+        f"{err}"
+    )
+    store = _store()
+    if store is not None:
+        try:
+            # The first note wins: later ones come from ranks that saw a peer leave because of the first failure.
+            store.compare_set(_FAILURE_KEY, "", ",".join(map(str, dead)) + "|" + text)
+        except Exception as store_err:  # the store lives in a process that may be the one that died
+            logger.debug("could not leave the failure note: %s", store_err)
+    return ODCTimeoutError(f"ODC (HSDP): {text}", dead)
+
+
+def explain_failure(wait_s: float) -> tuple[str, list[int]] | None:
+    """The note a rank left about a dead peer (waiting up to ``wait_s`` for it) and the ranks it names, or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        store.wait([_FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        text = store.get(_FAILURE_KEY).decode()
+    except Exception:
+        return None
+    ranks, _, text = text.partition("|")
+    return text, [int(r) for r in ranks.split(",") if r]
