@@ -692,3 +692,9 @@ def symmetric_rendezvous(segment: torch.Tensor, group: Any) -> Any:
 def peer_segment(handle: Any, peer: int, nbytes: int) -> torch.Tensor:
     """``peer``'s segment (``nbytes`` uint8 bytes), mapped into this process by a `symmetric_rendezvous` handle."""
     return handle.get_buffer(rank=peer, sizes=(nbytes,), dtype=torch.uint8, storage_offset=0)
+
+
+def default_store() -> Any:
+    """The default process group's ``torch.distributed.Store`` (private ``distributed_c10d._get_default_store``): the
+    ``dynamic`` plan's claim counter where a transport has none of its own (`transport.claims`)."""
+    return _import("torch.distributed.distributed_c10d", "_get_default_store")()

@@ -23,7 +23,8 @@ the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memo
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
 dead-peer detection). ``flush`` waits for this rank's own queued GPU work (its adds and publishes land); ``barrier``
-flushes, then meets the peers on the host, so only the second part is time spent waiting for peers.
+flushes, then meets the peers on the host, so only the second part is time spent waiting for peers. The ``dynamic``
+plan's claims are the control plane's too (host memory: the ranks share a host).
 """
 
 from __future__ import annotations
@@ -275,6 +276,12 @@ class CudaTransport(Transport):
         start = time.perf_counter()
         self._sync()
         self.flush_s += time.perf_counter() - start
+
+    has_claims = True
+
+    def claim(self, round: int) -> int:
+        """The control plane's claim (`ShmTransport.claim`): the ranks share a host, and a claim is host-side work."""
+        return self._control.claim(round)
 
     def barrier(self) -> None:
         # This rank's adds must have landed in the owners' memory, and its reads of peers' shards finished, before the
