@@ -13,6 +13,8 @@ that fit the budget (the fewest microbatches a sorted cut allows).
   largest while that lowers it.
 - ``"lockstep"``: the whole step is cut into runs, split further until every rank can get the same number of
   microbatches, and runs of similar cost share a slot.
+- ``"dynamic"``: the whole step is cut into runs, ordered costliest first and dealt round-robin (the queue ranks claim
+  from, `odc_accelerate.planning.dynamic`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 
 import numpy as np
 
+from .dynamic import deal, queue_order
 from .packing import Plan, assign_slots_to_ranks, lpt, refine_totals
 from .plan import PlanName, normalize_plan
 
@@ -56,7 +59,7 @@ def plan_padded(
             a microbatch's rows all cost what its widest sample's row costs).
         world_size (`int`): number of ranks.
         max_tokens_per_microbatch (`int`): padded-token budget of one microbatch.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`): see `plan_step`.
+        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`): see `plan_step`.
         mode (`str`, *optional*): deprecated spelling of ``plan``.
 
     Returns:
@@ -76,6 +79,9 @@ def plan_padded(
     if (rows < 1).any() or (widths < 0).any() or not np.all(np.isfinite(row_costs)) or (row_costs < 0).any():
         raise ValueError("every sample needs at least one row, a non-negative width and a finite, non-negative cost")
     layout = _Layout(rows, widths, row_costs, max_tokens_per_microbatch)
+    if plan == "dynamic":
+        runs = layout.cut(layout.order.tolist())
+        return deal(queue_order(runs, [layout.cost(run) for run in runs]), world_size)
     if plan == "free" or world_size == 1:
         return layout.plan_free(world_size)
     return layout.plan_lockstep(world_size)
