@@ -40,3 +40,27 @@ def test_killed_rank_after_claiming_is_named(tmp_path, backend):
     lost = [int(i) for i in (tmp_path / "rank1.claims").read_text().split(",")]
     # nothing run twice and nothing silently lost: rank 0 ran every index rank 1 did not claim, and the step failed
     assert sorted(survivor["claimed"] + lost) == list(range(20)), (survivor["claimed"], lost)
+
+
+# 3 steps of 7 sequences each (lengths), as one queue per step under the dynamic plan
+STEPS = [[[12, 30, 7, 22], [9, 16, 25]], [[28, 5, 14], [20, 11, 8, 19]], [[6, 26, 13, 17], [24, 10, 15]]]
+
+
+def test_engine_dynamic_plan_matches_one_process_with_a_slower_rank():
+    from tests.helpers.engine_workers import reference, train
+
+    spec = dict(plan=STEPS, clip=0.5, mode="odc", dynamic=True, slow_rank=1, slow_s=0.3)
+    results = launch(train, 2, spec, timeout=240)
+    ref = reference(spec)
+    for res in results:
+        num = sum(float(((res["params"][k].astype("float64") - ref[k]) ** 2).sum()) for k in ref)
+        den = sum(float((ref[k].astype("float64") ** 2).sum()) for k in ref)
+        assert (num / den) ** 0.5 <= 1e-5  # the same model as one process training on every step's whole batch
+        assert all(c == {} for c in res["counts"]), "claims and microbatches make no torch.distributed call"
+    for step, (r0, r1) in enumerate(zip(results[0]["claimed"], results[1]["claimed"], strict=True)):
+        assert sorted(r0 + r1) == list(range(7)), (step, r0, r1)
+    # rank 1 sleeps 0.3 s after each microbatch: rank 0 runs most of each step
+    assert sum(map(len, results[1]["claimed"])) < sum(map(len, results[0]["claimed"]))
+    errors = results[0]["claim_errors"]
+    assert len(errors) == 2 and "already called in this optimizer step" in errors[0]
+    assert "call it before pre_optimizer_step()" in errors[1]
