@@ -86,6 +86,8 @@ class RunReport:
             "microbatch_dist_calls": self.microbatch_dist_calls,
             "generation_dist_calls": self.generation_dist_calls,
             "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
+            # dynamic plan: microbatches fetched and collated on this rank (claims and counting shares), seconds
+            "dynamic_loads": list(getattr(trainer, "odc_dynamic_loads", [0, 0.0])),
         }
         if hasattr(trainer, "odc_reference_engine"):  # DPO
             ref_engine = trainer.odc_reference_engine

@@ -6,24 +6,32 @@ against TRL's own trainer in one process on the same samples per optimizer step.
   `test_claims.py` with fixed delays; here the split depends on the machine's load.
 * ``dpo``: ``--odc_plan dynamic``, 5 pairs per step (the pair count is read from the queue, nothing collated ahead).
 * ``sft_single`` / ``dpo_single``: the references (`tests/helpers/trl_reference.py`).
+* ``stream`` / ``stream_plain``: SFT on a streamed training set (``--dataset_streaming true``, 10 samples in
+  2 steps of 5) under ``--odc_plan dynamic``, against one plain process reading the same stream in batches of 5.
+* ``grpo`` / ``grpo_single``: fixed completions (`tests/helpers/grpo_loop.py`) trained under ``--odc_plan dynamic``
+  with a small token budget, against plain `trl.GRPOTrainer` in one process (loss type grpo, ``beta > 0``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 from integration_utils import (
     CONFIGS,
     ROOT,
+    RUN_EXAMPLE,
     TRAIN,
     accelerate_launch,
+    base_env,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
+    run,
     trl_reference,
 )
 
@@ -39,12 +47,27 @@ DPO_COMMON = [
 ]  # fmt: skip
 DYNAMIC = ["--odc", "true", "--odc_plan", "dynamic", "--odc_metrics", "per_rank"]
 DUMP = {"ODC_DUMP_PARAMS": "1"}
+GRPO_LOOP = ROOT / "tests" / "helpers" / "grpo_loop.py"
+GRPO = [
+    "--loss_types", "grpo", "--beta", "0.1", "--bf16", "false", "--num_generations", "4",
+    "--max_completion_length", "48", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none",
+    "--learning_rate", "1e-3", "--seed", "0", "--save_strategy", "no",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dynamic")
-    out = {name: root / name for name in ("sft", "sft_single", "dpo", "dpo_single")}
+    from odc_accelerate.data import offline_texts
+
+    names = ("sft", "sft_single", "dpo", "dpo_single", "grpo", "grpo_single", "stream", "stream_plain")
+    out = {name: root / name for name in names}
+    stream_data = root / "stream_data"
+    stream_data.mkdir()
+    with open(stream_data / "train.jsonl", "w") as f:
+        for text in offline_texts(60, 4)[:10]:
+            f.write(json.dumps({"text": text}) + "\n")
+    stream = [*SFT_COMMON, "--dataset_name", str(stream_data), "--dataset_streaming", "true", "--max_length", "64"]
     procs = {
         "sft": accelerate_launch(
             CONFIGS / "odc_cpu.yaml",
@@ -69,8 +92,48 @@ def runs(tmp_path_factory):
             **DUMP,
         ),
         "dpo_single": trl_reference("dpo", 5, *DPO_COMMON, output_dir=out["dpo_single"]),
+        "stream": accelerate_launch(
+            CONFIGS / "odc_cpu.yaml", TRAIN, *DYNAMIC, *stream, "--output_dir", out["stream"], **DUMP
+        ),
+        "stream_plain": run(
+            [sys.executable, RUN_EXAMPLE, TRAIN, *_without_odc(stream), "--per_device_train_batch_size", "5"]
+            + ["--output_dir", out["stream_plain"]],
+            env=base_env(**DUMP),
+        ),
+        "grpo": accelerate_launch(
+            ROOT / "examples" / "grpo" / "configs" / "odc_cpu.yaml",
+            RUN_EXAMPLE,
+            GRPO_LOOP,
+            *DYNAMIC,
+            "--odc_max_tokens_per_microbatch",
+            "40",
+            "--per_device_train_batch_size",
+            "8",
+            *GRPO,
+            "--output_dir",
+            out["grpo"],
+            ODC_COUNT_DIST_CALLS="1",
+        ),
+        "grpo_single": run(
+            [sys.executable, GRPO_LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *GRPO]
+            + ["--output_dir", out["grpo_single"]],
+            env=base_env(),
+        ),
     }
     return {"out": out, "procs": procs}
+
+
+def _without_odc(args: list[str]) -> list[str]:
+    """``args`` without the ``--odc*`` options and their values (for a plain run)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.startswith("--odc"):
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
 
 
 def _same_training(run, single, metrics=()):
@@ -120,3 +183,38 @@ def test_dpo_dynamic_matches_one_process(runs):
     for r in reports(runs["out"]["dpo"], "odc_run_rank"):
         assert r["odc_config"]["plan"] == "dynamic"
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+
+
+def test_grpo_dynamic_matches_one_process(runs):
+    for name in ("grpo", "grpo_single"):
+        check_ok(runs["procs"][name])
+    mine_dir, ref_dir = runs["out"]["grpo"] / "grpo", runs["out"]["grpo_single"] / "grpo"
+    mine = [h for h in json.loads((mine_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    ref = [h for h in json.loads((ref_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    assert len(mine) == len(ref) == 2
+    for a, b in zip(mine, ref, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["odc/microbatches_max"] >= 1
+    a, b = torch.load(mine_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
+    init = torch.load(ref_dir / "initial_params.pt")
+    update = max(float((b[k] - init[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert update > 1e-4 and diff < 1e-2 * update, (diff, update)
+    for r in reports(mine_dir, "odc_run_rank"):
+        assert r["odc_config"]["plan"] == "dynamic"
+        assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+
+
+def test_streamed_sft_dynamic_matches_one_plain_process(runs):
+    for name in ("stream", "stream_plain"):
+        check_ok(runs["procs"][name])
+    out, plain = runs["out"]["stream"], runs["out"]["stream_plain"]
+    assert reports(plain, "odc_run_rank")[0]["odc_config"]["plan"] is None  # the Trainer's own data path
+    history = logged_steps(out)
+    assert len(history) == 2
+    # the stream's samples in batches of 5, read in order: the same samples and the same per-token mean loss
+    for a, b in zip(history, logged_steps(plain), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["num_tokens"] == b["num_tokens"]
+    assert max_rel(final_params(out), final_params(plain)) <= 1e-4

@@ -76,5 +76,6 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
         self._odc_budget_warned = False  # the over-budget warning is given once per trainer
         self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
+        self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))

@@ -83,10 +83,16 @@ class ODCStepLoop:
         self.odc_step_timer.add_microbatch(batch)
 
     def _odc_load_microbatch(self, microbatch: list[Any]) -> Any:
-        """Fetch (map-style: by index) and collate one microbatch of a ``dynamic`` queue."""
+        """Fetch (map-style: by index) and collate one microbatch of a ``dynamic`` queue; the loads and their time are
+        counted in ``odc_dynamic_loads`` (``[microbatches, seconds]``)."""
+        start = time.perf_counter()
         if self._odc_dynamic_rows:
-            return self.data_collator(microbatch)
-        return self.data_collator([self._odc_dynamic_dataset[i] for i in microbatch])
+            batch = self.data_collator(microbatch)
+        else:
+            batch = self.data_collator([self._odc_dynamic_dataset[i] for i in microbatch])
+        self.odc_dynamic_loads[0] += 1
+        self.odc_dynamic_loads[1] += time.perf_counter() - start
+        return batch
 
     def _odc_num_items(self, microbatches: list[Any]) -> int:
         """What this rank's loss of the step is normalised over: label tokens (a token-mean loss). The DPO trainer
