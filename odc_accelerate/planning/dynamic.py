@@ -7,6 +7,11 @@ one with an atomic fetch-and-add on the step's counter (`odc_accelerate.transpor
 longest-processing-time order of list scheduling: the last microbatches, which decide how unevenly ranks finish, are
 the smallest.
 
+Granularity. Packing as tightly as the budget allows gives the fewest microbatches (least per-microbatch overhead), but
+a queue of few microbatches cannot be shared out finely: with 3 microbatches on 2 ranks one rank runs two. So the
+queue keeps at least ``min(2 x ranks, samples)`` microbatches: while it is shorter, its costliest microbatch of several
+samples is split in two (`split_until`).
+
 As a `Plan` (what `plan_step` returns, every index exactly once) the queue is dealt round-robin: rank ``r`` holds
 queue items ``r, r + W, r + 2W, ...``, what each rank would claim if all ran at the same pace. `claim_queue` puts the
 queue back together.
@@ -14,11 +19,36 @@ queue back together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .packing import Plan, pack_ffd
 
-__all__ = ["claim_queue", "deal", "plan_dynamic", "queue_order"]
+__all__ = ["claim_queue", "deal", "min_queue_length", "plan_dynamic", "queue_order", "split_until"]
+
+
+def min_queue_length(samples: int, world: int) -> int:
+    """The fewest microbatches a step's queue keeps: two per rank, or one per sample when there are fewer."""
+    return min(2 * world, samples)
+
+
+def split_until(
+    microbatches: list[list[int]],
+    target: int,
+    cost: Callable[[list[int]], float],
+    halve: Callable[[list[int]], tuple[list[int], list[int]]],
+) -> list[list[int]]:
+    """Split the costliest microbatch of several samples in two (``halve``) until there are ``target`` microbatches or
+    every microbatch holds one sample."""
+    out = [list(mb) for mb in microbatches]
+    while len(out) < target:
+        splittable = [k for k, mb in enumerate(out) if len(mb) >= 2]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda j: (cost(out[j]), -min(out[j])))
+        out[k : k + 1] = list(halve(out[k]))
+    return out
 
 
 def queue_order(microbatches: list[list[int]], costs: list[float]) -> list[list[int]]:
@@ -45,8 +75,9 @@ def claim_queue(plan: Plan) -> list[list[int]]:
 
 
 def plan_dynamic(costs: np.ndarray, tokens: np.ndarray, world: int, budget: int) -> Plan:
-    """Pack the whole step into as few microbatches as the token budget allows (first-fit decreasing on tokens), order
-    them costliest first and deal them (see the module docstring).
+    """Pack the whole step into as few microbatches as the token budget allows (first-fit decreasing on tokens), split
+    the costliest until there are `min_queue_length` of them, order them costliest first and deal them (see the module
+    docstring).
 
     Args:
         costs (`np.ndarray`): float64 cost of each sample.
@@ -54,6 +85,20 @@ def plan_dynamic(costs: np.ndarray, tokens: np.ndarray, world: int, budget: int)
         world (`int`): number of ranks.
         budget (`int`): token budget of one microbatch.
     """
+
+    def cost(mb: list[int]) -> float:
+        return float(costs[mb].sum())
+
+    def halve(mb: list[int]) -> tuple[list[int], list[int]]:
+        # LPT into two halves, costliest sample first (ties: more tokens, then the lower index)
+        halves: tuple[list[int], list[int]] = ([], [])
+        loads = [0.0, 0.0]
+        for i in sorted(mb, key=lambda i: (-costs[i], -tokens[i], i)):
+            h = 0 if loads[0] <= loads[1] else 1
+            halves[h].append(i)
+            loads[h] += float(costs[i])
+        return halves
+
     microbatches = pack_ffd(np.arange(costs.size), tokens, budget)
-    mb_costs = [float(costs[mb].sum()) for mb in microbatches]
-    return deal(queue_order(microbatches, mb_costs), world)
+    microbatches = split_until(microbatches, min_queue_length(costs.size, world), cost, halve)
+    return deal(queue_order(microbatches, [cost(mb) for mb in microbatches]), world)
