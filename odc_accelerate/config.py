@@ -70,8 +70,14 @@ class ODCConfig:
         plan (`str`, *optional*; key `odc_plan`, env `ODC_PLAN`):
             How each optimizer step's samples are split into microbatches over the ranks. ``"free"``: per-rank
             totals balanced, each rank runs as many microbatches as its share needs (needs ODC). ``"lockstep"``:
-            every rank runs the same number of microbatches, each slot balanced (what plain FSDP2 needs). Defaults to
+            every rank runs the same number of microbatches, each slot balanced (what plain FSDP2 needs).
+            ``"dynamic"``: one queue of the step's microbatches, costliest first, from which each rank claims the next
+            one when it is free (balance that survives cost-model error and slower devices; needs ODC). Defaults to
             ``"free"`` with ODC; set without ODC, plain FSDP2 trains on the planned microbatches (for comparisons).
+        reproducible (`bool`, *optional*, defaults to `False`; key `odc_reproducible`, env `ODC_REPRODUCIBLE`):
+            With ``plan="dynamic"``, plan every step with the static ``"free"`` plan instead, so that which rank runs
+            which microbatch depends on the data alone, not on the ranks' timing (per-rank random streams such as
+            dropout, traces and per-rank metrics repeat from run to run). No effect on the other plans.
         samples_per_step (`int`, *optional*; key `odc_samples_per_step`, env `ODC_SAMPLES_PER_STEP`):
             Samples of one optimizer step over all ranks; unset, ``per_device_train_batch_size x
             gradient_accumulation_steps x world size``.
@@ -113,9 +119,17 @@ class ODCConfig:
         "odc_plan",
         "ODC_PLAN",
         "Microbatch plan of each step: 'free' (balanced per-rank totals, any microbatch count per rank; needs ODC) "
-        "or 'lockstep' (equal counts, each slot balanced). Defaults to 'free' with ODC; without ODC, plain FSDP2 "
-        "trains on the planned microbatches.",
+        "'lockstep' (equal counts, each slot balanced) or 'dynamic' (ranks claim the step's next microbatch when free; "
+        "needs ODC). Defaults to 'free' with ODC; without ODC, plain FSDP2 trains on the planned microbatches.",
         str,
+    )
+    reproducible: bool | None = _option(
+        False,
+        "odc_reproducible",
+        "ODC_REPRODUCIBLE",
+        "With odc_plan 'dynamic': plan each step with the static 'free' plan instead, so that which rank runs which "
+        "microbatch depends on the data alone (run-to-run reproducible).",
+        bool,
     )
     samples_per_step: int | None = _option(
         None,
@@ -158,6 +172,11 @@ class ODCConfig:
         """Whether steps are planned by the length-balanced sampler (always with ODC)."""
         return self.plan is not None
 
+    @property
+    def effective_plan(self) -> str | None:
+        """The plan steps are made with: ``plan``, except ``"free"`` for ``"dynamic"`` under ``reproducible``."""
+        return "free" if self.plan == "dynamic" and self.reproducible else self.plan
+
     def options(self) -> dict[str, Any]:
         """The option fields as a dict (``source`` excluded)."""
         return {f.name: getattr(self, f.name) for f in option_fields()}
@@ -169,6 +188,7 @@ class ODCConfig:
 
         self.enable = str_to_bool(self.enable, _name("enable"))
         self.time_collectives = str_to_bool(self.time_collectives, _name("time_collectives"))
+        self.reproducible = str_to_bool(self.reproducible, _name("reproducible"))
         if not isinstance(self.transport, Transport):
             if self.transport not in TRANSPORTS:
                 raise ValueError(
@@ -188,6 +208,12 @@ class ODCConfig:
             self.plan = "free"
         if self.plan is not None:
             self.plan = normalize_plan(self.plan, where=_name("plan"))
+        if self.plan == "dynamic" and not self.enable:
+            raise ValueError(
+                f"{_name('plan')} 'dynamic' needs ODC: ranks claim microbatches while the step runs, so they run "
+                "different numbers of microbatches, which plain FSDP2's collectives cannot pair. Turn ODC on "
+                f"({_name('enable')}) or choose 'free' / 'lockstep'."
+            )
         if self.trace_dir is not None:
             self.trace_dir = os.fspath(self.trace_dir)
         if self.metrics is None:

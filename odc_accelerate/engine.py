@@ -21,6 +21,7 @@ import enum
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from . import hsdp
 from ._compat import CompatError, warn_if_untested
 from ._compat import fsdp as compat
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
+from .transport.claims import claim_counter, claim_indices
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +230,8 @@ class ODCEngine:
         self.stats = StepStats()
         self.last_step_stats: StepStats | None = None
         self.steps = 0
+        self._claims: Any = None  # the dynamic plan's counter (set with the transport)
+        self._claimed_step = -1
 
         entries, problem = self._inspect(model)
         # Agree across ranks before raising: a rank that raised alone would leave its peers waiting in the
@@ -301,6 +305,10 @@ class ODCEngine:
                 if not self.frozen:
                     hook = _ODCReduceScatterHSDP if replicate_pg is not None else _ODCReduceScatter
                     module.set_custom_reduce_scatter(hook(self, g.index))
+            # The dynamic plan's counter: the transport's own (no communication here), or the store fallback for a
+            # transport without one (one broadcast, here at set-up and never inside a step).
+            self._claims = None if self.frozen else claim_counter(self.transport, self._pg)
+            self._claimed_step = -1
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0
@@ -478,6 +486,59 @@ class ODCEngine:
             raise
         if count_wait:
             self.stats.wait_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ dynamic plan
+    def claim_microbatches(self, count: int) -> Iterator[int]:
+        """Indices of this step's microbatches that this rank runs, claimed one at a time (the ``dynamic`` plan).
+
+        Every rank passes the same ``count`` (the length of the step's queue, e.g.
+        `odc_accelerate.planning.claim_queue`, the same on every rank) and runs the microbatch of each index it gets;
+        the next index is claimed when the loop asks for it, with an atomic fetch-and-add on the step's counter
+        (`odc_accelerate.transport.claims`). Across ranks every index is yielded exactly once; a rank that is free
+        first takes the next one, so a slower rank runs fewer. No ``torch.distributed`` call is made. Normalise the
+        loss by the step's global count of loss items, known from the queue before the first claim.
+
+        ```python
+        queue = claim_queue(plan_step(lengths, world_size, budget, plan="dynamic"))  # same on every rank
+        for i in engine.claim_microbatches(len(queue)):
+            loss = compute(model, load(queue[i])) * world_size / global_tokens
+            loss.backward()
+        engine.pre_optimizer_step()
+        ```
+
+        A rank's gradients go to their owners after each microbatch's backward (a rank learns that a microbatch was
+        its last only when its next claim finds none left). Call once per optimizer step, between
+        ``post_optimizer_step`` and ``pre_optimizer_step``; iterate lazily (collecting the indices first would claim
+        them all for this rank).
+
+        Args:
+            count (`int`): number of microbatches in the step's queue.
+
+        Raises:
+            RuntimeError: called outside a step, twice in one step, on a frozen engine, or on an HSDP mesh.
+        """
+        self._check_trainable("claim_microbatches")
+        if self.replicas > 1:
+            # Each shard group has its own counter; a queue shared by every replica needs one counter for all of them.
+            raise RuntimeError(
+                f"the dynamic plan does not span HSDP replicas yet (this engine has {self.replicas}): each shard group "
+                "would run the whole queue. Use odc_plan: free (or lockstep) with an HSDP mesh, or a 1-D mesh"
+            )
+        if self._state != EngineState.IN_STEP:
+            raise RuntimeError(
+                "claim_microbatches() is for the microbatches of a step: call it before pre_optimizer_step()"
+            )
+        if self._claimed_step == self.steps:
+            raise RuntimeError(
+                "claim_microbatches() was already called in this optimizer step: claim the step's whole queue with "
+                "one call (every rank's claims of a step draw from one counter)"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                f"count must be the number of microbatches in the step's queue (an int >= 0), got {count!r}"
+            )
+        self._claimed_step = self.steps
+        return claim_indices(self._claims, self.steps + 1, count)  # rounds start at 1
 
     # ------------------------------------------------------------------ step lifecycle
     @torch.no_grad()

@@ -10,14 +10,27 @@ from benchmarks.e2e.arms import ARMS, BASELINES
 TARGETS = {"odc_vs_fsdp2_random": 1.3, "odc_vs_fsdp2_rebalance": 1.15, "odc_bubble_pct_max": 5.0}
 """Targets of ODC + plan (checked and reported, never asserted)."""
 
+DYNAMIC_TARGETS = {
+    "dynamic_vs_fsdp2_random": 1.4,  # DPO, equal speeds
+    "dynamic_bubble_pct_max": 3.0,  # DPO, equal speeds
+    "dynamic_vs_free_equal": 0.98,  # equal speeds: no slower than the free plan by more than 2%
+    "dynamic_step_over_ideal_max": 1.10,  # one rank slower: within 10% of the unequal-speed ideal
+    "dynamic_vs_free_slowed": 1.25,  # one rank slower: tokens/s over ODC + free under the same slowdown
+}
+"""Targets of ODC + plan dynamic (checked and reported, never asserted)."""
 
-def aggregate(runs: dict[str, list[dict]], world: int) -> dict:
+
+def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None) -> dict:
     """Per-arm medians over repeats, speedups (ratios of tokens/s), distance to the limit, targets.
 
     Args:
         runs (`dict[str, list[dict]]`): arm name -> the records of its runs (`benchmarks.e2e.records.make_record`,
             with their ``repeat``).
         world (`int`): ranks of one run.
+        slow (`dict`, *optional*): the slowed-rank condition (`runner.slow_condition`): every arm but the limit ran
+            with one rank slower. Each arm's ideal step is its own work spread by speed: ``sum_r busy_r x speed_r /
+            sum_r speed_r`` (busy in full-speed seconds over the sum of the ranks' speeds); with equal speeds, the
+            mean busy time.
     """
     arms: dict[str, dict] = {}
     for name, arm_runs in runs.items():
@@ -46,6 +59,16 @@ def aggregate(runs: dict[str, list[dict]], world: int) -> dict:
             # < 1: slower than the limit; 1 - this is the share of the limit's throughput the arm loses
             a["of_limit"] = a["tokens_per_s"] / arms["limit"]["tokens_per_s"]
     out: dict[str, Any] = {"arms": arms}
+    speeds = slow["speeds"] if slow else [1.0] * world
+    out["ideal"] = {"speeds": speeds}
+    for name, a in arms.items():
+        if name != "limit":
+            # The arm's own compute (busy; the slowed rank's includes its slowdown) in full-speed seconds, spread over
+            # the ranks in proportion to their speeds: total work / sum of the ranks' speeds.
+            a["ideal_step_s"] = sum(b * v for b, v in zip(a["busy_s"], speeds, strict=True)) / sum(speeds)
+            a["step_over_ideal"] = a["step_s"] / a["ideal_step_s"]
+    if "odc_dynamic" in arms:
+        out["dynamic_targets"] = _dynamic_targets(arms, runs, slow)
     if "odc" in arms:
         odc = arms["odc"]
         # A second, cruder limit: tokens over ODC's mean busy time (compute plus ODC's own copies and adds).
@@ -71,6 +94,37 @@ def aggregate(runs: dict[str, list[dict]], world: int) -> dict:
         out["targets"] = targets
     out["timeline"] = {name: _timeline(arm_runs, world, name == "limit") for name, arm_runs in runs.items()}
     return out
+
+
+def _dynamic_targets(arms: dict, runs: dict, slow: dict | None) -> dict:
+    """The dynamic plan's targets that this run's condition measures (equal speeds, or one rank slower)."""
+    dyn, targets = arms["odc_dynamic"], {}
+
+    def ratio(key: str, base: str, goal: float) -> None:
+        value = dyn["tokens_per_s"] / arms[base]["tokens_per_s"]
+        pairs = zip(_by_repeat(runs["odc_dynamic"]), _by_repeat(runs[base]), strict=False)
+        per_repeat = [d["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for d, b in pairs]
+        targets[key] = {"value": value, "target": f">= {goal}", "met": value >= goal, "per_repeat": per_repeat}
+
+    if slow is None:
+        if "fsdp2_random" in arms:
+            ratio("dynamic_vs_fsdp2_random", "fsdp2_random", DYNAMIC_TARGETS["dynamic_vs_fsdp2_random"])
+        goal = DYNAMIC_TARGETS["dynamic_bubble_pct_max"]
+        targets["dynamic_bubble_pct"] = {
+            "value": dyn["bubble_pct"],
+            "target": f"<= {goal}",
+            "met": dyn["bubble_pct"] <= goal,
+        }
+        if "odc" in arms:
+            ratio("dynamic_vs_free_equal", "odc", DYNAMIC_TARGETS["dynamic_vs_free_equal"])
+    else:
+        if "step_over_ideal" in dyn:
+            goal = DYNAMIC_TARGETS["dynamic_step_over_ideal_max"]
+            value = dyn["step_over_ideal"]
+            targets["dynamic_step_over_ideal"] = {"value": value, "target": f"<= {goal}", "met": value <= goal}
+        if "odc" in arms:
+            ratio("dynamic_vs_free_slowed", "odc", DYNAMIC_TARGETS["dynamic_vs_free_slowed"])
+    return targets
 
 
 def _median_run(runs: list[dict]) -> dict:

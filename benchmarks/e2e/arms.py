@@ -37,6 +37,13 @@ ARMS: dict[str, Arm] = {
         ),
         Arm("fsdp2_lockstep", "FSDP2 + plan lockstep", "fsdp2_cpu.yaml", ("--odc_plan", "lockstep"), planned=True),
         Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true"), planned=True),
+        Arm(
+            "odc_dynamic",
+            "ODC + plan dynamic",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_plan", "dynamic"),
+            planned=True,
+        ),
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
     )
 }
@@ -69,7 +76,7 @@ class Workload:
     grad_accum: int
     max_length: int
     max_steps: int
-    arms: tuple[str, ...] = ("fsdp2_random", "fsdp2_rebalance", "fsdp2_lockstep", "odc")
+    arms: tuple[str, ...] = ("fsdp2_random", "fsdp2_rebalance", "fsdp2_lockstep", "odc", "odc_dynamic")
     replaced: dict[str, int] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     planned_args: tuple[str, ...] = ()
@@ -104,7 +111,7 @@ WORKLOADS: dict[str, Workload] = {
         grad_accum=2,
         max_length=512,
         max_steps=5,
-        arms=("fsdp2_random", "fsdp2_lockstep", "odc"),
+        arms=("fsdp2_random", "fsdp2_lockstep", "odc", "odc_dynamic"),
         replaced={"max_length": 1024, "per_device_train_batch_size": 8},
         unsupported={
             "fsdp2_rebalance": "transformers' BatchRebalanceSampler reads lengths from an `input_ids` or `length` "

@@ -54,6 +54,15 @@ def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument(
+        "--slow_rank",
+        type=int,
+        default=None,
+        help="slowed-device condition: this rank's compute is made --slow_factor times slower in every arm (after "
+        "each microbatch it sleeps (factor - 1) x the microbatch's measured compute); the limit runs at full speed "
+        "and gives the ideal for unequal speeds (its tokens/s x sum of the ranks' speeds / ranks)",
+    )
+    p.add_argument("--slow_factor", type=float, default=1.5, help="how much slower --slow_rank is (default 1.5)")
+    p.add_argument(
         "--allocator",
         choices=ALLOCATORS,
         default="caching",
@@ -88,6 +97,12 @@ def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
         opts.arms.append("limit")
     if opts.no_limit and "limit" in opts.arms:
         opts.arms.remove("limit")
+    if opts.slow_rank is not None:
+        if opts.slow_rank < 1:
+            # the limit's processes each run as rank 0: slowing rank 0 would slow the reference the ideal comes from
+            p.error(f"--slow_rank must be a rank >= 1 (rank 0 is the limit's rank), got {opts.slow_rank}")
+        if not opts.slow_factor >= 1.0:
+            p.error(f"--slow_factor must be >= 1, got {opts.slow_factor}")
     if opts.max_steps <= opts.warmup:
         p.error(f"--max_steps ({opts.max_steps}) must exceed --warmup ({opts.warmup})")
     offline = "--model_name_or_path" not in extra and "--dataset_name" not in extra
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     workload, opts = parse_args(argv)
     if opts.report is not None:
         result = json.loads((opts.report / "results.json").read_text())
-        result.update(aggregate(result["runs"], result["config"]["world_size"]))
+        result.update(aggregate(result["runs"], result["config"]["world_size"], result["config"].get("slow")))
         out = opts.report
     else:
         result, out = run(workload, opts, argv), opts.out

@@ -19,6 +19,8 @@ def table_rows(result: dict) -> list[list[str]]:
     head = ["arm", "step s", "real tok/s", "bubble %", "busy s/rank", "wait s/rank", "peak RSS MB/rank"]
     head += [f"vs {ARMS[b].label.split(' + ')[1]}" for b in BASELINES if b in arms]
     head += ["of limit"] if "limit" in arms else []
+    ideal = "ideal" in result
+    head += ["step / ideal"] if ideal else []
     rows = [head]
     for name in [n for n in ARMS if n in arms]:
         a = arms[name]
@@ -34,6 +36,7 @@ def table_rows(result: dict) -> list[list[str]]:
         ]
         row += [f"{a[f'speedup_vs_{b}']:.2f}x" for b in BASELINES if b in arms]
         row += [f"{a['of_limit']:.2f}"] if "limit" in arms else []
+        row += ["" if limit else f"{a['step_over_ideal']:.2f}"] if ideal else []
         rows.append(row)
     return rows
 
@@ -59,11 +62,17 @@ def targets_text(result: dict) -> list[str]:
         "odc_vs_fsdp2_random": "ODC tokens/s over FSDP2 + random",
         "odc_vs_fsdp2_rebalance": "ODC tokens/s over FSDP2 + batch_rebalance",
         "odc_bubble_pct": "ODC bubble %",
+        "dynamic_vs_fsdp2_random": "ODC + dynamic tokens/s over FSDP2 + random",
+        "dynamic_bubble_pct": "ODC + dynamic bubble %",
+        "dynamic_vs_free_equal": "ODC + dynamic tokens/s over ODC + free",
+        "dynamic_step_over_ideal": "ODC + dynamic step time over the ideal",
+        "dynamic_vs_free_slowed": "ODC + dynamic tokens/s over ODC + free",
     }
     lines = []
-    for key, t in result.get("targets", {}).items():
+    targets = {**result.get("targets", {}), **result.get("dynamic_targets", {})}
+    for key, t in targets.items():
         # three decimals for ratios: at two, 1.295 prints as 1.30x next to "NOT met" for a 1.3 target
-        value = f"{t['value']:.3f}x" if "vs" in key else f"{t['value']:.2f}"
+        value = f"{t['value']:.3f}x" if "vs" in key or "over" in key else f"{t['value']:.2f}"
         spread = ""
         if len(t.get("per_repeat") or []) > 1:
             spread = f"; per repeat {min(t['per_repeat']):.3f}x to {max(t['per_repeat']):.3f}x"
@@ -72,6 +81,12 @@ def targets_text(result: dict) -> list[str]:
         lines.append(
             f"{'limit estimated from ODC mean busy time':<44}{result['limit_from_odc_busy_tokens_per_s']:>8.1f}  "
             "tok/s (busy includes ODC's own copies and adds: a lower bound on the limit's tokens/s)"
+        )
+    if "ideal" in result:
+        speeds = " ".join(f"{v:.2f}" for v in result["ideal"]["speeds"])
+        lines.append(
+            f"step / ideal: each arm's step time over its ideal for rank speeds {speeds}: its own busy time in "
+            "full-speed seconds (sum over ranks of busy x speed) over the sum of the ranks' speeds"
         )
     return lines
 
@@ -88,7 +103,16 @@ def conditions_text(result: dict) -> str:
         f"accumulation x {c['world_size']} ranks), {c['max_steps']} steps per run of which the first "
         f"{c['warmup']} dropped, {c['repeats']} interleaved repeats; 1-min load average {cond['load_min']:.1f} to "
         f"{cond['load_max']:.1f} on {cond['cpus']} cores; "
-        f"{_allocator_text(cond)}; {cond['date']}"
+        f"{_allocator_text(cond)}; {cond['date']}" + _slow_text(c.get("slow"))
+    )
+
+
+def _slow_text(slow: dict | None) -> str:
+    if not slow:
+        return ""
+    return (
+        f"; rank {slow['rank']} slowed {slow['factor']:g}x in every arm but the limit (after each microbatch it sleeps "
+        f"{slow['factor'] - 1:g}x the microbatch's measured compute)"
     )
 
 

@@ -74,8 +74,19 @@ def commands(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int,
     return [{"cmd": [*launch, script, *script_args(workload, arm, opts, world, out)], "out": out, "rss": out / "rss"}]
 
 
-def _run_processes(procs: list[dict], run_dir: Path, timeout: float, allocator: str = "caching") -> float:
-    env = run_env(allocator)
+def slow_env(opts: argparse.Namespace) -> dict[str, str]:
+    """The slowed-rank condition's variables (read by ``run_example.py``): rank ``slow_rank``'s every microbatch is
+    followed, inside its timed compute, by a sleep of ``slow_factor - 1`` times the microbatch's measured compute."""
+    rank = getattr(opts, "slow_rank", None)
+    if rank is None:
+        return {}
+    return {"ODC_BENCH_SLOW_RANK": str(rank), "ODC_BENCH_SLOW_FACTOR": str(opts.slow_factor)}
+
+
+def _run_processes(
+    procs: list[dict], run_dir: Path, timeout: float, allocator: str = "caching", extra_env: dict | None = None
+) -> float:
+    env = dict(run_env(allocator), **(extra_env or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     started = []
     start = time.perf_counter()
@@ -147,7 +158,7 @@ def run_arm(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int, 
         shutil.rmtree(run_dir)
     procs = commands(workload, arm, opts, world, run_dir)
     load_before = os.getloadavg()[0]
-    wall = _run_processes(procs, run_dir, opts.timeout, opts.allocator)
+    wall = _run_processes(procs, run_dir, opts.timeout, opts.allocator, slow_env(opts))
     load_after = os.getloadavg()[0]
     per_process = []
     for p in procs:
@@ -178,6 +189,8 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
     if not script.is_file():
         raise SystemExit(f"{script} not found: run the benchmark from a source checkout of odc_accelerate.")
     world = world_size_of(REPO / workload.configs / workload.config_of(ARMS["odc"]))
+    if getattr(opts, "slow_rank", None) is not None and opts.slow_rank >= world:
+        raise SystemExit(f"--slow_rank {opts.slow_rank} is not a rank of the {world}-process runs")
     runs: dict[str, list[dict]] = {a: [] for a in opts.arms}
     loads = []
     started = time.perf_counter()
@@ -195,7 +208,8 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
                 f"{s['bubble_pct']:.1f}%, wall {result['wall_s']:.0f} s",
                 flush=True,
             )
-    result = aggregate(runs, world)
+    slow = slow_condition(opts, world)
+    result = aggregate(runs, world, slow)
 
     result["config"] = {
         "workload": workload.name,
@@ -212,11 +226,21 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
         "max_length": opts.max_length,
         "seed": opts.seed,
         "script_args": opts.extra,
+        "slow": slow,
         "arm_definitions": {n: asdict(ARMS[n]) for n in opts.arms},
     }
     result["conditions"] = run_conditions(loads, started, opts.allocator)
     result["runs"] = runs
     return result
+
+
+def slow_condition(opts: argparse.Namespace, world: int) -> dict | None:
+    """The slowed-rank condition as recorded: which rank, by what factor, and every rank's relative speed."""
+    rank = getattr(opts, "slow_rank", None)
+    if rank is None:
+        return None
+    speeds = [1.0 / opts.slow_factor if r == rank else 1.0 for r in range(world)]
+    return {"rank": rank, "factor": opts.slow_factor, "speeds": speeds}
 
 
 def run_conditions(loads: list[float], started: float, allocator: str, libraries: tuple[str, ...] = ()) -> dict:

@@ -604,7 +604,9 @@ def reduce_scatter_spans(group: Any, comm: Any) -> list[tuple[int, int, int]] | 
 
 
 def default_store() -> Any:
-    """The key-value store of the default process group (every rank of the job reaches it)."""
+    """The key-value store of the default process group (private ``distributed_c10d._get_default_store``; every rank
+    of the job reaches it): HSDP's failure notes, and the ``dynamic`` plan's claim counter where a transport has none
+    of its own (`transport.claims`)."""
     get_store = _import("torch.distributed.distributed_c10d", "_get_default_store")
     return get_store()
 

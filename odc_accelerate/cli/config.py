@@ -37,7 +37,7 @@ def make_parser() -> argparse.ArgumentParser:
     where.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="CPU processes (gloo).")
     parser.add_argument("--num_processes", help="Processes (default: the GPU count, or 2 on CPU).")
     parser.add_argument("--transport", help="ODC transport (default: auto).")
-    parser.add_argument("--plan", help="Microbatch plan: free or lockstep (default: free).")
+    parser.add_argument("--plan", help="Microbatch plan: free, lockstep or dynamic (default: free).")
     parser.add_argument(
         "--mixed_precision", choices=MIXED_PRECISION, help="Mixed precision (default: bf16 on GPUs, no on CPU)."
     )

@@ -1,4 +1,4 @@
-"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"``), padded shapes, the sampler
+"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"`` / ``"dynamic"``), padded shapes, the sampler
 (map-style datasets) and the streaming planner (streams: `datasets.IterableDataset`).
 
 Everything but the sampler is numpy only; the sampler (a `torch.utils.data.Sampler`) is imported on first use.
@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from .cost import PUBLISHED_1_5B_COST, PUBLISHED_7B_COST, QuadraticCost, cost_from_config, flops_cost, resolve_cost
+from .dynamic import claim_queue
 from .padded import padded_microbatch, plan_padded
 from .plan import PLANS, Plan, check_oversize, normalize_plan, plan_from_costs, plan_step
 from .stream import StepRows, StreamingStepPlanner, StreamStep
@@ -26,6 +27,7 @@ __all__ = [
     "StreamStep",
     "StreamingStepPlanner",
     "check_oversize",
+    "claim_queue",
     "cost_from_config",
     "dataset_lengths",
     "flops_cost",

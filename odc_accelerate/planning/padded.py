@@ -13,6 +13,9 @@ that fit the budget (the fewest microbatches a sorted cut allows).
   largest while that lowers it.
 - ``"lockstep"``: the whole step is cut into runs, split further until every rank can get the same number of
   microbatches, and runs of similar cost share a slot.
+- ``"dynamic"``: the whole step is cut into runs, the costliest split (at their best cut) while the queue is shorter
+  than two per rank, ordered costliest first and dealt round-robin (the queue ranks claim from,
+  `odc_accelerate.planning.dynamic`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 
 import numpy as np
 
+from .dynamic import deal, min_queue_length, queue_order, split_until
 from .packing import Plan, assign_slots_to_ranks, lpt, refine_totals
 from .plan import PlanName, normalize_plan
 
@@ -56,7 +60,7 @@ def plan_padded(
             a microbatch's rows all cost what its widest sample's row costs).
         world_size (`int`): number of ranks.
         max_tokens_per_microbatch (`int`): padded-token budget of one microbatch.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`): see `plan_step`.
+        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`): see `plan_step`.
         mode (`str`, *optional*): deprecated spelling of ``plan``.
 
     Returns:
@@ -76,6 +80,11 @@ def plan_padded(
     if (rows < 1).any() or (widths < 0).any() or not np.all(np.isfinite(row_costs)) or (row_costs < 0).any():
         raise ValueError("every sample needs at least one row, a non-negative width and a finite, non-negative cost")
     layout = _Layout(rows, widths, row_costs, max_tokens_per_microbatch)
+    if plan == "dynamic":
+        runs = split_until(
+            layout.cut(layout.order.tolist()), min_queue_length(rows.size, world_size), layout.cost, layout.halve
+        )
+        return deal(queue_order(runs, [layout.cost(run) for run in runs]), world_size)
     if plan == "free" or world_size == 1:
         return layout.plan_free(world_size)
     return layout.plan_lockstep(world_size)
@@ -199,6 +208,11 @@ class _Layout:
             totals[a], totals[b] = self.total(members[a]), self.total(members[b])
         return members
 
+    def halve(self, run: list[int]) -> tuple[list[int], list[int]]:
+        """A widest-first run cut in two where the costlier part is cheapest."""
+        cut = min(range(1, len(run)), key=lambda c: (max(self.cost(run[:c]), self.cost(run[c:])), c))
+        return run[:cut], run[cut:]
+
     # ----------------------------------------------------------------------------------------------- lockstep
     def plan_lockstep(self, world: int) -> Plan:
         runs = self.cut(self.order.tolist())
@@ -209,9 +223,7 @@ class _Layout:
             if not splittable:
                 break  # fewer samples than microbatch places: some stay empty
             k = max(splittable, key=lambda j: (self.cost(runs[j]), -j))
-            run = runs.pop(k)
-            cut = min(range(1, len(run)), key=lambda c: (max(self.cost(run[:c]), self.cost(run[c:])), c))
-            runs[k:k] = [run[:cut], run[cut:]]
+            runs[k : k + 1] = list(self.halve(runs[k]))
         runs += [[] for _ in range(slots * world - len(runs))]
         # Runs of similar cost share a slot (the slot waits for its costliest run).
         runs.sort(key=lambda run: (-self.cost(run), min(run, default=-1)))

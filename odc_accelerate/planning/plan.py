@@ -8,6 +8,8 @@ from the same inputs without talking to the others. Two plans, after how a step'
 - ``"lockstep"`` (`odc_accelerate.planning.lockstep`): plain FSDP2 synchronises every rank at every layer of every
   microbatch, so a step costs the sum over microbatch slots of the slot's costliest microbatch. Every rank runs the
   same number of microbatches.
+- ``"dynamic"`` (`odc_accelerate.planning.dynamic`): one queue of the step's microbatches, costliest first; ranks
+  claim from it while the step runs (needs ODC). As a `Plan` the queue is dealt round-robin over the ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
+from .dynamic import plan_dynamic
 from .free import plan_free
 from .lockstep import plan_lockstep
 from .packing import Plan
@@ -35,7 +38,7 @@ __all__ = [
     "plan_step",
 ]
 
-PlanName = Literal["free", "lockstep"]
+PlanName = Literal["free", "lockstep", "dynamic"]
 PLANS: tuple[str, ...] = get_args(PlanName)
 """The plan names, the default first."""
 
@@ -166,6 +169,9 @@ def plan_step(
       Within a slot, microbatches go to ranks so that the per-rank totals are balanced too. A microbatch is an
       empty list only where that cannot be avoided: when the step holds fewer samples than
       ``world_size * number_of_slots`` (e.g. fewer samples than ranks).
+    - ``plan="dynamic"``: the whole step packed first-fit decreasing on tokens, the microbatches ordered costliest
+      first and dealt round-robin (rank ``r`` holds queue items ``r, r + W, ...``); `claim_queue` gives the queue the
+      ranks claim from while the step runs (needs ODC).
 
     Args:
         lengths (`Sequence[int]` or `np.ndarray`):
@@ -178,8 +184,9 @@ def plan_step(
             Cost of one sample as a function of its length, see `resolve_cost`. ``"auto"`` derives it from
             ``model_config`` (linear FLOPs + causal attention, `cost_from_config`) or, without a config, uses the
             published 7B fit ``4.348 x^2 + 8.768 x`` with ``x = L / 32000``.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`):
-            Balance per-rank totals (with ODC) or every microbatch slot (plain FSDP2).
+        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
+            Balance per-rank totals (with ODC), every microbatch slot (plain FSDP2), or queue the microbatches for
+            ranks to claim while the step runs (with ODC).
         model_config (`PretrainedConfig`, *optional*):
             Model configuration used by ``cost="auto"``.
         allow_oversize (`bool`, *optional*, defaults to `True`):
@@ -218,7 +225,7 @@ def plan_from_costs(
         tokens (`np.ndarray`): int64 token count of each sample.
         world_size (`int`): number of ranks.
         max_tokens_per_microbatch (`int`): token budget of one microbatch.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`): see `plan_step`.
+        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`): see `plan_step`.
         mode (`str`, *optional*): deprecated spelling of ``plan``.
     """
     plan = normalize_plan(plan, mode=mode)
@@ -230,6 +237,8 @@ def _dispatch(costs: np.ndarray, tokens: np.ndarray, world_size: int, budget: in
     tokens = np.asarray(tokens, dtype=np.int64)
     if costs.size == 0:
         return [[] for _ in range(world_size)]
+    if plan == "dynamic":
+        return plan_dynamic(costs, tokens, world_size, budget)
     if plan == "free" or world_size == 1:
         # On one rank nobody waits for anybody: both plans reduce to packing into as few microbatches as possible.
         return plan_free(costs, tokens, world_size, budget)

@@ -18,6 +18,7 @@ from torch.utils.data import Sampler
 from .._compat.datasets import arrow_column
 from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
+from .dynamic import claim_queue
 from .padded import plan_padded
 from .plan import Plan, PlanName, as_lengths, check_oversize, normalize_plan, plan_from_costs, sample_parts
 
@@ -115,7 +116,8 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
     ``samples_per_step`` samples form the optimizer steps; each step is planned with
     `odc_accelerate.planning.plan_step` (``plan="free"``: balanced per-rank totals, any microbatch count per rank;
     ``plan="lockstep"``: same microbatch count on every rank, every slot balanced) and this rank's part is yielded.
-    Every rank computes the same plan with no communication, runs the same number of steps, and every sample is used
+    With ``plan="dynamic"`` every rank yields the step's whole queue of microbatches (`claim_queue`), from which the
+    ranks claim while the step runs. Every rank computes the same plan with no communication, runs the same number of steps, and every sample is used
     exactly once per epoch.
 
     Last step: with ``drop_last=True`` the final ``len(lengths) % samples_per_step`` samples are left out of the
@@ -147,7 +149,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             Token budget of one microbatch.
         cost (`"auto"`, `"tokens"`, `QuadraticCost` or callable, *optional*, defaults to `"auto"`):
             Sample cost as a function of length, see `odc_accelerate.planning.resolve_cost`.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`):
+        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
             How each step is planned, see `odc_accelerate.planning.plan_step`.
         shuffle (`bool`, *optional*, defaults to `True`):
             Draw a new order every epoch; otherwise steps follow the dataset order.
@@ -432,4 +434,5 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             plan = self._plan(idx)
             # Counted before the hand-over: a state_dict taken while this step trains already includes it.
             self._steps_consumed = step + 1
-            yield [[int(idx[j]) for j in mb] for mb in plan[self.rank]]
+            mine = claim_queue(plan) if self.plan == "dynamic" else plan[self.rank]
+            yield [[int(idx[j]) for j in mb] for mb in mine]

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
+from .dynamic import claim_queue
 from .padded import plan_padded
 from .plan import Plan, PlanName, check_oversize, normalize_plan, plan_from_costs, sample_parts
 
@@ -90,6 +91,11 @@ class StreamStep:
     def microbatches(self, rank: int) -> list[list[Any]]:
         """Rank ``rank``'s microbatches of this step, as lists of samples."""
         return [[self.samples[j] for j in mb] for mb in self.plan[rank]]
+
+    def queue(self) -> list[list[Any]]:
+        """The step's queue of microbatches in claim order (the ``"dynamic"`` plan, `claim_queue`), as lists of
+        samples: the same on every rank."""
+        return [[self.samples[j] for j in mb] for mb in claim_queue(self.plan)]
 
 
 class StreamingStepPlanner:

@@ -9,6 +9,9 @@ thread to take part:
   ranks (one-sided accumulate);
 * ``barrier()``: every rank has arrived; the only synchronisation point of an optimizer step.
 
+For the ``dynamic`` plan a transport may also serve ``claim(round)``, an atomic fetch-and-add on a per-step counter
+(`odc_accelerate.transport.claims`); where it does not, the ``torch.distributed`` store serves it.
+
 Every wait honours the transport's ``timeout``; a peer that never arrives or died raises
 :class:`ODCTimeoutError` naming it.
 """
@@ -125,6 +128,22 @@ class Transport(abc.ABC):
         Raises:
             ODCTimeoutError: a rank did not arrive within ``timeout`` or died; names the rank(s).
         """
+
+    #: whether `claim` is this transport's own atomic counter (else `claims.claim_counter` uses the store fallback)
+    has_claims: bool = False
+
+    def claim(self, round: int) -> int:
+        """Atomic fetch-and-add on the claim counter of ``round``: the value before the add (0, 1, 2, ... per round).
+
+        Every rank draws from one counter per round; each value is returned to exactly one caller. Rounds are
+        positive and increase by at least one from one optimizer step to the next, and every rank's claims of a round
+        happen before any rank's claims of the next (a ``barrier`` between them): the first claim of a new round
+        starts its count at 0. See `odc_accelerate.transport.claims`.
+
+        Raises:
+            ODCTimeoutError: the counter could not be reached within ``timeout`` (its holder hung or died).
+        """
+        raise NotImplementedError(f"the {self.name!r} transport has no claim counter; use claims.claim_counter")
 
     def flush(self) -> None:
         """Wait until the operations this rank enqueued asynchronously (GPU streams) have completed locally.

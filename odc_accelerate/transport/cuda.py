@@ -26,7 +26,8 @@ dead-peer detection) and holds each rank's set-up phase, which a watchdog (:mod:
 symmetric-memory allocation and rendezvous run: they have no timeout, so a rank failing or stalling there ends its
 blocked peers with a message naming it. ``flush`` waits for this rank's own queued GPU work on the streams it used
 (its reads, adds and publishes land), not the whole device; ``barrier`` flushes, then meets the peers on the host,
-so only the second part is time spent waiting for peers.
+so only the second part is time spent waiting for peers. The ``dynamic``
+plan's claims are the control plane's too (host memory: the ranks share a host).
 """
 
 from __future__ import annotations
@@ -330,6 +331,12 @@ class CudaTransport(Transport):
         start = time.perf_counter()
         self._sync()
         self.flush_s += time.perf_counter() - start
+
+    has_claims = True
+
+    def claim(self, round: int) -> int:
+        """The control plane's claim (`ShmTransport.claim`): the ranks share a host, and a claim is host-side work."""
+        return self._control.claim(round)
 
     def barrier(self) -> None:
         # This rank's adds must have landed in the owners' memory, and its reads of peers' shards finished, before the

@@ -11,7 +11,8 @@ Ranks are grouped by host identity (:func:`host_id`). Within a host with more th
   per-buffer thread lock and then the record lock: every pair of adders is then mutually exclusive;
 * ``barrier`` is the network transport's, over all ranks: shared-memory adds are complete when ``accumulate``
   returns, and each network add precedes its sender's arrival on the same connection, so one barrier covers both
-  paths. A dead rank (local or remote) closes its sockets, so it is named at once.
+  paths. A dead rank (local or remote) closes its sockets, so it is named at once;
+* ``claim`` is the network transport's (rank 0 serves one counter for all hosts).
 
 Host identity is ``ODC_HOST_ID`` when set (tests use it to make ranks of one machine behave as separate hosts),
 otherwise the host name and the kernel boot id.
@@ -150,6 +151,12 @@ class HierarchicalTransport(Transport):
             self._shm.accumulate(self._local[owner], name, src)
         else:
             self._net.accumulate(owner, name, src)
+
+    has_claims = True
+
+    def claim(self, round: int) -> int:
+        """The network transport's claim (served by rank 0 for every host): one counter over all ranks."""
+        return self._net.claim(round)
 
     def barrier(self) -> None:
         self._net.barrier()

@@ -12,6 +12,8 @@ its registered buffers and answers peers without the training thread taking part
   connection sequentially, so when rank ``r``'s barrier arrival reaches owner ``o``, every add ``r`` sent to ``o``
   before it has already been applied. This is what makes one barrier per optimizer step enough, and it keeps the
   round trip off the scatter path;
+* ``claim`` (the ``dynamic`` plan's fetch-and-add) is served by rank 0: its service thread (or its own training
+  thread) reads and bumps the round's counter under one lock and answers with the value before the add;
 * ``barrier`` sends an arrival (a counter) to every peer and waits until every peer's arrival has reached this
   rank's service. A peer whose connection closes without a goodbye (a crash, ``SIGKILL``) is noticed by the
   handler at once and named in :class:`~odc_accelerate.transport.ODCTimeoutError`; so is a peer that closed its
@@ -46,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Message header: op, buffer index, a (bytes or counter), b (byte offset).
 _HEADER = struct.Struct("<BxHxxxxQQ")
-_HELLO, _READ, _ACC, _ARRIVE, _BYE, _ABORT = 1, 2, 3, 4, 5, 6
+_HELLO, _READ, _ACC, _ARRIVE, _BYE, _ABORT, _CLAIM = 1, 2, 3, 4, 5, 6, 7
+_CLAIM_REPLY = struct.Struct("<Q")
 _HELLO_OK = b"\x01"
 _JOB_BYTES = 16
 #: bytes received and added per lock hold; bounds the per-connection staging memory
@@ -164,6 +167,9 @@ class NetworkTransport(Transport):
         self._failed: dict[int, str] = {}
         self._hello = set()
         self._counter = 0
+        self._claim_lock = threading.Lock()
+        self._claim_round = 0
+        self._claim_next = 0
         self._closing = False
         self._closed = False
         self._finalizer: weakref.finalize | None = None
@@ -331,6 +337,8 @@ class NetworkTransport(Transport):
                     if staging is None:
                         staging = torch.empty(self._chunk_bytes, dtype=torch.uint8)
                     self._receive_add(conn, self._names[index], a, b, staging)
+                elif op == _CLAIM:
+                    conn.sendall(_CLAIM_REPLY.pack(self._claim_here(a)))
                 elif op == _ARRIVE:
                     with self._state:
                         self._arrived[peer] = max(self._arrived[peer], a)
@@ -447,6 +455,34 @@ class NetworkTransport(Transport):
                 _send_msg(conn.sock, _HEADER.pack(_ACC, self._index[name], spec.nbytes, 0), _byte_view(payload))
             except (OSError, ConnectionError) as err:
                 raise self._fail(owner, f"adding into {name!r} of", err) from err
+
+    # ---------------------------------------------------------------- claims
+    has_claims = True
+
+    def claim(self, round: int) -> int:
+        """Fetch-and-add on rank 0's counter of ``round`` (see `Transport.claim`), applied by rank 0's service."""
+        if not 0 < round < 2**31:
+            raise ValueError(f"claim round must be in [1, 2**31), got {round}")
+        if self.rank == 0:
+            return self._claim_here(round)
+        reply = bytearray(_CLAIM_REPLY.size)
+        conn = self._peer(0)
+        with conn.lock:
+            try:
+                conn.sock.sendall(_HEADER.pack(_CLAIM, 0, round, 0))
+                _recv_exact(conn.sock, memoryview(reply))
+            except (OSError, ConnectionError) as err:
+                raise self._fail(0, "claiming a microbatch from", err) from err
+        return _CLAIM_REPLY.unpack(reply)[0]
+
+    def _claim_here(self, round: int) -> int:
+        """Rank 0's side of `claim`: one lock serialises the service threads and the training thread."""
+        with self._claim_lock:
+            if round != self._claim_round:
+                self._claim_round, self._claim_next = round, 0
+            index = self._claim_next
+            self._claim_next += 1
+        return index
 
     # ------------------------------------------------------------ sync point
     def barrier(self) -> None:

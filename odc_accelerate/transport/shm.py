@@ -7,6 +7,8 @@ empty lock file. Every rank maps every peer's segment, so:
 * ``read`` is a plain copy out of the peer's mapping;
 * ``accumulate`` takes a POSIX record lock on the byte of the owner's lock file that belongs to the
   buffer (``fcntl.lockf``; released by the kernel if the holder dies) and adds in place;
+* ``claim`` (the ``dynamic`` plan's fetch-and-add) reads and bumps a word of rank 0's header under a record lock on
+  a byte of rank 0's lock file that no buffer uses;
 * ``barrier`` bumps this rank's counter and polls the peers' counters, checking that peers are
   still alive (pid and start time exchanged at set-up; a killed rank is noticed at once, not
   after the timeout).
@@ -52,8 +54,10 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "odc_"
 _ALIGN = 64
-_HEADER_BYTES = 64  # int64 x 8: [0] barrier counter, [1] pid, [2] start time, [3] set-up flag, rest reserved
+_HEADER_BYTES = 64  # int64 x 8: [0] barrier, [1] pid, [2] start time, [3] set-up flag, [4] claims, rest reserved
 _BARRIER, _SETUP = 0, 3  # header slots that peers poll
+_CLAIM = 4  # rank 0's claim word: ``round << 32 | next index`` (one aligned 8-byte store)
+_CLAIM_LOCK_BYTE = 1 << 30  # the byte of rank 0's lock file that guards the claim word (buffers use 0, 1, 2, ...)
 _NAME_RE = re.compile(r"^odc_(?P<job>[0-9a-f]+)_r(?P<rank>\d+)_p(?P<pid>\d+)\.(?:seg|lock)$")
 
 
@@ -296,6 +300,31 @@ class ShmTransport(Transport):
                     [owner],
                 )
             pause = min(pause * 2, 1e-3)
+
+    # ---------------------------------------------------------------- claims
+    has_claims = True
+
+    def claim(self, round: int) -> int:
+        """Fetch-and-add on rank 0's claim word (see `Transport.claim`).
+
+        A real atomic, not a lock-free guess: every claimer takes the same exclusive POSIX record lock (the kernel
+        arbitrates, across processes) before it reads and writes the word, and the lock and unlock system calls
+        order memory, so each claim sees the word the previous holder wrote. The word holds the round and the next
+        index together, written with one aligned 8-byte store, so a claimer killed while holding the lock (the kernel
+        then releases it) leaves either the old word or the new one, never half of each.
+        """
+        if not 0 < round < 2**31:
+            raise ValueError(f"claim round must be in [1, 2**31), got {round}")
+        fd = self._lock_fds[0]
+        self._lock(fd, _CLAIM_LOCK_BYTE, 0, "claim counter")
+        try:
+            word = self._headers[0][_CLAIM]
+            current = int(word)
+            index = current & 0xFFFFFFFF if current >> 32 == round else 0
+            word.fill_((round << 32) | (index + 1))
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, _CLAIM_LOCK_BYTE)
+        return index
 
     # ------------------------------------------------------------ sync point
     def barrier(self) -> None:

@@ -94,21 +94,33 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     else:
         optim = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2), weight_decay=0.1)
     steps = make_steps(spec["plan"], cfg.vocab, seed=spec.get("data_seed", 1))
-    counts, norms, grads, grad_dtypes = [], [], [], []
+    counts, norms, grads, grad_dtypes, claimed = [], [], [], [], []
     kill_at = spec.get("kill_rank_at_step")
     for step_index, step in enumerate(steps):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
         scale = loss_scale(n_global, world_size) if n_global else 0.0
         if kill_at is not None and kill_at[0] == rank and kill_at[1] == step_index:
             os.kill(os.getpid(), signal.SIGKILL)
-        with count_dist_calls() as calls:
-            for i, ids in enumerate(step[rank]):
+        if spec.get("dynamic"):
+            # The dynamic plan: the step's sequences in one queue (the same on every rank), claimed one at a time.
+            queue = [ids for rank_mbs in step for ids in rank_mbs]
+            mine = []
+            with count_dist_calls() as calls:
+                for i in engine.claim_microbatches(len(queue)):
+                    mine.append(i)
+                    loss, _ = token_loss_sum(model, queue[i])
+                    (loss * scale).backward()
+                    if spec.get("slow_rank") == rank:
+                        time.sleep(spec["slow_s"])
+            claimed.append(mine)
+        with count_dist_calls() as more_calls:
+            for i, ids in enumerate([] if spec.get("dynamic") else step[rank]):
                 if spec.get("no_sync"):
                     # accelerate's no_sync under FSDP2: reduce only after the last microbatch
                     model.set_requires_gradient_sync(i == len(step[rank]) - 1)
                 loss, _ = token_loss_sum(model, ids)
                 (loss * scale).backward()
-        counts.append(dict(calls))
+        counts.append(dict(calls) | dict(more_calls) if spec.get("dynamic") else dict(more_calls))
         if spec.get("hang_rank") == rank:
             time.sleep(spec["hang_seconds"])
         if engine is not None:
@@ -130,9 +142,26 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             optim.zero_grad()
         if engine is not None:
             engine.post_optimizer_step()
+    if spec.get("dynamic"):
+        # misuse is refused: a second claim loop in one step, and claims after the step's gradients were folded
+        first = engine.claim_microbatches(0)
+        errors = []
+        try:
+            engine.claim_microbatches(0)
+        except RuntimeError as err:
+            errors.append(str(err))
+        assert list(first) == []
+        engine.pre_optimizer_step()
+        try:
+            engine.claim_microbatches(1)
+        except RuntimeError as err:
+            errors.append(str(err))
+        engine.post_optimizer_step()
     result = {
         "params": full_params(model),
         "counts": counts,
+        "claimed": claimed,
+        "claim_errors": errors if spec.get("dynamic") else [],
         "norms": norms,
         "grads": grads,
         "grad_dtypes": grad_dtypes,

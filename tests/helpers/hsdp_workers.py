@@ -76,6 +76,11 @@ def train_hsdp(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     out["transport"] = engine.transport.name
     out["replicas"], out["shard_world"] = engine.replicas, engine.world_size
     out["buckets"] = engine.replicate_buckets
+    try:  # the dynamic plan's counter is per shard group: refused on an HSDP mesh, before any claim
+        next(engine.claim_microbatches(1))
+        out["dynamic_refusal"] = None
+    except RuntimeError as err:
+        out["dynamic_refusal"] = str(err)
     out["counts"] = _steps(model, engine, optim, steps[: save_after + 1], rank, world_size)
     out["replicate_bytes"] = engine.last_step_stats.replicate_bytes
 

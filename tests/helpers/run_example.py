@@ -17,6 +17,10 @@ builds (any `ODCTrainerMixin` subclass) gets:
 * with ``ODC_SLOW_RANK=R`` and ``ODC_SLOW_S=S``, rank ``R`` sleeps ``S`` seconds in the loss of the first microbatch
   of every even-numbered optimizer step: a known amount of extra compute on one rank, for the telemetry tests;
 
+* with ``ODC_BENCH_SLOW_RANK=R`` and ``ODC_BENCH_SLOW_FACTOR=F``, rank ``R``'s compute is ``F`` times slower for the
+  whole run: after each microbatch's forward and backward (each block the step timer times as compute) it sleeps
+  ``F - 1`` times the block's measured time, inside the block (a slower device, for the benchmark's slowed condition);
+
 and, with ``ODC_BENCH_RSS_DIR`` set, ``rss_rank<RANK>.json`` there when the process ends, even on an error: ``ru_maxrss``
 of this process (peak resident memory, including the shared-memory pages it touched).
 """
@@ -86,6 +90,8 @@ class RunReport:
             "generation_dist_calls": self.generation_dist_calls,
             "sync_dist_calls": self.sync_dist_calls,
             "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
+            # dynamic plan: microbatches fetched and collated on this rank (claims and counting shares), seconds
+            "dynamic_loads": list(getattr(trainer, "odc_dynamic_loads", [0, 0.0])),
         }
         if hasattr(trainer, "odc_reference_engine"):  # DPO
             ref_engine = trainer.odc_reference_engine
@@ -137,6 +143,8 @@ def instrument_trainers() -> None:
             _count_microbatches(self, count_dist_calls)
         if int(os.environ.get("ODC_SLOW_RANK", "-1")) == self.args.process_index:
             _slow_down(self, float(os.environ["ODC_SLOW_S"]))
+        if int(os.environ.get("ODC_BENCH_SLOW_RANK", "-1")) == self.args.process_index:
+            _slower_device(self, float(os.environ["ODC_BENCH_SLOW_FACTOR"]))
 
     ODCTrainerMixin.__init__ = __init__
 
@@ -212,6 +220,28 @@ def _slow_down(trainer: Any, seconds: float) -> None:
         return compute_loss(*args, **kwargs)
 
     trainer.compute_loss = slow_compute_loss
+
+
+def _slower_device(trainer: Any, factor: float) -> None:
+    """Make this rank's compute ``factor`` times slower: each outermost compute block of the step timer (one microbatch's
+    forward and backward, or a generation) is followed, inside the block, by a sleep of ``factor - 1`` times its own
+    measured time. Wraps the timer the trainer creates with its accelerator (after ``__init__``)."""
+    import contextlib
+    import time
+
+    timer = trainer.odc_step_timer
+    compute = timer.compute  # the bound method of the class; the instance attribute shadows it
+
+    @contextlib.contextmanager
+    def slower_compute(device: Any) -> Any:
+        outermost = timer._depth == 0
+        start = time.perf_counter()
+        with compute(device):
+            yield
+            if outermost:
+                time.sleep((factor - 1.0) * (time.perf_counter() - start))
+
+    timer.compute = slower_compute
 
 
 class _CountedMethod:

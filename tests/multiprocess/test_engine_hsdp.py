@@ -26,6 +26,7 @@ def test_hsdp_parity_collectives_refusal_and_checkpoint_resume(tmp_path):
         # a shard group over two hosts is refused on every rank, with the fix
         assert "spans 2 hosts" in res["refusal"] and "dp_shard_size" in res["refusal"], res["refusal"]
         assert (res["transport"], res["replicas"], res["shard_world"]) == ("shm", 2, 2)
+        assert "dynamic plan does not span HSDP replicas" in res["dynamic_refusal"], res["dynamic_refusal"]
 
     # parity: equal to one process training on each step's whole batch (loss over the global token count)
     ref = reference(dict(plan=UNEQUAL))

@@ -3,6 +3,7 @@ the trainers' own logs, and every output file is written. Timings are never asse
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import statistics
@@ -160,8 +161,8 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
             samples[name] = training.per_device_train_batch_size * training.gradient_accumulation_steps * 2
         assert training.max_length == 300 and training.logging_steps == 1 and training.max_steps == opts.max_steps
         assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else "random")
-        assert training.odc is (True if name == "odc" else None)
-        assert training.odc_plan == {"fsdp2_lockstep": "lockstep", "limit": "free"}.get(name)
+        assert training.odc is (True if name in ("odc", "odc_dynamic") else None)
+        assert training.odc_plan == {"fsdp2_lockstep": "lockstep", "limit": "free", "odc_dynamic": "dynamic"}.get(name)
         if name != "limit":
             assert procs[0]["cmd"][procs[0]["cmd"].index("--config_file") + 1].endswith(arm.config)
     assert set(samples.values()) == {12}, samples
@@ -219,3 +220,39 @@ def test_caching_allocator_serves_large_tensors_from_the_heap_in_the_runs_enviro
     assert mmapped["caching"] < 80_000_000 <= mmapped["system"], mmapped
     with pytest.raises(ValueError, match="allocator"):
         allocator_env("jemalloc")
+
+
+def test_slowed_rank_condition_ideal_and_dynamic_targets():
+    from benchmarks.e2e.runner import slow_env
+
+    def record(tps, busy, wait, bubble, repeat=0):
+        step = busy[0] + wait[0]
+        summary = {
+            "step_s_median": step, "tokens_per_s": tps, "bubble_pct": bubble, "busy_s": busy, "wait_s": wait,
+            "microbatches": [1, 3], "steps_measured": 1,
+        }  # fmt: skip
+        steps = [{"step": 2, "step_s": step, "busy_s": busy, "wait_s": wait}]
+        return {"summary": summary, "peak_rss_mb": [1.0, 1.0], "repeat": repeat, "steps": steps}
+
+    slow = {"rank": 1, "factor": 1.5, "speeds": [1.0, 1 / 1.5]}
+    runs = {
+        "odc": [record(100.0, [1.0, 3.0], [2.0, 0.0], 33.0)],
+        "odc_dynamic": [record(130.0, [2.0, 3.0], [0.3, 0.0], 5.0)],
+    }
+    out = aggregate(runs, 2, slow)
+    # dynamic: work = 2.0 x 1 + 3.0 x 2/3 = 4.0 full-speed seconds over speeds 1 + 2/3: ideal step 2.4 s, step 2.3 s
+    assert out["arms"]["odc_dynamic"]["ideal_step_s"] == pytest.approx(2.4)
+    assert out["arms"]["odc_dynamic"]["step_over_ideal"] == pytest.approx(2.3 / 2.4)
+    assert out["dynamic_targets"]["dynamic_step_over_ideal"]["met"] is True
+    assert out["dynamic_targets"]["dynamic_vs_free_slowed"]["value"] == pytest.approx(1.3)
+    assert out["dynamic_targets"]["dynamic_vs_free_slowed"]["met"] is True
+    equal = aggregate(runs, 2, None)
+    assert equal["arms"]["odc"]["ideal_step_s"] == pytest.approx(2.0)  # equal speeds: the mean busy time
+    assert set(equal["dynamic_targets"]) == {"dynamic_bubble_pct", "dynamic_vs_free_equal"}
+    assert equal["dynamic_targets"]["dynamic_bubble_pct"]["met"] is False  # 5.0 > 3
+    assert slow_env(argparse.Namespace(slow_rank=1, slow_factor=1.5)) == {
+        "ODC_BENCH_SLOW_RANK": "1",
+        "ODC_BENCH_SLOW_FACTOR": "1.5",
+    }
+    with pytest.raises(SystemExit):
+        parse_args(["sft", "--slow_rank", "0"])  # the limit's processes are rank 0: the slowed rank must not be

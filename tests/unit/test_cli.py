@@ -381,7 +381,7 @@ def test_config_asks_for_what_no_flag_gives(tmp_path, no_cuda, capsys):
 def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "cfg.yaml"
     assert main(["config", "--cpu", "--plan", "nope", "--default", "--config_file", str(out)]) == 2
-    assert "plan must be one of free, lockstep, got 'nope'" in capsys.readouterr().err
+    assert "plan must be one of free, lockstep, dynamic, got 'nope'" in capsys.readouterr().err
     assert main(["config", "--cpu", "--num_processes", "0", "--default", "--config_file", str(out)]) == 2
     assert "num_processes must be a positive integer" in capsys.readouterr().err
     assert not out.exists() and os.listdir(tmp_path) == []

@@ -158,3 +158,15 @@ def test_shared_parsers():
     for bad in (0, -1, True, 1.5, "x", None):
         with pytest.raises(ValueError, match="n must be a positive integer"):
             check_positive_int(bad, "n")
+
+
+def test_dynamic_plan_needs_odc_and_reproducible_falls_back_to_free():
+    from odc_accelerate.config import ODCConfig
+
+    config = ODCConfig(enable=True, plan="dynamic")
+    assert (config.plan, config.effective_plan, config.reproducible) == ("dynamic", "dynamic", False)
+    fallback = ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_PLAN": "dynamic", "ODC_REPRODUCIBLE": "1"})
+    assert (fallback.plan, fallback.effective_plan, fallback.given["reproducible"]) == ("dynamic", "free", "env")
+    assert ODCConfig(enable=True, plan="lockstep", reproducible=True).effective_plan == "lockstep"
+    with pytest.raises(ValueError, match=r"odc_plan \(ODC_PLAN\) 'dynamic' needs ODC"):
+        ODCConfig(plan="dynamic")

@@ -22,6 +22,7 @@ from odc_accelerate.planning import (
     PUBLISHED_7B_COST,
     LengthBalancedBatchSampler,
     QuadraticCost,
+    claim_queue,
     cost_from_config,
     flops_cost,
     normalize_plan,
@@ -59,6 +60,18 @@ def check_plan(plan, lengths, world, budget, plan_name):
                 assert a + b > budget, "two microbatches of one rank fit together"
         if n >= world:
             assert all(len(rank) > 0 for rank in plan), "a rank idles although there are enough samples"
+    elif plan_name == "dynamic":
+        # One queue for the whole step, packed first-fit: no two of its microbatches fit together; dealt round-robin.
+        # Split to at least two per rank (one per sample when fewer), else packed first-fit.
+        queue = claim_queue(plan)
+        assert all(len(mb) > 0 for mb in queue)
+        target = min(2 * world, n)
+        assert len(queue) >= target
+        if len(queue) > target:
+            toks = [int(lengths[mb].sum()) for mb in queue]
+            for a, b in itertools.combinations(toks, 2):
+                assert a + b > budget, "two microbatches of the queue fit together"
+        assert [len(rank) for rank in plan] == [len(queue[r::world]) for r in range(world)]
     else:
         slots = {len(rank) for rank in plan}
         assert len(slots) == 1, "lockstep: every rank must run the same number of microbatches"
@@ -143,7 +156,7 @@ def test_allow_oversize_false_names_the_sample_before_planning():
         ({"max_tokens_per_microbatch": 0}, "max_tokens_per_microbatch"),
         ({"max_tokens_per_microbatch": -5}, "max_tokens_per_microbatch"),
         ({"world_size": True}, "world_size"),
-        ({"plan": "fsdp"}, "plan 'fsdp'; choose one of 'free', 'lockstep'"),
+        ({"plan": "fsdp"}, "plan 'fsdp'; choose one of 'free', 'lockstep', 'dynamic'"),
         ({"cost": "flops"}, "cost"),
         ({"cost": 3}, "cost"),
         ({"cost": lambda n: -1.0}, "finite and >= 0"),
@@ -205,7 +218,9 @@ def test_deprecated_spellings_still_plan_and_warn():
         assert sampler.mode == "free"
     with pytest.warns(FutureWarning), pytest.raises(TypeError, match="alone"):
         plan_step(lengths, 2, plan="lockstep", mode="free")
-    with pytest.raises(ValueError, match=r"Unknown odc_plan \(ODC_PLAN\) 'sync'; choose one of 'free', 'lockstep'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown odc_plan \(ODC_PLAN\) 'sync'; choose one of 'free', 'lockstep', 'dynamic'"
+    ):
         normalize_plan("sync", where="odc_plan (ODC_PLAN)")
 
 
@@ -504,3 +519,47 @@ def test_plans_are_identical_across_processes(tmp_path):
     assert len(outputs[0]["sampler_free"]) == 400 // 48
     lengths = np.random.default_rng(5).lognormal(8.5, 1.2, 400).astype(int) + 1
     assert outputs[0]["free"] == plan_step(lengths[:200], 8, 8192, plan="free")
+
+
+@PROPS
+@given(
+    lengths=st.lists(st.integers(0, 20000), max_size=70),
+    world=st.integers(1, 9),
+    budget=st.sampled_from([1, 500, 4096, 8192, 20000]),
+)
+def test_dynamic_plan_is_one_queue_costliest_first(lengths, world, budget):
+    from odc_accelerate.planning.dynamic import deal
+
+    plan = plan_step(lengths, world, budget, plan="dynamic")
+    queue = claim_queue(plan)
+    assert deal(queue, world) == plan  # the dealt plan and the queue are the same thing
+    assert sorted(i for mb in queue for i in mb) == list(range(len(lengths)))
+    costs = PUBLISHED_7B_COST(np.asarray(lengths, dtype=np.int64))
+    mb_costs = [float(costs[mb].sum()) for mb in queue]
+    assert mb_costs == sorted(mb_costs, reverse=True)
+    # the whole step packed as tightly as first-fit decreasing packs it (no per-rank split first), then split while
+    # shorter than two microbatches per rank
+    tokens = np.asarray(lengths, dtype=np.int64)
+    packed = len(plan_step(lengths, 1, budget, plan="free")[0])
+    assert len(queue) == max(packed, min(2 * world, len(lengths)))
+    for mb in queue:
+        assert len(mb) == 1 or tokens[mb].sum() <= budget
+
+
+def test_dynamic_padded_queue_costliest_first_and_sampler_yields_it():
+    rows = np.array([2, 2, 2, 2, 2, 2])
+    widths = np.array([100, 900, 300, 880, 120, 310])
+    plan = plan_padded(rows, widths, widths.astype(np.float64), 2, 2000, "dynamic")
+    queue = claim_queue(plan)
+    # widest-first runs of <= 2000 padded tokens ([1], [3], [5, 2, 4], [0]; padded costs 1800, 1760, 1860, 200),
+    # costliest first
+    assert queue == [[5, 2, 4], [1], [3], [0]]
+    # on 3 ranks the queue needs 6 microbatches: the costliest run of several samples is split at its best cut
+    queue3 = claim_queue(plan_padded(rows, widths, widths.astype(np.float64), 3, 2000, "dynamic"))
+    assert sorted(map(sorted, queue3)) == [[0], [1], [2], [3], [4], [5]]
+    few = claim_queue(plan_step([100, 200, 300], 2, 10000, cost="tokens", plan="dynamic"))
+    assert few == [[2], [1], [0]]  # fewer samples than 2 per rank: one per microbatch
+    sampler = LengthBalancedBatchSampler(np.arange(1, 41) * 50, 3, 1, 12, 600, plan="dynamic", seed=1)
+    other = LengthBalancedBatchSampler(np.arange(1, 41) * 50, 3, 2, 12, 600, plan="dynamic", seed=1)
+    for k, (mine, theirs) in enumerate(zip(sampler, other, strict=True)):
+        assert mine == theirs == claim_queue(sampler.global_plan(k))

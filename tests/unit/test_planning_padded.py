@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from odc_accelerate.planning import (
     PLANS,
     LengthBalancedBatchSampler,
+    claim_queue,
     padded_microbatch,
     plan_from_costs,
     plan_padded,
@@ -45,6 +46,10 @@ def check_padded_plan(plan, rows, widths, world, budget, plan_name):
         assert all(mb for rank in plan for mb in rank), "free plans have no empty microbatch"
         if n >= world:
             assert all(plan), "a rank idles although there are enough samples"
+    elif plan_name == "dynamic":
+        queue = claim_queue(plan)  # raises unless dealt round-robin
+        costs = [padded_cost(mb, rows, widths) for mb in queue]
+        assert all(queue) and costs == sorted(costs, reverse=True), "the queue runs costliest first"
     else:
         assert len({len(rank) for rank in plan}) == 1, "lockstep: every rank runs the same number of microbatches"
 

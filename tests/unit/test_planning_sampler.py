@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odc_accelerate.planning import PLANS, LengthBalancedBatchSampler, dataset_lengths, plan_step
+from odc_accelerate.planning import PLANS, LengthBalancedBatchSampler, claim_queue, dataset_lengths, plan_step
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -60,6 +60,14 @@ def test_every_sample_once_per_epoch_and_ranks_agree(cfg):
         return
     samplers = all_ranks(lengths, cfg["world"], sps, **kwargs)
     steps = epoch_steps(samplers, epoch=3)
+    if cfg["plan"] == "dynamic":
+        # Every rank yields the step's whole queue (claimed from while the step runs): the same on every rank, and
+        # the global plan put back in claim order. Below, the dealt plan stands for what the ranks run.
+        for r in range(cfg["world"]):
+            assert steps[r] == steps[0]
+        steps = [[samplers[0].global_plan(k, 3)[r] for k in range(len(samplers[0]))] for r in range(cfg["world"])]
+        for k, queue in enumerate(epoch_steps(samplers[:1], epoch=3)[0]):
+            assert queue == claim_queue(samplers[0].global_plan(k, 3))
     n_steps = len(samplers[0])
     expected_steps = lengths.size // sps if cfg["drop_last"] else -(-lengths.size // sps)
     assert n_steps == expected_steps
@@ -114,7 +122,8 @@ def test_resume_mid_epoch_is_exact(cfg, stop_at, new_world):
     if sps >= new_world:
         state = {"epoch": 1, "steps_consumed": stop_at, "seed": kwargs["seed"]}
         rest = []
-        for r in range(new_world):
+        # dynamic: every rank yields the whole queue, so one rank's steps hold all of the remaining samples
+        for r in range(1 if cfg["plan"] == "dynamic" else new_world):
             s = LengthBalancedBatchSampler(lengths, new_world, r, sps, **kwargs)
             s.load_state_dict(state)
             rest += [i for step in s for mb in step for i in mb]

@@ -76,6 +76,9 @@ def test_every_rank_keeps_its_own_part_and_the_parts_cover_the_step(plan):
         assert all(s.plan == steps[0].plan for s in steps)  # ranks agree without talking
         kept = [sample for rank, s in enumerate(steps) for mb in s.microbatches(rank) for sample in mb]
         assert sorted(kept) == steps[0].samples
+        if plan == "dynamic":
+            queued = [sample for mb in steps[0].queue() for sample in mb]
+            assert sorted(queued) == steps[0].samples and all(s.queue() == steps[0].queue() for s in steps)
         counts = [len(s.microbatches(rank)) for rank, s in enumerate(steps)]
         if plan == "lockstep":
             assert len(set(counts)) == 1

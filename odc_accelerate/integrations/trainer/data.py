@@ -62,6 +62,9 @@ class StreamStepDataset(IterableDataset):
             The lengths of one step's rows, as for `StreamingStepPlanner.steps`.
         columns (`Sequence[str]`, *optional*):
             Keep only these columns of each row (the Trainer's unused-column removal); all by default.
+        queue (`bool`, *optional*, defaults to `False`):
+            Yield the step's whole queue (`StreamStep.queue`, the ``dynamic`` plan) as a `dynamic.ClaimQueue` of rows
+            instead of this rank's microbatches.
 
     Attributes:
         start_step (`int`): the step the next iteration starts at (set before iterating to resume).
@@ -75,8 +78,10 @@ class StreamStepDataset(IterableDataset):
         rank: int,
         lengths_fn: Callable[[list[dict]], Any],
         columns: Sequence[str] | None = None,
+        queue: bool = False,
     ) -> None:
         self.stream = stream
+        self.queue = queue
         self.planner = planner
         self.rank = int(rank)
         self.lengths_fn = lengths_fn
@@ -84,7 +89,7 @@ class StreamStepDataset(IterableDataset):
         self.start_step = 0
         self.steps_consumed = 0
 
-    def __iter__(self) -> Iterator[list[list[dict]]]:
+    def __iter__(self) -> Iterator[Any]:
         if get_worker_info() is not None:
             raise RuntimeError(
                 "A streamed ODC training set is read in the main process, not in dataloader workers: set "
@@ -96,7 +101,12 @@ class StreamStepDataset(IterableDataset):
         for step in self.planner.steps(source, self.lengths_fn, start_step=start):
             # Counted before the hand-over: the step being trained is included.
             self.steps_consumed = step.index + 1
-            yield step.microbatches(self.rank)
+            if self.queue:
+                from .dynamic import ClaimQueue
+
+                yield ClaimQueue(step.queue(), rows=True)
+            else:
+                yield step.microbatches(self.rank)
 
 
 class _SelectColumns:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from .budget import BudgetRule, token_budget
 from .data import StepCollator, StepDataLoader, StepDataset
+from .dynamic import QueueDataset, keep_queue
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +132,22 @@ class ODCStepLoaders:
             rank=int(self.args.process_index),
             samples_per_step=int(config.samples_per_step),
             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
-            plan=config.plan,
+            plan=config.effective_plan,
             shuffle=True,
             seed=int(self.args.data_seed if self.args.data_seed is not None else self.args.seed),
             drop_last=True,
             padded=self._odc_padded(),
         )
+        if config.effective_plan == "dynamic":
+            # Items are the step's queue of index lists; rows are fetched and collated as they are claimed.
+            self._odc_dynamic_dataset, self._odc_dynamic_rows = dataset, False
+            return StepDataLoader(
+                QueueDataset(dataset),
+                sampler=self._odc_sampler,
+                batch_size=None,
+                collate_fn=keep_queue,
+                num_workers=self.args.dataloader_num_workers,
+            )
         # batch_size=None: each sampler item (this rank's microbatch index lists) is fetched and collated as one item.
         # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.
         return StepDataLoader(

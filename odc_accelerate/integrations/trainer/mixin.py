@@ -29,6 +29,8 @@ What the mixin changes, and why:
   each rank's own with ``odc_metrics=per_rank`` (see `timing.StepTimer`). Plain FSDP2 runs through this mixin log the
   same keys when asked, measured the same way; ``odc_time_collectives`` makes FSDP2's waits inside its per-layer
   collectives count as wait instead of busy.
+* **Dynamic plan** (``odc_plan: dynamic``). Every rank's item is the step's queue of microbatches; each rank claims
+  the next one when it is free and loads and collates only what it claims (see `dynamic`).
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
   time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
@@ -73,5 +75,7 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         self._odc_sampler = None
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
         self._odc_budget_warned = False  # the over-budget warning is given once per trainer
+        self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
+        self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
         super().__init__(*args, **kwargs)
         self.add_callback(ODCCallback(self))

@@ -158,9 +158,18 @@ class ODCAcceleratorSetup:
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
             hsdp,
-            config.plan,
+            _plan_text(config),
             budget,
             samples,
             folded,
             config.metrics,
         )
+
+
+def _plan_text(config: ODCConfig) -> str:
+    """The banner's words for the plan, with the ``dynamic`` plan's fallback when ``reproducible`` is set."""
+    if config.plan == "dynamic":
+        if config.reproducible:
+            return "free (odc_plan dynamic with odc_reproducible: the static plan, for run-to-run reproducibility)"
+        return "dynamic (each rank claims the step's next microbatch when it is free)"
+    return str(config.plan)

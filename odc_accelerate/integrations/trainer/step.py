@@ -21,6 +21,7 @@ import torch
 
 from ..._compat import transformers as tcompat
 from .data import merge_for_counting
+from .dynamic import ClaimedStep, ClaimQueue
 from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
 
 __all__ = ["ODCStepLoop"]
@@ -45,6 +46,8 @@ class ODCStepLoop:
                 break
         if not batch_samples:
             return batch_samples, None
+        if isinstance(batch_samples[0], ClaimQueue):
+            return self._odc_claimed_step(batch_samples, device, start)
         microbatches = [mb for item in batch_samples for mb in item]
         counts = torch.tensor([self._odc_num_items(microbatches)], dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
@@ -53,6 +56,43 @@ class ODCStepLoop:
         self.odc_step_timer.start(self.model, self.odc_engine, microbatches, start)
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items
+
+    def _odc_claimed_step(self, items: list[ClaimQueue], device: torch.device, start: float) -> tuple[list, Any]:
+        """Start a step of the ``dynamic`` plan: the global count of loss items before the first claim."""
+        queue = ClaimQueue([mb for item in items for mb in item.microbatches], rows=items[0].rows)
+        step = ClaimedStep(queue, self._odc_load_microbatch)
+        count = self._odc_queue_items(step)
+        if count is None:
+            # Each rank counts a 1/W share of the queue (collated now, kept for its own later claims); one all-reduce.
+            rank, world = int(self.args.process_index), self.accelerator.num_processes
+            share = [step.peek(i) for i in range(rank, len(queue), world)]
+            counts = torch.tensor([self._odc_num_items(share)], dtype=torch.float64, device=device)
+            if world > 1:
+                counts = self.accelerator.reduce(counts, reduction="sum")
+            count = int(counts[0])
+        self.odc_step_timer.start(self.model, self.odc_engine, [], start)
+        return [step], torch.tensor(int(count), device=device)
+
+    def _odc_queue_items(self, step: ClaimedStep) -> int | None:
+        """The step's global count of loss items from its queue alone, or `None` when the microbatches must be collated
+        to count them (label tokens). The DPO trainer counts pairs."""
+        return None
+
+    def _odc_count_claimed(self, batch: Any) -> None:
+        """Book a claimed microbatch's work in the step's timing (its count, tokens and traced shape)."""
+        self.odc_step_timer.add_microbatch(batch)
+
+    def _odc_load_microbatch(self, microbatch: list[Any]) -> Any:
+        """Fetch (map-style: by index) and collate one microbatch of a ``dynamic`` queue; the loads and their time are
+        counted in ``odc_dynamic_loads`` (``[microbatches, seconds]``)."""
+        start = time.perf_counter()
+        if self._odc_dynamic_rows:
+            batch = self.data_collator(microbatch)
+        else:
+            batch = self.data_collator([self._odc_dynamic_dataset[i] for i in microbatch])
+        self.odc_dynamic_loads[0] += 1
+        self.odc_dynamic_loads[1] += time.perf_counter() - start
+        return batch
 
     def _odc_num_items(self, microbatches: list[Any]) -> int:
         """What this rank's loss of the step is normalised over: label tokens (a token-mean loss). The DPO trainer
@@ -76,11 +116,21 @@ class ODCStepLoop:
         # Accelerate's `sync_each_batch=True` trades that back for memory. Ranks may run different counts: ODC's
         # reduce-scatter is one-sided, and the lockstep plan gives every rank the same number of microbatches.
         sync_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        dynamic = isinstance(inputs, ClaimedStep)
+        if dynamic:
+            # Claimed one at a time as the loop asks (`ODCEngine.claim_microbatches`); one process claims them all.
+            indices = engine.claim_microbatches(len(inputs.queue)) if engine is not None else range(len(inputs.queue))
+            microbatches = inputs.claimed(indices)
+        else:
+            microbatches = inputs
         self._odc_looping = True
         try:
-            for i, mb in enumerate(inputs):
+            for i, mb in enumerate(microbatches):
                 deferred.start_microbatch()
-                sync = sync_each_batch or i == len(inputs) - 1
+                if dynamic:
+                    self._odc_count_claimed(mb)
+                # dynamic: whether a microbatch was the rank's last is known only at its next claim (see `dynamic`)
+                sync = dynamic or sync_each_batch or i == len(inputs) - 1
                 with (
                     contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
                     self.odc_step_timer.compute(self.args.device),

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .data import StepCollator, StepDataLoader, StreamStepDataset
+from .dynamic import keep_queue
 
 __all__ = ["ODCStreamLoaders"]
 
@@ -51,17 +52,24 @@ class ODCStreamLoaders:
             max(1, int(args.world_size)),
             samples_per_step,
             config.max_tokens_per_microbatch,
-            plan=config.plan,
+            plan=config.effective_plan,
             padded=self._odc_padded(),
         )
+        dynamic = config.effective_plan == "dynamic"
         steps = StreamStepDataset(
-            stream, planner, int(args.process_index), lengths_fn=self._odc_stream_lengths, columns=columns
+            stream,
+            planner,
+            int(args.process_index),
+            lengths_fn=self._odc_stream_lengths,
+            columns=columns,
+            queue=dynamic,
         )
+        self._odc_dynamic_rows = dynamic  # a dynamic queue holds the rows themselves, collated as they are claimed
         # Not passed through accelerator.prepare: its re-sharding would split an already rank-aware plan.
         return StepDataLoader(
             steps,
             batch_size=None,
-            collate_fn=StepCollator(self.data_collator),
+            collate_fn=keep_queue if dynamic else StepCollator(self.data_collator),
             num_workers=0,
             pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
         )

@@ -82,6 +82,17 @@ class StepTimer:
             self.step["microbatches"] += int(microbatches)
             self.step["tokens"] += int(tokens)
 
+    def add_microbatch(self, batch: Any) -> None:
+        """Count one collated microbatch known only once the step runs (a microbatch claimed under the ``dynamic``
+        plan): its tokens, and its shape in the trace."""
+        from ...telemetry import microbatch_shape
+        from .data import input_tokens
+
+        if "start" in self.step:
+            self.add_work(1, input_tokens(batch))
+            if "shapes" in self.step:
+                self.step["shapes"].append(microbatch_shape(batch))
+
     def add_generation(self, seconds: float) -> None:
         """Count ``seconds`` of this step spent inside ``generate`` (reported as ``odc/generation_s_rank<r>``)."""
         if "start" in self.step:

@@ -98,6 +98,10 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
     def _odc_num_items(self, microbatches: list[Any]) -> int:
         return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
 
+    def _odc_queue_items(self, step: Any) -> int:
+        # A dynamic step's pairs are its samples: counted from the queue, nothing is collated before the claims.
+        return sum(len(mb) for mb in step.queue.microbatches)
+
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)

@@ -6,7 +6,7 @@ A GRPO step generates completions for the step's prompts, scores them, and train
   all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
   longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
   last token: generation makes no collective and waits for no peer.
-* **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` is asked for): the step's completions, from
+* **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` or ``dynamic`` is asked for): the step's completions, from
   every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
   microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled
   for its loss type so that the step's gradient is that of one process over the whole global batch (see
@@ -36,6 +36,7 @@ from ..._compat import trl as trl_compat
 from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.budget import BudgetRule
+from ..trainer.dynamic import ClaimedStep, ClaimQueue
 from ..trainer.metrics import StepMetrics
 from .loss import grpo_loss_weight
 from .metrics import finalize_grpo_metrics
@@ -178,10 +179,10 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
 
     def _odc_plan(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """Gather the step's completions from every rank (one collective), plan them over ranks and microbatches, and
-        return this rank's microbatches."""
+        return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
         from accelerate.utils import gather_object
 
-        from ...planning import StreamingStepPlanner
+        from ...planning import StreamingStepPlanner, claim_queue
 
         rows = split_rollouts(batch)
         world = self.accelerator.num_processes
@@ -198,7 +199,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             world,
             max(len(everyone), world),
             int(budget),
-            plan=self.odc_config.plan,
+            plan=self.odc_config.effective_plan,
             model_config=getattr(self.accelerator.unwrap_model(self.model), "config", None),
             padded=True,
         )
@@ -208,6 +209,15 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)
         num_items = torch.tensor(total_tokens, device=device)
+        if self.odc_config.effective_plan == "dynamic":
+            # Every rank holds every completion (gathered above); each collates only the microbatches it claims.
+            def load(indices: list[int]) -> dict[str, Any]:
+                mb = collate_rollouts([everyone[i] for i in indices], pad, device)
+                mb["odc_rows"] = len(indices)
+                mb["num_items_in_batch"] = num_items
+                return mb
+
+            return ClaimedStep(ClaimQueue(claim_queue(plan), rows=True), load)
         microbatches = []
         tokens = 0
         for indices in plan[self.accelerator.process_index]:
@@ -226,6 +236,9 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             microbatches.append(mb)
         self.odc_step_timer.add_work(len(microbatches), tokens)
         return microbatches
+
+    def _odc_count_claimed(self, batch: Any) -> None:
+        self.odc_step_timer.add_work(1, int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
         loss = super().compute_loss(
