@@ -535,7 +535,8 @@ def reshard(group: Any) -> None:
 def has_pending_grads(group: Any) -> bool:
     """Whether ``group`` holds unsharded gradients that no reduce-scatter has taken yet."""
     return any(
-        p.unsharded_accumulated_grad is not None or getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None
+        p.unsharded_accumulated_grad is not None
+        or getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None
         for p in group.fsdp_params
     )
 
@@ -554,7 +555,9 @@ def reduce_pending_grads(group: Any) -> None:
                 and p.unsharded_accumulated_grad is None
                 and unsharded.grad is None
             ):
-                p.unsharded_accumulated_grad = torch.zeros(unsharded.shape, dtype=p.reduce_dtype, device=unsharded.device)
+                p.unsharded_accumulated_grad = torch.zeros(
+                    unsharded.shape, dtype=p.reduce_dtype, device=unsharded.device
+                )
     saved = group.reduce_grads, group.all_reduce_grads, group.reshard_after_backward
     group.reduce_grads = group.all_reduce_grads = True
     group.reshard_after_backward = False  # parameters are the caller's to drop
