@@ -210,6 +210,11 @@ class ODCEngine:
         self._policy = memory.parse_policy(memory_policy)
         self._headroom = memory.parse_headroom(memory_headroom)
         self.memory_policy = memory_policy
+        if sync_every_hook and self._policy != [("*", "neither")]:
+            raise ValueError(
+                "sync_every_hook (a benchmark arm with a barrier in every hook) needs every rank to gather and reduce "
+                f"in lockstep: use memory_policy='neither' with it, not {memory_policy!r}"
+            )
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not compat.is_fsdp2(model):
@@ -489,8 +494,14 @@ class ODCEngine:
             if g.reduce_dtype is None or not touched_anywhere[g.index]:
                 continue
             acc = self._buffers[f"g{g.index}"]
+            if compat.all_grads_exist(g.group):
+                # Every .grad exists: the fold only adds into them, so it may read the accumulator itself (no copy of
+                # a whole shard at the step's memory peak).
+                compat.fold_into_grads(g.group, acc)
+                acc.zero_()  # safe: no peer adds again before the post-step barrier
+                continue
             reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
-            acc.zero_()  # safe: no peer adds again before the post-step barrier
+            acc.zero_()
             compat.fold_into_grads(g.group, reduce_output)
         for g in self._groups:
             g.touched = False
@@ -585,6 +596,16 @@ class ODCEngine:
         for g in self._groups:
             if compat.is_unsharded(g.group):
                 compat.reshard(g.group)
+
+    def reshard(self) -> None:
+        """Drop every gathered copy of the parameters that the memory policy keeps (the next forward gathers again).
+
+        While a group keeps them, its modules hold the gathered parameters (as FSDP2 with ``reshard_after_forward``
+        off): change weights in place only after this call (then `republish`), or between `pre_optimizer_step` and
+        the next forward, where they are dropped already. Local: no peer is involved.
+        """
+        self._check_usable()
+        self._drop_kept_params()
 
     @torch.no_grad()
     def republish(self) -> None:

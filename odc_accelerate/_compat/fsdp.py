@@ -406,7 +406,7 @@ def fold_into_grads(group: Any, reduce_output: torch.Tensor) -> None:
     Mirrors ``foreach_reduce`` after the collective: postdivide, cast each run of params that share a gradient
     dtype (`grad_dtypes`; one run before torch 2.15) to it, split per parameter with ``as_strided`` and ``+=`` into
     (or create) ``sharded_param.grad``. ``reduce_output`` must be fresh memory: new gradients become views of it (or
-    of their run's cast), as in FSDP2.
+    of their run's cast), as in FSDP2; where every ``.grad`` exists (`all_grads_exist`) it is only read.
     """
     post = postdivide_factor(group)
     if post is not None and post != 1:
@@ -432,6 +432,12 @@ def fold_into_grads(group: Any, reduce_output: torch.Tensor) -> None:
                 p.sharded_param.grad = p.to_sharded_dtensor(tensor=new_grad)
             view_offset += p.padded_sharded_param_size.numel()
         offset += numel
+
+
+def all_grads_exist(group: Any) -> bool:
+    """Whether every trainable param of ``group`` has a ``.grad`` (then `fold_into_grads` only adds into them and
+    keeps no view of its input)."""
+    return all(p.sharded_param.grad is not None for p in trainable_params(group))
 
 
 def get_comms(group: Any) -> tuple[Any, Any]:

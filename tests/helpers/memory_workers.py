@@ -23,11 +23,14 @@ def _train_one(rank: int, world_size: int, spec: dict[str, Any], policy: str | N
     cfg = ToyConfig(**spec.get("cfg", {}))
     model = shard_model(build_model(cfg, seed=0), mp_policy=_mp_policy(spec.get("precision", "fp32")))
     engine = None
+    headroom = "30%"
+    if policy is not None and "@" in policy:  # "auto@1%": a policy with its headroom
+        policy, headroom = policy.split("@")
     if policy is None:
         model.set_reshard_after_forward(False)
         model.set_reshard_after_backward(False)
     else:
-        engine = ODCEngine(model, timeout=60.0, memory_policy=policy, memory_headroom=spec.get("headroom", "30%"))
+        engine = ODCEngine(model, timeout=60.0, memory_policy=policy, memory_headroom=headroom)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out: dict[str, Any] = {"gathers": [], "scatters": [], "counts": [], "choices": [], "peak": []}
     for step in make_steps(spec["plan"], cfg.vocab, seed=1):
@@ -93,6 +96,8 @@ def frozen_keep(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, A
         out[phase] = {"losses": losses, "gathers": engine.stats.gathers, "counts": dict(calls)}
         engine.stats.gathers = 0
         if phase == "before":
+            dist.barrier()  # the peers' forwards read this rank's shard: change it only once they are done
+            engine.reshard()  # the modules hold the gathered copies until then
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.5)  # the local shard: every rank halves its own
@@ -108,35 +113,53 @@ def _rss_now() -> int:
 
 
 def peak_memory(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Peak RSS of one optimizer step under ``spec["policy"]``, above the RSS before the model existed, and the
-    sizes an independent bound is computed from."""
+    """For each of ``spec["policies"]``: the peak RSS of every step's microbatches and fold (before the optimizer),
+    above the RSS before its model existed; and the sizes an independent bound is computed from.
+
+    Run with ``MALLOC_MMAP_THRESHOLD_`` set low, so that freed tensors go back to the system and RSS follows the
+    memory in use."""
     cfg = ToyConfig(**spec["cfg"])
     torch.set_num_threads(1)
-    base = _rss_now()
-    model = shard_model(build_model(cfg, seed=0))
-    engine = ODCEngine(model, timeout=60.0, memory_policy=spec["policy"])
+    # Warm-up on a tiny model through the same code (FSDP2, the engine, AdamW): the interpreter's and torch's one-off
+    # costs (imported modules, code pages, thread pools) land before the baseline, not in the measured steps.
+    tiny = ToyConfig(vocab=cfg.vocab, dim=32, heads=cfg.heads, layers=1)
+    _run_steps(rank, world_size, shard_model(build_model(tiny, seed=0)), spec, tiny, "neither")
+    out: dict[str, Any] = {}
+    for policy in spec["policies"]:
+        base = _rss_now()
+        model = shard_model(build_model(cfg, seed=0))
+        peaks, groups, summary = _run_steps(rank, world_size, model, spec, cfg, policy)
+        del model
+        out[policy] = {"peaks": [p - base for p in peaks], "summary": summary}
+        out["groups"] = groups
+        dist.barrier()
+    return out
+
+
+def _run_steps(rank: int, world_size: int, model: Any, spec: dict[str, Any], cfg: ToyConfig, policy: str) -> tuple:
+    """Train ``model`` over ``spec["plan"]`` under ``policy``: each step's peak memory, the group sizes, the summary."""
+    engine = ODCEngine(model, timeout=60.0, memory_policy=policy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    steps = make_steps(spec["plan"], cfg.vocab, seed=1)
     peaks = []
-    for step in steps:
+    for step in make_steps(spec["plan"], cfg.vocab, seed=1):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
         for ids in step[rank]:
             loss, _ = token_loss_sum(model, ids)
             (loss * loss_scale(n_global, world_size)).backward()
         engine.pre_optimizer_step()
+        peaks.append(engine._peak.read())  # the microbatches' and the fold's peak, before the optimizer's own
         optim.step()
         optim.zero_grad(set_to_none=False)  # .grad stays allocated: counted in the bound
         engine.post_optimizer_step()
-        peaks.append(engine.last_step_stats.peak_memory_bytes - base)
     groups = [
         {
             "gather": g.gather_numel * g.gather_dtype.itemsize,
             "reduce": g.reduce_numel * g.reduce_dtype.itemsize,
             "full": g.gather_numel * world_size * g.gather_dtype.itemsize,
+            "fqn": g.fqn,
         }
         for g in engine._groups
     ]
-    out = {"peaks": peaks, "groups": groups, "summary": engine.memory_summary()}
+    summary = engine.memory_summary()
     engine.close()
-    dist.barrier()
-    return out
+    return peaks, groups, summary
