@@ -65,8 +65,9 @@ class StepStats:
         gathers / scatters: hook calls during the step.
         bytes_read / bytes_accumulated: payload moved through the transport.
         transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
-        peak_memory_bytes: this rank's peak memory during the step, optimizer step included (GPU: torch's allocator
-            peak; CPU: peak resident set size of the process, shared memory mapped from peers included).
+        peak_memory_bytes: this rank's peak memory up to the end of the step (GPU: torch's ``max_memory_allocated``;
+            CPU: the process's peak resident set size, shared memory mapped from peers included). Not reset by the
+            engine, which would change what other readers of these figures see: reset them to measure one step.
         kept_params / kept_grads: param groups whose gathered params / unsharded grads the memory policy kept.
     """
 
@@ -537,7 +538,6 @@ class ODCEngine:
             self.last_step_stats = self.stats
         self.stats = StepStats()
         self._apply_memory_policy()  # nothing is kept now: free memory is what the next step starts from
-        self._peak.reset()
         self.steps += 1
         self._state = EngineState.IN_STEP
 

@@ -35,7 +35,7 @@ DEFAULT_POLICY = "neither"
 #: The default headroom of ``auto``: the part of this rank's memory it leaves free for activations and the optimizer.
 DEFAULT_HEADROOM = "30%"
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _UNITS["tb"] = 10**12
 
@@ -75,7 +75,7 @@ def parse_policy(value: str | Mapping[str, str]) -> str | list[tuple[str, str]]:
 
 
 def parse_headroom(value: str | float | int) -> tuple[float, bool]:
-    """Check a headroom: ``"30%"`` of this rank's memory, or a size (``"4GiB"``, ``"512MB"``, bytes as a number).
+    """Check a headroom: ``"30%"`` of this rank's memory, or a size (``"4GiB"``, ``"512MB"``; a bare number is bytes).
 
     Returns:
         `tuple[float, bool]`: the amount and whether it is a fraction (of the rank's total memory) or bytes.
@@ -95,7 +95,7 @@ def parse_headroom(value: str | float | int) -> tuple[float, bool]:
             f"memory headroom {value!r} is not valid: give a percentage of the rank's memory ('30%') or a size "
             "('4GiB', '512MiB', '2GB')"
         )
-    amount, unit = float(match.group(1)), match.group(2).lower()
+    amount, unit = float(match.group(1)), (match.group(2) or "b").lower()
     if unit == "%":
         if amount > 100:
             raise ValueError(f"memory headroom {value!r} is over 100%")
@@ -219,10 +219,11 @@ def headroom_bytes(headroom: tuple[float, bool], total: int) -> float:
 
 
 class PeakMemory:
-    """This process's peak memory since the last `reset`, in bytes.
+    """This process's peak memory, in bytes: on CUDA torch's allocator peak (``max_memory_allocated``), on CPU the
+    peak resident set size (``VmHWM``).
 
-    CUDA: torch's allocator peak (``max_memory_allocated``). CPU: the peak resident set size (``VmHWM``), reset
-    through ``/proc/self/clear_refs``; where that cannot be reset, the peak since the process started.
+    `reset` starts a new window; the engine never calls it: on CPU it also lowers what ``getrusage`` reports as the
+    process's maximum RSS, and on CUDA it clears torch's peak for every other reader.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from odc_accelerate.engine import ODCEngine
 from odc_accelerate.loss import loss_scale
+from odc_accelerate.memory import PeakMemory
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
 
 from .dist_counter import count_dist_calls
@@ -141,13 +142,15 @@ def _run_steps(rank: int, world_size: int, model: Any, spec: dict[str, Any], cfg
     engine = ODCEngine(model, timeout=60.0, memory_policy=policy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peaks = []
+    meter = PeakMemory(torch.device("cpu"))
     for step in make_steps(spec["plan"], cfg.vocab, seed=1):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
+        meter.reset()
         for ids in step[rank]:
             loss, _ = token_loss_sum(model, ids)
             (loss * loss_scale(n_global, world_size)).backward()
         engine.pre_optimizer_step()
-        peaks.append(engine._peak.read())  # the microbatches' and the fold's peak, before the optimizer's own
+        peaks.append(meter.read())  # the microbatches' and the fold's peak, before the optimizer's own
         optim.step()
         optim.zero_grad(set_to_none=False)  # .grad stays allocated: counted in the bound
         engine.post_optimizer_step()
