@@ -166,7 +166,8 @@ class ODCConfig:
         "30%",
         "odc_memory_headroom",
         "ODC_MEMORY_HEADROOM",
-        "Memory that memory_policy=auto leaves free: a percentage of the rank's memory ('30%') or a size ('4GiB').",
+        "Memory that memory_policy=auto leaves free: a percentage of the rank's memory (default 30 percent) or a size "
+        "such as 4GiB.",
         str,
     )
     source: str = field(default="default", compare=False, repr=False)
