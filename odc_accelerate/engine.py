@@ -615,7 +615,12 @@ class ODCEngine:
         parameters) and before the next forward; peers would otherwise read the old values.
         """
         self._check_usable()
-        if self._state != EngineState.IN_STEP or any(g.touched for g in self._groups):
+        # A kept gradient is not scatter-added yet (touched stays False): it shows a microbatch ran all the same.
+        if (
+            self._state != EngineState.IN_STEP
+            or any(g.touched for g in self._groups)
+            or any(g.reduce_dtype is not None and compat.has_pending_grads(g.group) for g in self._groups)
+        ):
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
         self._drop_kept_params()  # gathered before the change: stale
         for g in self._groups:
@@ -631,6 +636,11 @@ class ODCEngine:
         destroyed groups, so that gloo's worker threads end before the interpreter does.
         """
         if self._state != EngineState.CLOSED or self.transport is not None:
+            if self._state != EngineState.BROKEN:
+                try:  # a plain FSDP2 model from here on: no gathered copy left behind (a frozen model keeps them)
+                    self._drop_kept_params()
+                except Exception as err:  # closing must go on: the transport is released below either way
+                    logger.warning("Dropping the gathered parameters at close failed: %s", err)
             for g in self._groups:
                 if g.saved_keep is not None:
                     compat.set_keep(g.group, g.saved_keep, False, False)

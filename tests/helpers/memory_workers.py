@@ -45,6 +45,12 @@ def _train_one(rank: int, world_size: int, spec: dict[str, Any], policy: str | N
                     model.set_requires_gradient_sync(i == len(step[rank]) - 1)
                 loss, _ = token_loss_sum(model, ids)
                 (loss * scale).backward()
+                if engine is not None and "republish_mid_step" not in out:
+                    try:  # a microbatch ran (its gradient may be kept, not added yet): too late to republish
+                        engine.republish()
+                        out["republish_mid_step"] = "allowed"
+                    except RuntimeError as err:
+                        out["republish_mid_step"] = str(err)
         out["counts"].append(dict(calls))
         if engine is not None:
             engine.pre_optimizer_step()

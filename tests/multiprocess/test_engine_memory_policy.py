@@ -54,6 +54,8 @@ def test_every_policy_trains_like_one_process_and_keeps_what_it_says():
         assert rel_diff(r1["params"], r0["params"]) == 0.0, policy
         for rank, res in enumerate((r0, r1)):
             assert all(c == {} for c in res["counts"]), (policy, rank, res["counts"])  # no collective in a step
+            assert "before any microbatch" in res["republish_mid_step"], (policy, rank)
+            assert all(p > 0 for p in res["peak"]), (policy, rank)  # peak memory reported every step
             assert res["unsharded_after_pre"] == 0, (policy, rank)  # kept params dropped before the optimizer
             for step, choice in enumerate(res["choices"]):
                 assert choice == expected_choice[policy], (policy, rank, step, choice)
