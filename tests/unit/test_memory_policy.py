@@ -66,3 +66,47 @@ def test_engine_refuses_a_bad_policy_before_anything_else():
         ODCEngine(torch.nn.Linear(2, 2), memory_policy="sometimes")
     with pytest.raises(ValueError, match="headroom"):
         ODCEngine(torch.nn.Linear(2, 2), memory_headroom="a bit")
+
+
+def test_trainer_refuses_sync_each_batch_with_a_policy_that_keeps_gradients():
+    import contextlib
+    from types import SimpleNamespace
+
+    from odc_accelerate.integrations.trainer.step import ODCStepLoop
+
+    class Trainer:  # what the loop's super().training_step reaches: one microbatch's loss
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return torch.ones(())
+
+    class Loop(ODCStepLoop, Trainer):
+        pass
+
+    def loop_with(choice: str) -> Loop:
+        loop = Loop()
+        loop.accelerator = SimpleNamespace(
+            gradient_state=SimpleNamespace(plugin_kwargs={"sync_each_batch": True}),
+            gather_for_metrics="real",
+            gather="real",
+            reduce="real",
+            num_processes=1,
+        )
+        steps = []
+        loop.odc_engine = SimpleNamespace(
+            memory_choices=lambda: {"<root>": choice, "layers.0": "neither"},
+            pre_optimizer_step=lambda: steps.append(1),
+        )
+        loop.odc_config = SimpleNamespace(memory_policy=choice)
+        loop.odc_step_timer = SimpleNamespace(compute=lambda device: contextlib.nullcontext())
+        loop.args = SimpleNamespace(device="cpu")
+        loop.steps = steps
+        return loop
+
+    for choice in ("grads", "both"):
+        loop = loop_with(choice)
+        with pytest.raises(ValueError, match=f"sync_each_batch=True .* odc_memory_policy={choice} keeps"):
+            loop.training_step(None, [{}, {}])
+        assert (loop.accelerator.gather, loop.steps) == ("real", [])  # refused before anything changed
+    for choice in ("neither", "params"):  # they reduce every microbatch, as sync_each_batch asks
+        loop = loop_with(choice)
+        assert float(loop.training_step(None, [{}, {}])) == 2.0 and loop.steps == [1]
+        assert loop.accelerator.gather == "real"

@@ -65,12 +65,6 @@ class ODCStepLoop:
             with self.odc_step_timer.compute(self.args.device):
                 return super().training_step(model, inputs, num_items_in_batch)
         engine = self.odc_engine
-        deferred = DeferredGather()
-        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
-        total = torch.zeros((), device=self.args.device)
-        self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
-        self.accelerator.gather = deferred  # type: ignore[method-assign]
-        self.accelerator.reduce = deferred.reduce  # type: ignore[method-assign]
         # With ODC the engine's memory policy decides, per param group, whether gradients stay unsharded until the
         # step boundary (one scatter-add per step) or are scatter-added after every microbatch. Plain FSDP2 (ODC
         # off) does as the Trainer does for its own microbatches: gradients stay local until the rank's last
@@ -84,6 +78,12 @@ class ODCStepLoop:
                 f"{self.odc_config.memory_policy} keeps unsharded gradients through the step. With ODC the memory "
                 "policy decides: drop sync_each_batch, or set odc_memory_policy to neither (or params)."
             )
+        deferred = DeferredGather()
+        real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
+        total = torch.zeros((), device=self.args.device)
+        self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
+        self.accelerator.gather = deferred  # type: ignore[method-assign]
+        self.accelerator.reduce = deferred.reduce  # type: ignore[method-assign]
         sync_each_batch = engine is not None or asked_each_batch
         self._odc_looping = True
         try:
