@@ -132,6 +132,12 @@ PATHS: dict[str, _Path] = {
         (2, 15),
         "a reduce-scatter holds the group's params in their `fsdp_params` order",
     ),
+    "grad_accumulates_in_leaf": _Path(
+        "FSDPParam.unsharded_accumulated_grad as the unsharded param's own .grad (read-only)",
+        (2, 15),
+        "a gradient kept without reduce-scatter moves to `FSDPParam.unsharded_accumulated_grad` in the reduce dtype, "
+        "and FSDP2 gives a param without a gradient zeros in the compute dtype when it reduces",
+    ),
 }
 
 #: ``(major, minor)`` of the installed torch; every `PATHS` choice is made from it.
@@ -550,9 +556,12 @@ def has_pending_grads(group: Any) -> bool:
 def reduce_pending_grads(group: Any) -> None:
     """Reduce ``group``'s kept unsharded gradients now, through FSDP2's own post-backward path (its reduce-scatter
     hook runs inside), then release what that path keeps for overlap (the reduce-scatter input)."""
-    if any(p.unsharded_accumulated_grad is not None for p in group.fsdp_params):
+    if not has("grad_accumulates_in_leaf") and any(
+        p.unsharded_accumulated_grad is not None for p in group.fsdp_params
+    ):
         # Gradients were kept in the reduce dtype (it differs from the compute dtype). FSDP2 would add zeros in the
         # compute dtype for params without a gradient, and refuses to reduce mixed dtypes: give them reduce-dtype zeros.
+        # (torch 2.15+ accumulates in each param's gradient dtype and gives unused params zeros of that dtype.)
         for p in group.fsdp_params:
             unsharded = getattr(p, "_unsharded_param", None)
             if (
