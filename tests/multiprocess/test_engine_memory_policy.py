@@ -76,17 +76,27 @@ def test_bf16_every_policy_bit_identical_to_fsdp2_keeping_params_and_grads():
     plain = launch(
         train_policies,
         2,
-        dict(plan=equal, precision="bf16", cfg=dict(layers=2), policies=["fsdp2-keep", "neither", "grads", "both"]),
+        dict(
+            plan=equal,
+            precision="bf16",
+            cfg=dict(layers=2),
+            policies=["fsdp2-keep", "neither", "params", "grads", "both"],
+        ),
         timeout=300,
     )
     gated = launch(
         train_policies,
         2,
-        dict(plan=equal, precision="bf16", cfg=dict(layers=2, gated=True), policies=["neither", "grads", "both"]),
+        dict(
+            plan=equal,
+            precision="bf16",
+            cfg=dict(layers=2, gated=True),
+            policies=["neither", "params", "grads", "both"],
+        ),
         timeout=300,
     )
     fsdp2 = plain[0]["fsdp2-keep"]["params"]
-    for policy in ("neither", "grads", "both"):
+    for policy in ("neither", "params", "grads", "both"):
         for name, value in fsdp2.items():
             np.testing.assert_array_equal(plain[0][policy]["params"][name], value, err_msg=f"{policy} {name}")
         for name, value in gated[0]["neither"]["params"].items():
