@@ -93,6 +93,17 @@ class ODCConfig:
             microbatch counts, and the minimum, maximum and mean over ranks of busy and wait time; ``"per_rank"``: also
             each rank's busy and wait time (``odc/busy_s_rank<r>``, ...); ``"off"``: none. Defaults to ``"summary"``
             when ODC, a plan or collective timing is on, else ``"off"``.
+        memory_policy (`str`, *optional*, defaults to `"neither"`; key `odc_memory_policy`, env `ODC_MEMORY_POLICY`):
+            What each rank keeps unsharded through an optimizer step, per FSDP2 param group: ``"params"`` (gathered
+            once per step), ``"grads"`` (reduced once per step), ``"both"``, ``"neither"`` (memory bounded by the
+            shard, the accumulator and one microbatch), ``"auto"`` (each rank from its own free memory, re-chosen
+            every step), or ``pattern=choice`` pairs matched against group FQNs (``"<root>=params,*layers.*=both"``).
+            See `odc_accelerate.memory`. The default keeps the memory of FSDP2 reducing every microbatch;
+            ``"grads"`` is what the ODC Trainer did before this option (one reduce per step).
+        memory_headroom (`str`, *optional*, defaults to `"30%"`; key `odc_memory_headroom`, env
+            `ODC_MEMORY_HEADROOM`):
+            What ``memory_policy="auto"`` leaves free for activations and the optimizer: a percentage of the rank's
+            memory (``"30%"``) or a size (``"4GiB"``, ``"512MB"``).
 
     Attributes:
         source (`str`): where ``enable`` was set: ``"args"``, ``"fsdp_config"``, ``"env"`` or ``"default"``.
@@ -155,6 +166,22 @@ class ODCConfig:
         "ODC_METRICS",
         "odc/* step metrics: 'summary' (min/max/mean over ranks), 'per_rank' (also each rank's) or 'off'. Defaults to "
         "'summary' with ODC, a plan or collective timing, else 'off'.",
+        str,
+    )
+    memory_policy: str | None = _option(
+        "neither",
+        "odc_memory_policy",
+        "ODC_MEMORY_POLICY",
+        "What each rank keeps unsharded through a step, per param group: params (gather once), grads (reduce once), "
+        "both, neither (bounded memory), auto (from free memory), or pattern=choice pairs.",
+        str,
+    )
+    memory_headroom: str | None = _option(
+        "30%",
+        "odc_memory_headroom",
+        "ODC_MEMORY_HEADROOM",
+        "Memory that memory_policy=auto leaves free: a percentage of the rank's memory (default 30 percent) or a size "
+        "such as 4GiB.",
         str,
     )
     source: str = field(default="default", compare=False, repr=False)
@@ -221,6 +248,17 @@ class ODCConfig:
         self.metrics = str(self.metrics).strip().lower()
         if self.metrics not in METRICS:
             raise ValueError(f"{_name('metrics')} must be one of {', '.join(METRICS)}, got {self.metrics!r}.")
+        from . import memory
+
+        for name, check in (("memory_policy", memory.parse_policy), ("memory_headroom", memory.parse_headroom)):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = value.strip()
+                setattr(self, name, value.lower() if "=" not in value else value)
+            try:
+                check(value)
+            except ValueError as err:
+                raise ValueError(f"{_name(name)}: {err}.") from None
         if self.source not in SOURCES:
             raise ValueError(f"ODCConfig.source must be one of {', '.join(SOURCES)}, got {self.source!r}.")
 

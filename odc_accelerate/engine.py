@@ -10,6 +10,10 @@ Data path, per FSDP2 param group (one per ``fully_shard`` call):
 * ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
   ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
 
+The step memory policy (`odc_accelerate.memory`) decides, per group and per rank, whether the gathered parameters
+stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients stay until
+``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every microbatch.
+
 Between ``post_optimizer_step`` and ``pre_optimizer_step`` the engine makes no torch.distributed
 call and waits for no peer, so ranks may run different numbers of microbatches, including zero.
 """
@@ -21,7 +25,7 @@ import enum
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import hsdp
+from . import hsdp, memory
 from ._compat import CompatError, warn_if_untested
 from ._compat import fsdp as compat
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
@@ -65,6 +69,10 @@ class StepStats:
         gathers / scatters: hook calls during the step.
         bytes_read / bytes_accumulated: payload moved through the transport.
         transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
+        peak_memory_bytes: this rank's peak memory up to the end of the step (GPU: torch's ``max_memory_allocated``;
+            CPU: the process's peak resident set size, shared memory mapped from peers included). Not reset by the
+            engine, which would change what other readers of these figures see: reset them to measure one step.
+        kept_params / kept_grads: param groups whose gathered params / unsharded grads the memory policy kept.
     """
 
     gather_s: float = 0.0
@@ -80,6 +88,9 @@ class StepStats:
     transport_bytes: int = 0
     replicate_s: float = 0.0
     replicate_bytes: int = 0
+    peak_memory_bytes: int = 0
+    kept_params: int = 0
+    kept_grads: int = 0
 
 
 @dataclass
@@ -97,6 +108,8 @@ class _Group:
     saved_comms: tuple[Any, Any]
     saved_flags: tuple[bool, bool]
     touched: bool = False
+    saved_keep: Any = None  # compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
+    keep: tuple[bool, bool] = (False, False)  # (gathered params, unsharded grads) kept through the step
 
 
 class _ODCAllGather(compat.AllGather):
@@ -164,6 +177,16 @@ class ODCEngine:
             weights (e.g. syncing a reference model), call `republish` on every rank.
         replicate_bucket_bytes (`int`, *optional*, defaults to 64 MiB):
             HSDP only: bucket size of the once-per-step all-reduce across replicas.
+        memory_policy (`str` or `dict`, *optional*, defaults to `"neither"`):
+            What this rank keeps unsharded through a step, per param group: ``"params"`` (gather once per step),
+            ``"grads"`` (reduce once per step, at `pre_optimizer_step`), ``"both"``, ``"neither"`` (memory bounded by
+            the shard, the accumulator and one microbatch, as FSDP2 reducing every microbatch), ``"auto"`` (from this
+            rank's free memory, re-chosen after every optimizer step), or ``pattern=choice`` pairs / a dict matched
+            against group FQNs (see `odc_accelerate.memory`). The result equals ``"neither"`` up to summation order.
+            A frozen engine keeps gathered params until `republish`.
+        memory_headroom (`str` or `float`, *optional*, defaults to `"30%"`):
+            What ``"auto"`` leaves free for activations and the optimizer: a percentage of this rank's memory
+            (``"30%"``) or a size (``"4GiB"``; a number is bytes).
 
     Example:
 
@@ -197,11 +220,22 @@ class ODCEngine:
         sync_every_hook: bool = False,
         frozen: bool = False,
         replicate_bucket_bytes: int = hsdp.DEFAULT_BUCKET_BYTES,
+        memory_policy: str | Mapping[str, str] = memory.DEFAULT_POLICY,
+        memory_headroom: str | float = memory.DEFAULT_HEADROOM,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[_Group] = []
         self.transport: Transport | None = None
         self._replicas: hsdp.ReplicaReducer | None = None
+        # Checked before any collective: the same bad value raises on every rank.
+        self._policy = memory.parse_policy(memory_policy)
+        self._headroom = memory.parse_headroom(memory_headroom)
+        self.memory_policy = memory_policy
+        if sync_every_hook and self._policy != [("*", "neither")]:
+            raise ValueError(
+                "sync_every_hook (a benchmark arm with a barrier in every hook) needs every rank to gather and reduce "
+                f"in lockstep: use memory_policy='neither' with it, not {memory_policy!r}"
+            )
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not compat.is_fsdp2(model):
@@ -249,6 +283,13 @@ class ODCEngine:
         # HSDP: the whole job checks together (a refusal on one replica must reach the others).
         self._check_same_model_everywhere(entries, problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
+        if replicate_pg is not None and self._policy != [("*", "neither")]:
+            # Kept gradients are reduced through FSDP2's post-backward path, whose all-reduce across replicas HSDP
+            # defers to the step: the two together are not built yet. Same policy and mesh everywhere: all ranks raise.
+            raise ValueError(
+                f"memory_policy={memory_policy!r} is not supported on an HSDP mesh yet: use odc_memory_policy neither "
+                "(the default) with HSDP, or a 1-D mesh"
+            )
         if replicate_pg is not None:
             compat.check_hsdp(entries[0][1])
             name = transport if isinstance(transport, str) else getattr(transport, "name", "")
@@ -305,10 +346,13 @@ class ODCEngine:
                 if not self.frozen:
                     hook = _ODCReduceScatterHSDP if replicate_pg is not None else _ODCReduceScatter
                     module.set_custom_reduce_scatter(hook(self, g.index))
+                compat.check_keep_support(g.group)
+                g.saved_keep = compat.keep_flags(g.group)
             # The dynamic plan's counter: the transport's own (no communication here), or the store fallback for a
             # transport without one (one broadcast, here at set-up and never inside a step).
             self._claims = None if self.frozen else claim_counter(self.transport, self._pg)
             self._claimed_step = -1
+            self._peak = memory.PeakMemory(self._device)
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0
@@ -318,7 +362,7 @@ class ODCEngine:
             raise
         _watch_for_exit(self)
         logger.info(
-            "ODC engine on rank %d/%d: %d param groups%s, transport %s%s",
+            "ODC engine on rank %d/%d: %d param groups%s, transport %s%s, memory policy %s: %s",
             self.rank,
             self.world_size,
             len(self._groups),
@@ -327,6 +371,8 @@ class ODCEngine:
             f", HSDP: {self.replicas} replicas, {len(self._replicas.buckets)} all-reduce bucket(s) per step"
             if self._replicas is not None
             else "",
+            self.memory_policy,
+            self.memory_summary(),
         )
 
     # ------------------------------------------------------------------ set-up checks
@@ -551,6 +597,8 @@ class ODCEngine:
         self._check_trainable("pre_optimizer_step")
         if self._state != EngineState.IN_STEP:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
+        self._reduce_kept_grads()  # before the barrier: peers wait for these adds
+        self._drop_kept_params()  # the optimizer changes the shards: gathered copies would be stale
         touched = self._buffers["touched"]
         touched.copy_(torch.tensor([g.touched for g in self._groups], dtype=torch.uint8))
         self._barrier()  # every rank has pushed all of this step's gradients
@@ -569,8 +617,14 @@ class ODCEngine:
                 if g.reduce_dtype is None or not touched_anywhere[g.index]:
                     continue
                 acc = self._buffers[f"g{g.index}"]
+                if compat.all_grads_exist(g.group):
+                    # Every .grad exists: the fold only adds into them, so it may read the accumulator itself (no
+                    # copy of a whole shard at the step's memory peak).
+                    compat.fold_into_grads(g.group, acc)
+                    acc.zero_()  # safe: no peer adds again before the post-step barrier
+                    continue
                 reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
-                acc.zero_()  # safe: no peer adds again before the post-step barrier
+                acc.zero_()
                 compat.fold_into_grads(g.group, reduce_output)
         for g in self._groups:
             g.touched = False
@@ -626,10 +680,78 @@ class ODCEngine:
         self._barrier()  # nobody reads a shard before its owner has finished writing it
         if self.steps or self.stats.gathers or self.stats.scatters:
             self.stats.transport_bytes = self.transport.memory_report().get("total", 0)
+            self.stats.peak_memory_bytes = self._peak.read()
             self.last_step_stats = self.stats
         self.stats = StepStats()
+        self._apply_memory_policy()  # nothing is kept now: free memory is what the next step starts from
         self.steps += 1
         self._state = EngineState.IN_STEP
+
+    # ------------------------------------------------------------------ memory policy
+    def _group_costs(self) -> list[memory.GroupCost]:
+        costs = []
+        for g in self._groups:
+            grad_bytes = 0
+            if g.reduce_dtype is not None and not self.frozen:
+                grad_bytes = g.reduce_numel * self.world_size * g.reduce_dtype.itemsize
+            costs.append(
+                memory.GroupCost(
+                    fqn=g.fqn,
+                    param_bytes=g.gather_numel * self.world_size * g.gather_dtype.itemsize,
+                    grad_bytes=grad_bytes,
+                    gathers_per_microbatch=1 if self.frozen else compat.gathers_per_microbatch(g.group, g.saved_keep),
+                    world_size=self.world_size,
+                )
+            )
+        return costs
+
+    def _choose(self) -> dict[str, tuple[bool, bool]]:
+        if self._policy == memory.AUTO:
+            free, total = memory.free_and_total(self._device)
+            budget = free - memory.headroom_bytes(self._headroom, total)
+            return memory.choose_auto(self._group_costs(), budget)
+        return memory.choose_fixed(self._policy, [g.fqn for g in self._groups])
+
+    def _apply_memory_policy(self) -> None:
+        """Choose (``auto``: from this rank's free memory now) and set FSDP2's switches; no peer is involved."""
+        choices = self._choose()
+        for g in self._groups:
+            keep_params, keep_grads = choices[g.fqn]
+            g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not self.frozen)
+            compat.set_keep(g.group, g.saved_keep, *g.keep)
+        self.stats.kept_params = sum(g.keep[0] for g in self._groups)
+        self.stats.kept_grads = sum(g.keep[1] for g in self._groups)
+
+    def memory_choices(self) -> dict[str, str]:
+        """What this rank keeps through the current step, per param group FQN (``"both"``, ``"params"``, ...)."""
+        return {g.fqn: memory.choice_name(g.keep) for g in self._groups}
+
+    def memory_summary(self) -> str:
+        """How many groups keep what on this rank this step (``"both x3, neither x1"``), and the bytes kept."""
+        costs = zip(self._groups, self._group_costs(), strict=True)
+        kept = sum(c.param_bytes * g.keep[0] + c.grad_bytes * g.keep[1] for g, c in costs)
+        return f"{memory.summarize({g.fqn: g.keep for g in self._groups})} ({kept / 2**20:.1f} MiB kept unsharded)"
+
+    def _reduce_kept_grads(self) -> None:
+        """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``)."""
+        for g in self._groups:
+            if g.reduce_dtype is not None and compat.has_pending_grads(g.group):
+                compat.reduce_pending_grads(g.group)
+
+    def _drop_kept_params(self) -> None:
+        for g in self._groups:
+            if compat.is_unsharded(g.group):
+                compat.reshard(g.group)
+
+    def reshard(self) -> None:
+        """Drop every gathered copy of the parameters that the memory policy keeps (the next forward gathers again).
+
+        While a group keeps them, its modules hold the gathered parameters (as FSDP2 with ``reshard_after_forward``
+        off): change weights in place only after this call (then `republish`), or between `pre_optimizer_step` and
+        the next forward, where they are dropped already. Local: no peer is involved.
+        """
+        self._check_usable()
+        self._drop_kept_params()
 
     @torch.no_grad()
     def republish(self) -> None:
@@ -639,8 +761,14 @@ class ODCEngine:
         parameters) and before the next forward; peers would otherwise read the old values.
         """
         self._check_usable()
-        if self._state != EngineState.IN_STEP or any(g.touched for g in self._groups):
+        # A kept gradient is not scatter-added yet (touched stays False): it shows a microbatch ran all the same.
+        if (
+            self._state != EngineState.IN_STEP
+            or any(g.touched for g in self._groups)
+            or any(g.reduce_dtype is not None and compat.has_pending_grads(g.group) for g in self._groups)
+        ):
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
+        self._drop_kept_params()  # gathered before the change: stale
         for g in self._groups:
             self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
         self._barrier(count_wait=False)
@@ -654,7 +782,14 @@ class ODCEngine:
         destroyed groups, so that gloo's worker threads end before the interpreter does.
         """
         if self._state != EngineState.CLOSED or self.transport is not None:
+            if self._state != EngineState.BROKEN:
+                try:  # a plain FSDP2 model from here on: no gathered copy left behind (a frozen model keeps them)
+                    self._drop_kept_params()
+                except Exception as err:  # closing must go on: the transport is released below either way
+                    logger.warning("Dropping the gathered parameters at close failed: %s", err)
             for g in self._groups:
+                if g.saved_keep is not None:
+                    compat.set_keep(g.group, g.saved_keep, False, False)
                 compat.set_comms(g.group, *g.saved_comms)
                 compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
             if self.transport is not None:

@@ -13,7 +13,13 @@ the step is split over ranks and the communication change:
   (``--train_sampling_strategy batch_rebalance``);
 * ``fsdp2_lockstep``: plain FSDP2 on this package's ``lockstep`` plan (``--odc_plan lockstep``: equal microbatch
   counts, each slot balanced over ranks);
-* ``odc``: FSDP2 + ODC on this package's ``free`` plan (``--odc true``: each rank's total balanced, one sync per step);
+* ``fsdp2_rebalance_keep``: ``fsdp2_rebalance`` with ``--fsdp_reshard_after_forward false`` (parameters gathered
+  once per microbatch instead of twice): what FSDP2 under the Trainer can keep; its gradients stay unsharded until a
+  rank's last microbatch anyway (the Trainer's ``no_sync``);
+* ``odc``: FSDP2 + ODC on this package's ``free`` plan (``--odc true``: each rank's total balanced, one sync per step),
+  with the default step memory policy (``neither``: a gather per use, a scatter-add per microbatch);
+* ``odc_grads`` / ``odc_both``: ``odc`` with ``--odc_memory_policy grads`` (unsharded gradients kept until the step
+  boundary, as the Trainer accumulates) / ``both`` (also parameters gathered once per step);
 * ``limit``: the physical limit, mean per-rank compute with zero communication, MEASURED: W independent single
   processes (no process group, no FSDP) run at the same time, each the whole global step of the ``free`` plan's
   sampler (same samples per step); a rank's share is the step time / W. Running W of them at once keeps the machine

@@ -16,6 +16,7 @@ class Arm:
             single processes without accelerate).
         args (`tuple[str, ...]`): extra script arguments.
         planned (`bool`): samples per step go through this package's sampler (``--odc_samples_per_step``).
+        launch_args (`tuple[str, ...]`): extra ``accelerate launch`` arguments (they override the config file's).
     """
 
     name: str
@@ -23,6 +24,7 @@ class Arm:
     config: str | None
     args: tuple[str, ...] = ()
     planned: bool = False
+    launch_args: tuple[str, ...] = ()
 
 
 ARMS: dict[str, Arm] = {
@@ -36,12 +38,36 @@ ARMS: dict[str, Arm] = {
             ("--train_sampling_strategy", "batch_rebalance"),
         ),
         Arm("fsdp2_lockstep", "FSDP2 + plan lockstep", "fsdp2_cpu.yaml", ("--odc_plan", "lockstep"), planned=True),
+        # FSDP2's own way of keeping parameters gathered that the Trainer can use: no reshard after forward (gathered
+        # once per microbatch; its gradients already stay unsharded until the last microbatch, the Trainer's no_sync).
+        Arm(
+            "fsdp2_rebalance_keep",
+            "FSDP2 + rebalance, no reshard",
+            "fsdp2_cpu.yaml",
+            ("--train_sampling_strategy", "batch_rebalance"),
+            launch_args=("--fsdp_reshard_after_forward", "false"),
+        ),
         Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true"), planned=True),
         Arm(
             "odc_dynamic",
             "ODC + plan dynamic",
             "odc_cpu.yaml",
             ("--odc", "true", "--odc_plan", "dynamic"),
+            planned=True,
+        ),
+        # The step memory policy (odc_memory_policy): "odc" runs the default, neither.
+        Arm(
+            "odc_grads",
+            "ODC + free, keep grads",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_memory_policy", "grads"),
+            planned=True,
+        ),
+        Arm(
+            "odc_both",
+            "ODC + free, keep both",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_memory_policy", "both"),
             planned=True,
         ),
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),

@@ -69,7 +69,7 @@ def commands(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int,
         ]
     config = REPO / workload.configs / workload.config_of(arm)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    launch += ["--main_process_port", "0", str(RUN_EXAMPLE)]
+    launch += [*arm.launch_args, "--main_process_port", "0", str(RUN_EXAMPLE)]
     out = run_dir / "out"
     return [{"cmd": [*launch, script, *script_args(workload, arm, opts, world, out)], "out": out, "rss": out / "rss"}]
 

@@ -53,7 +53,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for a in ARMS
     }
-    rss = {a: max(launch(memory_worker, 2, a, cfg, opts, timeout=1800, threads=1)) for a in ("fsdp", "odc")}
+    rss = {
+        a: max(launch(memory_worker, 2, a, cfg, opts, timeout=1800, threads=1))
+        for a in ("fsdp", "fsdp_keep", "odc", "odc_both")
+    }
     med = {a: {w: statistics.median(samples[a][w]) * 1e3 for w in WORKLOADS} for a in ARMS}
     odc_waits = [x for r in results for x in r["waits"]["odc"]["imbalanced"]]
     summary = {
@@ -65,14 +68,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "odc_layersync_imbalanced_ms": med["odc_layersync"]["imbalanced"],
         "limit_balanced_ms": med["limit"]["balanced"],
         "limit_imbalanced_ms": med["limit"]["imbalanced"],
+        "fsdp_keep_balanced_ms": med["fsdp_keep"]["balanced"],
+        "fsdp_keep_imbalanced_ms": med["fsdp_keep"]["imbalanced"],
+        "odc_both_balanced_ms": med["odc_both"]["balanced"],
+        "odc_both_imbalanced_ms": med["odc_both"]["imbalanced"],
         "fsdp_peak_rss_mb": rss["fsdp"],
         "odc_peak_rss_mb": rss["odc"],
+        "fsdp_keep_peak_rss_mb": rss["fsdp_keep"],
+        "odc_both_peak_rss_mb": rss["odc_both"],
         "odc_wait_imbalanced_ms": statistics.median(odc_waits) * 1e3,
     }
     summary["ratio_odc_imbalanced_over_balanced"] = summary["odc_imbalanced_ms"] / summary["odc_balanced_ms"]
     summary["ratio_fsdp_over_odc_imbalanced"] = summary["fsdp_imbalanced_ms"] / summary["odc_imbalanced_ms"]
     summary["ratio_odc_over_fsdp_balanced"] = summary["odc_balanced_ms"] / summary["fsdp_balanced_ms"]
     summary["ratio_odc_over_fsdp_rss"] = summary["odc_peak_rss_mb"] / summary["fsdp_peak_rss_mb"]
+    summary["ratio_odc_both_over_fsdp_balanced"] = summary["odc_both_balanced_ms"] / summary["fsdp_balanced_ms"]
+    summary["ratio_odc_both_over_fsdp_keep_balanced"] = (
+        summary["odc_both_balanced_ms"] / summary["fsdp_keep_balanced_ms"]
+    )
+    summary["ratio_odc_both_over_limit_balanced"] = summary["odc_both_balanced_ms"] / summary["limit_balanced_ms"]
     summary["config"] = dict(cfg, **opts, samples_per_cell=len(samples["odc"]["balanced"]))
     return summary
 
@@ -81,7 +95,21 @@ def _table(s: dict[str, Any]) -> str:
     rows = [
         ("arm", "balanced ms", "imbalanced ms", "imb/bal", "peak RSS MB"),
         ("FSDP2 (gloo)", s["fsdp_balanced_ms"], s["fsdp_imbalanced_ms"], None, s["fsdp_peak_rss_mb"]),
+        (
+            "FSDP2 keep params+grads",
+            s["fsdp_keep_balanced_ms"],
+            s["fsdp_keep_imbalanced_ms"],
+            None,
+            s["fsdp_keep_peak_rss_mb"],
+        ),
         ("ODC", s["odc_balanced_ms"], s["odc_imbalanced_ms"], None, s["odc_peak_rss_mb"]),
+        (
+            "ODC memory policy both",
+            s["odc_both_balanced_ms"],
+            s["odc_both_imbalanced_ms"],
+            None,
+            s["odc_both_peak_rss_mb"],
+        ),
         ("ODC + per-layer barrier", s["odc_layersync_balanced_ms"], s["odc_layersync_imbalanced_ms"], None, None),
         ("limit (no comm)", s["limit_balanced_ms"], s["limit_imbalanced_ms"], None, None),
     ]
@@ -98,6 +126,9 @@ def _table(s: dict[str, Any]) -> str:
         f"FSDP2 imbalanced / ODC imbalanced    {s['ratio_fsdp_over_odc_imbalanced']:.3f}  (target >= 1.8)",
         f"ODC balanced / FSDP2 balanced        {s['ratio_odc_over_fsdp_balanced']:.3f}  (target <= 0.85)",
         f"ODC peak RSS / FSDP2 peak RSS        {s['ratio_odc_over_fsdp_rss']:.3f}  (target <= 1.15)",
+        f"ODC both balanced / FSDP2 balanced   {s['ratio_odc_both_over_fsdp_balanced']:.3f}  (target <= 0.7)",
+        f"ODC both / FSDP2 keep, balanced      {s['ratio_odc_both_over_fsdp_keep_balanced']:.3f}  (like for like)",
+        f"ODC both / limit, balanced           {s['ratio_odc_both_over_limit_balanced']:.3f}  (1 = no comm cost)",
         f"ODC barrier wait per imbalanced step {s['odc_wait_imbalanced_ms']:.1f} ms",
     ]
     return "\n".join(lines)

@@ -6,7 +6,10 @@ import resource
 import time
 from typing import Any
 
-ARMS = ("fsdp", "odc", "odc_layersync", "limit")
+# "fsdp_keep": FSDP2 keeping its parameters gathered and its gradients unsharded through accumulation
+# (reshard_after_forward / reshard_after_backward off, gradient sync on the last microbatch only), its own equivalent
+# of ODC's memory policy "both" ("odc_both").
+ARMS = ("fsdp", "fsdp_keep", "odc", "odc_both", "odc_layersync", "limit")
 WORKLOADS = ("balanced", "imbalanced")
 
 
@@ -27,10 +30,19 @@ class _Arm:
 
         self.model = build_model(ToyConfig(**cfg), seed=0)
         self.engine = None
+        self.keep = arm == "fsdp_keep"
         if arm != "limit":
             self.model = shard_model(self.model)
+            if self.keep:
+                self.model.set_reshard_after_forward(False)
+                self.model.set_reshard_after_backward(False)
             if arm.startswith("odc"):
-                self.engine = ODCEngine(self.model, sync_every_hook=arm == "odc_layersync", timeout=600)
+                self.engine = ODCEngine(
+                    self.model,
+                    sync_every_hook=arm == "odc_layersync",
+                    timeout=600,
+                    memory_policy="both" if arm == "odc_both" else "neither",
+                )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, batches: list, n_global: int, world_size: int) -> tuple[float, float]:
@@ -42,11 +54,17 @@ class _Arm:
 
         dist.barrier()
         start = time.perf_counter()
-        for ids in batches:
+        for i, ids in enumerate(batches):
+            if self.keep:  # equal microbatch counts on every rank: FSDP2 reduces on the last one
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
             loss, _ = token_loss_sum(self.model, ids)
             (loss * loss_scale(n_global, world_size)).backward()
         if self.engine is not None:
             self.engine.pre_optimizer_step()
+        if self.keep:  # the gathered copies would be stale after the optimizer step
+            for module in self.model.modules():
+                if hasattr(module, "reshard"):
+                    module.reshard()
         self.optim.step()
         self.optim.zero_grad()
         if self.engine is not None:

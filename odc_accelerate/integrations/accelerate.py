@@ -149,7 +149,13 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         return
     from ..engine import ODCEngine
 
-    engine = ODCEngine(model, transport=plugin.transport, timeout=plugin.timeout)
+    engine = ODCEngine(
+        model,
+        transport=plugin.transport,
+        timeout=plugin.timeout,
+        memory_policy=plugin.memory_policy,
+        memory_headroom=plugin.memory_headroom,
+    )
     _ENGINES[accelerator] = engine
     logger.info("ODC engine attached (transport=%s, %d param groups).", plugin.transport, len(engine.param_groups))
 
@@ -177,7 +183,14 @@ def prepare_frozen_model(accelerator: Any, model: Any) -> Any:
     if isinstance(plugin, ODCPlugin) and plugin.enable:
         from ..engine import ODCEngine
 
-        engine = ODCEngine(model, transport=plugin.transport, timeout=plugin.timeout, frozen=True)
+        engine = ODCEngine(
+            model,
+            transport=plugin.transport,
+            timeout=plugin.timeout,
+            frozen=True,
+            memory_policy=plugin.memory_policy,
+            memory_headroom=plugin.memory_headroom,
+        )
         _FROZEN_ENGINES.setdefault(accelerator, []).append(engine)
         logger.info("ODC gather-only engine attached to a frozen %s.", type(model).__name__)
     return model

@@ -3,14 +3,14 @@
 One module-scoped set of runs serves several assertions:
 
 * ``odc``: ``--odc true`` (opt-in path 1), 5 samples per step so ranks run unequal microbatch counts; counts
-  torch.distributed calls during microbatches; saves a checkpoint each step; gradients stay local until each rank's
-  last microbatch (the Trainer's default accumulation).
+  torch.distributed calls during microbatches; saves a checkpoint each step; ``--odc_memory_policy grads``: gradients
+  stay unsharded until the step boundary (one scatter-add per param group and step, as the Trainer accumulates).
 * ``single``: TRL's own ``SFTTrainer`` in one process, accumulating the same 5 samples per optimizer step
   (`tests/helpers/trl_reference.py`): the reference for exact loss normalisation.
 * ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
   file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
 * ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint,
-  with accelerate's ``sync_each_batch`` (a scatter-add per microbatch).
+  with accelerate's ``sync_each_batch`` and the default memory policy (``neither``: a scatter-add per microbatch).
 * ``odc_padding_free``: ``odc`` with ``--padding_free true`` and a larger token budget, so that several truncated
   samples share one packed microbatch row (TRL alone refuses padding_free with max_length); its steps are traced.
 """
@@ -80,6 +80,8 @@ def runs(tmp_path_factory):
         TRAIN,
         "--odc",
         "true",
+        "--odc_memory_policy",
+        "grads",
         *COMMON,
         *UNEQUAL,
         "--save_strategy",
@@ -188,10 +190,16 @@ def test_odc_run_finishes_with_metrics_and_zero_collectives(runs):
     assert sum(len(r["microbatch_dist_calls"]) for r in ranks) == sum(
         h["odc/microbatches_min"] + h["odc/microbatches_max"] for h in history
     )
-    # as the Trainer accumulates: one reduce-scatter (scatter-add) per param group per step, on the last microbatch
+    # odc_memory_policy=grads, as the Trainer accumulates: one scatter-add per param group per step
     assert max(_last_step_microbatches(out)) > 1
     for r in ranks:
         assert r["engine_last_step"]["scatters"] == r["engine_param_groups"] > 1, r["engine_last_step"]
+        assert (
+            r["engine_last_step"]["kept_grads"] == r["engine_param_groups"]
+            and r["odc_config"]["memory_policy"] == "grads"
+        )
+    # each rank's peak memory, logged beside the times
+    assert all(0 < h["odc/peak_mem_mb_min"] <= h["odc/peak_mem_mb_max"] for h in history)
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
 
 
@@ -271,11 +279,13 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     for r in reports(resumed, "odc_run_rank"):
         assert r["engine"] == "ODCEngine" and r["odc_config"]["source"] == "fsdp_config"
         assert r["odc_config"]["transport"] == "shm"
-    # accelerate's sync_each_batch: a scatter-add per param group per microbatch, same result
+    # memory policy neither (the default; sync_each_batch agrees): a scatter-add per param group per microbatch, and
+    # the result of the run that kept its gradients
     microbatches = _last_step_microbatches(resumed)
     assert max(microbatches) > 1
     for r in reports(resumed, "odc_run_rank"):
         assert r["engine_last_step"]["scatters"] == r["engine_param_groups"] * microbatches[r["rank"]]
+        assert r["engine_last_step"]["kept_grads"] == 0 and r["odc_config"]["memory_policy"] == "neither"
     assert [h["step"] for h in logged_steps(resumed)][-1] == 2
     assert logged_steps(resumed)[-1]["loss"] == pytest.approx(logged_steps(runs["out"]["odc"])[-1]["loss"], rel=1e-6)
     assert max_rel(final_params(resumed), final_params(runs["out"]["odc"])) <= 1e-6

@@ -389,6 +389,9 @@ def test_torch_paths_table_matches_the_installed_torch():
         "reduce_scatter_process_group": "reduce_scatter_process_group" in inspect.getsource(_fsdp_common),
         "grad_dtypes": "self.sharded_grad_dtype" in inspect.getsource(_fsdp_param.FSDPParam),
         "reduce_scatter_order": "self._reduce_scatter_param_indices" in inspect.getsource(_fsdp_param_group),
+        "grad_accumulates_in_leaf": isinstance(
+            inspect.getattr_static(_fsdp_param.FSDPParam, "unsharded_accumulated_grad", None), property
+        ),
     }
     assert real.keys() == fsdp.PATHS.keys()
     assert {feature: fsdp.has(feature) for feature in fsdp.PATHS} == real, fsdp.TORCH_VERSION

@@ -94,6 +94,17 @@ def test_telemetry_switches_from_env(monkeypatch, tmp_path):
     assert (config.trace_dir, config.time_collectives) == (str(tmp_path), True)
 
 
+def test_memory_policy_on_every_surface(monkeypatch):
+    assert (ODCConfig().memory_policy, ODCConfig().memory_headroom) == ("neither", "30%")  # the defaults
+    monkeypatch.setenv("ODC_MEMORY_POLICY", "Both")
+    monkeypatch.setenv("ODC_MEMORY_HEADROOM", "4GiB")
+    from_env = ODCConfig.from_sources(args=_args())
+    assert (from_env.memory_policy, from_env.memory_headroom) == ("both", "4gib")
+    from_file = ODCConfig.from_sources(args=_args(fsdp_config={"odc_memory_policy": "<root>=params,blocks.*=grads"}))
+    assert from_file.memory_policy == "<root>=params,blocks.*=grads"  # patterns keep their case
+    assert ODCConfig.from_sources(args=_args(odc_memory_policy="auto")).memory_policy == "auto"  # args win
+
+
 def test_the_launchers_env_resolves_like_the_file_it_came_from():
     fsdp_config = {"odc": True, "odc_transport": "shm", "odc_timeout": 12.5, "odc_plan": "lockstep"}
     fsdp_config["odc_max_tokens_per_microbatch"] = 2048
@@ -123,6 +134,8 @@ def test_env_from_fsdp_config_exports_only_what_the_file_sets():
         (dict(odc=True, odc_samples_per_step=2.5), "odc_samples_per_step .* positive integer"),
         (dict(fsdp_config={"odc": "maybe"}), "fsdp_config's odc must be a boolean"),
         (dict(odc="perhaps"), r"odc \(ODC_ENABLE\) must be a boolean"),
+        (dict(odc=True, odc_memory_policy="most"), r"odc_memory_policy \(ODC_MEMORY_POLICY\): memory policy 'most'"),
+        (dict(odc=True, odc_memory_headroom="lots"), r"odc_memory_headroom \(ODC_MEMORY_HEADROOM\): .*'30%'"),
     ],
 )
 def test_bad_values_name_the_option(kw, message):

@@ -66,8 +66,8 @@ def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhe
         timer.end(None, clock.now)
     timer.end(None, clock.now + 5.0)  # no open step: ignored
     # A peer whose two steps took 10 s of which 7 s compute: rows are [step_s, busy_s, mb_min, mb_max, tokens,
-    # generation_s].
-    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
+    # generation_s, peak memory in MiB].
+    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0, 900.0]], dtype=torch.float64)
     out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu", per_rank=True)
     assert out["odc/step_s"] == pytest.approx(5.0)  # the slowest rank's interval over 2 steps
     assert (out["odc/busy_s_rank0"], out["odc/wait_s_rank0"]) == pytest.approx((4.0, 6.0))
@@ -75,13 +75,16 @@ def test_interval_takes_the_slowest_rank_and_counts_compute_outside_a_step_nowhe
     assert out["odc/bubble_pct"] == pytest.approx(100 * (1 - 5.5 / 10.0))
     assert out["odc/tokens_per_s"] == pytest.approx(16 / 10.0)
     assert not any(key.startswith("odc/generation_s") for key in out)  # trainers that do not generate
+    # each rank's peak memory: this process's resident set (no engine: read directly), the peer's as sent
+    assert out["odc/peak_mem_mb_rank1"] == 900.0 and out["odc/peak_mem_mb_max"] >= 900.0
+    assert 10 < out["odc/peak_mem_mb_rank0"] == pytest.approx(timing._peak_memory_mb(None), rel=0.1)
     # the summaries over ranks: rank 0 busy 4 / wait 6, rank 1 busy 7 / wait 3
     assert (out["odc/busy_s_min"], out["odc/busy_s_max"], out["odc/busy_s_mean"]) == pytest.approx((4.0, 7.0, 5.5))
     assert (out["odc/wait_s_min"], out["odc/wait_s_max"], out["odc/wait_s_mean"]) == pytest.approx((3.0, 6.0, 4.5))
 
 
 def test_per_rank_keys_only_when_asked(clock):
-    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0]], dtype=torch.float64)
+    peer = torch.tensor([[10.0, 7.0, 1.0, 1.0, 8.0, 0.0, 900.0]], dtype=torch.float64)
     timer = timing.StepTimer(rank=0)
     timer.start(None, None, [_batch(4)], clock.now)
     with timer.compute("cpu"):
@@ -109,7 +112,7 @@ def test_generation_is_busy_once_and_reported_per_rank(clock):
         clock.now += 1.0
     clock.now += 0.25
     timer.end(None, clock.now)
-    peer = torch.tensor([[5.0, 2.0, 1.0, 1.0, 10.0, 1.5]], dtype=torch.float64)
+    peer = torch.tensor([[5.0, 2.0, 1.0, 1.0, 10.0, 1.5, 900.0]], dtype=torch.float64)
     out = timer.interval_metrics(lambda row: torch.cat([row, peer]), "cpu", per_rank=True)
     assert out["odc/busy_s_rank0"] == pytest.approx(3.0 + 0.25 + 1.0)
     assert out["odc/wait_s_rank0"] == pytest.approx(5.0 - 4.25)

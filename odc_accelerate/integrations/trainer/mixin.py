@@ -10,9 +10,9 @@ What the mixin changes, and why:
   Trainer's gradient accumulation would count microbatches globally and deadlock, so it runs with
   ``gradient_accumulation_steps=1`` and ``training_step`` loops the microbatches itself; the effective batch is
   unchanged. accelerate's re-sharding of the dataloader is bypassed (the sampler is already rank-aware). With a
-  padded collator the plan is made on padded shapes. As in the Trainer's own loop, every microbatch but a rank's last
-  runs under ``accelerator.no_sync``: gradients accumulate locally and are reduced (ODC: scatter-added) once per step,
-  unless accelerate's ``sync_each_batch`` asks for every microbatch.
+  padded collator the plan is made on padded shapes. With ODC the engine's memory policy (``odc_memory_policy``)
+  decides whether gradients are scatter-added after every microbatch or once per step; without ODC every microbatch
+  but a rank's last runs under ``accelerator.no_sync``, as in the Trainer's own loop.
 * **Exact loss.** ``num_items_in_batch`` is the number of label tokens of the whole step over all ranks (one
   all-reduce at the step start, before any microbatch); every microbatch's summed token loss is divided by it and
   multiplied by the world size (the Trainer's ``average_tokens_across_devices`` scaling), which is

@@ -153,8 +153,13 @@ class ODCAcceleratorSetup:
             if replicas > 1
             else ""
         )
+        memory = f"memory policy {config.memory_policy}"
+        if engine is not None:
+            memory += f" (rank 0: {engine.memory_summary()})"
+        if config.memory_policy == "auto":
+            memory += f", headroom {config.memory_headroom}, re-chosen by each rank every step"
         logger.warning(
-            "ODC on: transport %s (%s)%s, plan %s, token budget %s, %s%s; metrics %s.",
+            "ODC on: transport %s (%s)%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
             hsdp,
@@ -162,6 +167,7 @@ class ODCAcceleratorSetup:
             budget,
             samples,
             folded,
+            memory,
             config.metrics,
         )
 

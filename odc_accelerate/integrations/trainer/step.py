@@ -105,17 +105,26 @@ class ODCStepLoop:
             with self.odc_step_timer.compute(self.args.device):
                 return super().training_step(model, inputs, num_items_in_batch)
         engine = self.odc_engine
+        # With ODC the engine's memory policy decides, per param group, whether gradients stay unsharded until the
+        # step boundary (one scatter-add per step) or are scatter-added after every microbatch. Plain FSDP2 (ODC
+        # off) does as the Trainer does for its own microbatches: gradients stay local until the rank's last
+        # microbatch (the lockstep plan gives every rank the same count); accelerate's `sync_each_batch=True` trades
+        # that back for memory.
+        asked_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        keeps_grads = engine is not None and any(c in ("grads", "both") for c in engine.memory_choices().values())
+        if asked_each_batch and keeps_grads:
+            raise ValueError(
+                f"accelerate's sync_each_batch=True asks for a reduce after every microbatch, but odc_memory_policy="
+                f"{self.odc_config.memory_policy} keeps unsharded gradients through the step. With ODC the memory "
+                "policy decides: drop sync_each_batch, or set odc_memory_policy to neither (or params)."
+            )
         deferred = DeferredGather()
         real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
         total = torch.zeros((), device=self.args.device)
         self.accelerator.gather_for_metrics = deferred  # type: ignore[method-assign]
         self.accelerator.gather = deferred  # type: ignore[method-assign]
         self.accelerator.reduce = deferred.reduce  # type: ignore[method-assign]
-        # As the Trainer does for its own microbatches: gradients stay local (unsharded) until the rank's last
-        # microbatch, so FSDP2 reduce-scatters (and ODC scatter-adds) once per step instead of once per microbatch.
-        # Accelerate's `sync_each_batch=True` trades that back for memory. Ranks may run different counts: ODC's
-        # reduce-scatter is one-sided, and the lockstep plan gives every rank the same number of microbatches.
-        sync_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        sync_each_batch = engine is not None or asked_each_batch
         dynamic = isinstance(inputs, ClaimedStep)
         if dynamic:
             # Claimed one at a time as the loop asks (`ODCEngine.claim_microbatches`); one process claims them all.

@@ -153,6 +153,7 @@ class StepTimer:
             "microbatches": float(self.step["microbatches"]),
             "tokens": float(self.step["tokens"]),
             "generation_s": float(self.step["generation_s"]),
+            "peak_mb": _peak_memory_mb(engine),
         }
         self.pending.append(entry)
         if self.trace is not None:
@@ -175,8 +176,9 @@ class StepTimer:
         mbs = [p["microbatches"] for p in pending]
         tokens = sum(p["tokens"] for p in pending)
         generation_s = sum(p.get("generation_s", 0.0) for p in pending)
+        peak_mb = max(p.get("peak_mb", 0.0) for p in pending)
         row = torch.tensor(
-            [step_s, busy_s, min(mbs), max(mbs), tokens, generation_s], dtype=torch.float64, device=device
+            [step_s, busy_s, min(mbs), max(mbs), tokens, generation_s, peak_mb], dtype=torch.float64, device=device
         )
         rows = row[None]
         if gather is not None:
@@ -197,6 +199,8 @@ class StepTimer:
         series = {"busy_s": busy, "wait_s": wait}
         if float(rows[:, 5].max()) > 0:  # trainers that generate: time inside generate, part of busy
             series["generation_s"] = rows[:, 5]
+        if float(rows[:, 6].max()) > 0:  # each rank's peak memory so far (GPU: allocated; CPU: resident set)
+            series["peak_mem_mb"] = rows[:, 6]
         for name, values in series.items():
             out[f"odc/{name}_min"] = round(float(values.min()), 4)
             out[f"odc/{name}_max"] = round(float(values.max()), 4)
@@ -211,6 +215,19 @@ class StepTimer:
         timer, self.timer = self.timer, None
         if timer is not None:
             timer.close()
+
+
+def _peak_memory_mb(engine: Any) -> float:
+    """This rank's peak memory so far in MiB: the engine's figure for the step it just published, else (plain runs)
+    read the same way (`odc_accelerate.memory.PeakMemory`)."""
+    stats = getattr(engine, "last_step_stats", None)
+    if stats is not None and getattr(stats, "peak_memory_bytes", 0):
+        return stats.peak_memory_bytes / 2**20
+    from ...memory import PeakMemory
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return PeakMemory(device).read() / 2**20
 
 
 def _resolve(entry: dict[str, Any]) -> float:

@@ -1,0 +1,250 @@
+"""The step memory policy: which unsharded state a rank keeps through an optimizer step, per FSDP2 param group.
+
+Parameters do not change inside a step, so a rank may gather a param group once and keep it until
+``pre_optimizer_step`` (``params``); and it may keep its unsharded gradient through its microbatches and reduce it
+once, at ``pre_optimizer_step`` (``grads``), instead of scatter-adding it after every microbatch. ``both`` keeps both,
+``neither`` neither (memory bounded by the shard, the accumulator and one microbatch). Under FSDP2 every rank must
+make the same choice (its collectives pair up); under ODC each rank chooses for itself, so ``auto`` picks per rank
+from that rank's free memory, and again after every optimizer step.
+
+A policy is written as one choice for every group (``"both"``), ``"auto"``, or ``pattern=choice`` pairs separated by
+commas, matched against each group's FQN with `fnmatch` (first match wins, unmatched groups keep ``neither``; the
+root group's FQN is ``<root>``): ``"<root>=params,layers.*=both"``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: The fixed choices, as (keep gathered params, keep unsharded grads).
+CHOICES: dict[str, tuple[bool, bool]] = {
+    "neither": (False, False),
+    "params": (True, False),
+    "grads": (False, True),
+    "both": (True, True),
+}
+AUTO = "auto"
+#: The default: bounded memory (shard + accumulator + one microbatch), as FSDP2 with gradient sync every microbatch.
+DEFAULT_POLICY = "neither"
+#: The default headroom of ``auto``: the part of this rank's memory it leaves free for activations and the optimizer.
+DEFAULT_HEADROOM = "30%"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS["tb"] = 10**12
+
+
+def parse_policy(value: str | Mapping[str, str]) -> str | list[tuple[str, str]]:
+    """Check a memory policy; returns ``"auto"``, or the ``(pattern, choice)`` pairs it stands for.
+
+    Raises:
+        ValueError: an unknown choice or a malformed ``pattern=choice`` list, saying what is accepted.
+    """
+    accepted = f"one of {', '.join([*CHOICES, AUTO])}, or pattern=choice pairs such as '<root>=params,layers.*=both'"
+    if isinstance(value, Mapping):
+        pairs = [(str(k), str(v).strip().lower()) for k, v in value.items()]
+    elif isinstance(value, str):
+        text = value.strip().lower() if "=" not in value else value.strip()
+        if text in CHOICES:
+            return [("*", text)]
+        if text == AUTO:
+            return AUTO
+        if "=" not in text:
+            raise ValueError(f"memory policy {value!r} is not valid: use {accepted}")
+        pairs = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            pattern, sep, choice = item.partition("=")
+            if not sep or not pattern.strip():
+                raise ValueError(f"memory policy {value!r}: {item!r} is not pattern=choice; use {accepted}")
+            pairs.append((pattern.strip(), choice.strip().lower()))
+    else:
+        raise ValueError(f"memory policy must be a string or a mapping, got {type(value).__name__}: use {accepted}")
+    bad = [c for _, c in pairs if c not in CHOICES]
+    if bad or not pairs:
+        raise ValueError(
+            f"memory policy {value!r}: {bad[0] if bad else 'no pairs'!r} is not a choice per group; each group "
+            f"takes one of {', '.join(CHOICES)}"
+        )
+    return pairs
+
+
+def parse_headroom(value: str | float | int) -> tuple[float, bool]:
+    """Check a headroom: ``"30%"`` of this rank's memory, or a size (``"4GiB"``, ``"512MB"``; a bare number is bytes).
+
+    Returns:
+        `tuple[float, bool]`: the amount and whether it is a fraction (of the rank's total memory) or bytes.
+
+    Raises:
+        ValueError: anything else, naming the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"memory headroom must be a percentage or a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory headroom must not be negative, got {value!r}")
+        return float(value), False
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(
+            f"memory headroom {value!r} is not valid: give a percentage of the rank's memory ('30%') or a size "
+            "('4GiB', '512MiB', '2GB')"
+        )
+    amount, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    if unit == "%":
+        if amount > 100:
+            raise ValueError(f"memory headroom {value!r} is over 100%")
+        return amount / 100, True
+    return amount * _UNITS[unit], False
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """What keeping one param group's unsharded state costs and saves, per microbatch after the first.
+
+    Attributes:
+        fqn: the group's FQN.
+        param_bytes: its unsharded parameters (the gather output: every rank's shard, in the parameter dtype).
+        grad_bytes: its unsharded gradient in the reduce dtype (0 for a group without trainable params).
+        gathers_per_microbatch: how many times a microbatch gathers it (2 when FSDP2 reshards it after forward, else 1;
+            0 without a backward, e.g. a frozen model, where it is 1).
+        world_size: ranks of the mesh.
+    """
+
+    fqn: str
+    param_bytes: int
+    grad_bytes: int
+    gathers_per_microbatch: int
+    world_size: int
+
+    def candidates(self) -> list[tuple[float, int, str]]:
+        """``(gain per byte, bytes, "params" | "grads")`` for each thing keeping could save.
+
+        The gain is the bytes copied per microbatch that keeping avoids, per byte kept. A gather copies the shard in
+        (1/world), reads the peers' shards ((world-1)/world) and copies the output out (1) per byte of unsharded
+        parameters: ~2 per gather. A gradient's reduce copies it into the reduce-scatter input (1) and adds it into
+        the owners' accumulators (a read and a write: 2): 3 per byte.
+        """
+        out = []
+        if self.param_bytes:
+            out.append((2.0 * self.gathers_per_microbatch, self.param_bytes, "params"))
+        if self.grad_bytes:
+            out.append((3.0, self.grad_bytes, "grads"))
+        return out
+
+
+def choose_auto(costs: Sequence[GroupCost], budget: float) -> dict[str, tuple[bool, bool]]:
+    """Keep what saves the most copying per byte first, while the kept bytes fit in ``budget``.
+
+    Returns:
+        `dict[str, tuple[bool, bool]]`: (keep params, keep grads) per group FQN.
+    """
+    chosen = {c.fqn: [False, False] for c in costs}
+    items = [(gain, nbytes, what, c.fqn) for c in costs for gain, nbytes, what in c.candidates()]
+    # Largest gain per byte first; among equals the smaller item first (more of them fit).
+    items.sort(key=lambda item: (-item[0], item[1]))
+    used = 0.0
+    for _, nbytes, what, fqn in items:
+        if used + nbytes <= budget:
+            used += nbytes
+            chosen[fqn][0 if what == "params" else 1] = True
+    return {fqn: (p, g) for fqn, (p, g) in chosen.items()}
+
+
+def choose_fixed(pairs: list[tuple[str, str]], fqns: Sequence[str]) -> dict[str, tuple[bool, bool]]:
+    """(keep params, keep grads) per group for a fixed policy: the first pattern matching the FQN, else neither."""
+    out = {}
+    for fqn in fqns:
+        choice = next((c for pattern, c in pairs if fnmatch.fnmatchcase(fqn, pattern)), "neither")
+        out[fqn] = CHOICES[choice]
+    return out
+
+
+def choice_name(keep: tuple[bool, bool]) -> str:
+    return next(name for name, flags in CHOICES.items() if flags == keep)
+
+
+def summarize(choices: Mapping[str, tuple[bool, bool]]) -> str:
+    """``"both x3, neither x1"`` (how many groups got each choice), in `CHOICES` order."""
+    counts: dict[str, int] = {}
+    for keep in choices.values():
+        name = choice_name(keep)
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{counts[name]}" for name in CHOICES if name in counts)
+
+
+# ---------------------------------------------------------------------- memory readings
+def local_ranks() -> int:
+    """Ranks sharing this host's RAM (``LOCAL_WORLD_SIZE`` from torchrun / accelerate; 1 if unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def free_and_total(device: torch.device) -> tuple[int, int]:
+    """This rank's share of free and total memory on ``device``, in bytes.
+
+    CUDA: the device's free memory plus what torch's caching allocator holds unused, and its total. CPU: available
+    RAM (``MemAvailable``) and total RAM, each divided by the ranks on this host (they share it).
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached), int(total)
+    info = _meminfo()
+    share = local_ranks()
+    return info.get("MemAvailable", info.get("MemFree", 0)) // share, info.get("MemTotal", 0) // share
+
+
+def headroom_bytes(headroom: tuple[float, bool], total: int) -> float:
+    amount, fraction = headroom
+    return amount * total if fraction else amount
+
+
+class PeakMemory:
+    """This process's peak memory, in bytes: on CUDA torch's allocator peak (``max_memory_allocated``), on CPU the
+    peak resident set size (``VmHWM``).
+
+    `reset` starts a new window; the engine never calls it: on CPU it also lowers what ``getrusage`` reports as the
+    process's maximum RSS, and on CUDA it clears torch's peak for every other reader.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+
+    def read(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as f:
+                match = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+            return int(match.group(1)) * 1024 if match else 0
+        except OSError:
+            return 0
