@@ -52,6 +52,10 @@ SFT, DPO, GRPO_LOOP = (
 COMMON = ["--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--seed", "0", "--save_strategy", "no"]
 SFT_ARGS = [*COMMON, "--max_length", "128", "--odc_max_tokens_per_microbatch", "128", "--optim", "sgd"]
 SFT_ARGS += ["--learning_rate", "0.5", "--dataloader_pin_memory", "false", "--odc_samples_per_step", "5"]
+# SGD with momentum has an optimizer state: torch loads a FULL_STATE_DICT optimizer checkpoint only when the optimizer
+# has one, and the resumed run reads it back
+SFT_ARGS += ["--optim_args", "momentum=0.9"]
+SAVE_EACH_STEP = ["--save_strategy", "steps", "--save_steps", "1"]  # after COMMON's "no": the later value wins
 DPO_ARGS = [*COMMON, "--max_length", "64", "--odc_max_tokens_per_microbatch", "128", "--optim", "sgd"]
 DPO_ARGS += ["--learning_rate", "0.2", "--dataloader_pin_memory", "false", "--odc_samples_per_step", "5"]
 GRPO_ARGS = [*COMMON, "--loss_types", "dapo", "--beta", "0.1", "--bf16", "false", "--num_generations", "4"]
@@ -99,12 +103,14 @@ def machines(
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     shm_before = shm_leftovers()
-    names = ("sft", "sft_ref", "dpo", "dpo_ref", "grpo", "grpo_ref", "loop", "loop_ref")
+    names = ("sft", "sft_ref", "sft_resumed", "dpo", "dpo_ref", "grpo", "grpo_ref", "loop", "loop_ref")
     out = {name: root / name for name in names}
     procs = {}
-    procs["sft"] = machines(
-        HSDP_CONFIG, SFT, "--odc", "true", *SFT_ARGS, "--output_dir", out["sft"], ODC_TRACE_DIR=str(out["sft"] / "t")
-    )
+    sft = [HSDP_CONFIG, SFT, "--odc", "true", *SFT_ARGS, *SAVE_EACH_STEP]
+    procs["sft"] = machines(*sft, "--output_dir", out["sft"], ODC_TRACE_DIR=str(out["sft"] / "t"))
+    if (out["sft"] / "checkpoint-1").is_dir():
+        resume = ["--resume_from_checkpoint", out["sft"] / "checkpoint-1", "--output_dir", out["sft_resumed"]]
+        procs["sft_resumed"] = machines(*sft, *resume)
     procs["sft_ref"] = [trl_reference("sft", 5, *SFT_ARGS, output_dir=out["sft_ref"])]
     procs["dpo"] = machines(
         HSDP_CONFIG, DPO, *DPO_ARGS, "--output_dir", out["dpo"], launcher="odc", ODC_TRACE_DIR=str(out["dpo"] / "t")
@@ -172,6 +178,21 @@ def test_sft_hsdp_matches_trl_in_one_process(runs):
     diff, update = _relative_diff(final_params(out), final_params(ref), torch.load(ref / "initial_params.pt"))
     assert update > 0 and diff / update <= 1e-4, (diff, update)
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
+
+
+def test_sft_hsdp_resumes_from_a_trainer_checkpoint(runs):
+    # The Trainer's own save and resume_from_checkpoint on the 2-D mesh: resumed after step 1, step 2 lands on the
+    # uninterrupted run's weights (up to the order in which peers' adds arrive).
+    _check(runs, "sft")
+    assert "sft_resumed" in runs["procs"], "the SFT run saved no checkpoint-1"
+    _check(runs, "sft_resumed")
+    out, resumed = runs["out"]["sft"], runs["out"]["sft_resumed"]
+    last = logged_steps(resumed)[-1]  # the checkpoint's log history comes back with it
+    assert last["step"] == 2 and last["loss"] == pytest.approx(logged_steps(out)[1]["loss"], rel=1e-5)
+    _check_hsdp_ranks(resumed, steps=1)
+    init = torch.load(out / "initial_params.pt")
+    diff, update = _relative_diff(final_params(resumed), final_params(out), init)
+    assert update > 0 and diff / update <= 1e-5, (diff, update)
 
 
 def test_dpo_hsdp_from_config_keys_matches_trl_in_one_process(runs):
