@@ -798,6 +798,7 @@ class ODCEngine:
                 self.transport = None
             self._state = EngineState.CLOSED
         self._pg = None  # set-up only; a closed engine must not keep the group (and gloo's threads) alive
+        self._claims = None  # the transport itself, or a store counter: neither may outlive close()
         _release_destroyed_groups()
 
     def __enter__(self) -> ODCEngine:
