@@ -18,6 +18,8 @@ DYNAMIC_TARGETS = {
     "dynamic_vs_free_slowed": 1.25,  # one rank slower: tokens/s over ODC + free under the same slowdown
 }
 """Targets of ODC + plan dynamic (checked and reported, never asserted)."""
+DYNAMIC_PAIRS = (("odc_dynamic", "odc", ""), ("odc_dynamic_both", "odc_both", "_keep_both"))
+"""(dynamic arm, free arm with the same memory policy, suffix of its target keys): the pairs compared like with like."""
 
 
 def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None) -> dict:
@@ -67,8 +69,12 @@ def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None)
             # the ranks in proportion to their speeds: total work / sum of the ranks' speeds.
             a["ideal_step_s"] = sum(b * v for b, v in zip(a["busy_s"], speeds, strict=True)) / sum(speeds)
             a["step_over_ideal"] = a["step_s"] / a["ideal_step_s"]
-    if "odc_dynamic" in arms:
-        out["dynamic_targets"] = _dynamic_targets(arms, runs, slow)
+    dynamic_targets: dict[str, Any] = {}
+    for dyn, free, suffix in DYNAMIC_PAIRS:
+        if dyn in arms:
+            dynamic_targets.update(_dynamic_targets(arms, runs, slow, dyn, free, suffix))
+    if dynamic_targets:
+        out["dynamic_targets"] = dynamic_targets
     if "odc" in arms:
         odc = arms["odc"]
         # A second, cruder limit: tokens over ODC's mean busy time (compute plus ODC's own copies and adds).
@@ -96,34 +102,44 @@ def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None)
     return out
 
 
-def _dynamic_targets(arms: dict, runs: dict, slow: dict | None) -> dict:
-    """The dynamic plan's targets that this run's condition measures (equal speeds, or one rank slower)."""
-    dyn, targets = arms["odc_dynamic"], {}
+def _dynamic_targets(arms: dict, runs: dict, slow: dict | None, dyn_name: str, free_name: str, suffix: str) -> dict:
+    """The dynamic plan's targets that this run's condition measures (equal speeds, or one rank slower), for the arm
+    ``dyn_name`` against the free plan's arm ``free_name`` with the same memory policy; keys end with ``suffix``."""
+    dyn, targets = arms[dyn_name], {}
 
     def ratio(key: str, base: str, goal: float) -> None:
         value = dyn["tokens_per_s"] / arms[base]["tokens_per_s"]
-        pairs = zip(_by_repeat(runs["odc_dynamic"]), _by_repeat(runs[base]), strict=False)
+        pairs = zip(_by_repeat(runs[dyn_name]), _by_repeat(runs[base]), strict=False)
         per_repeat = [d["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"] for d, b in pairs]
-        targets[key] = {"value": value, "target": f">= {goal}", "met": value >= goal, "per_repeat": per_repeat}
+        targets[key + suffix] = {
+            "value": value,
+            "target": f">= {goal}",
+            "met": value >= goal,
+            "per_repeat": per_repeat,
+        }
 
     if slow is None:
         if "fsdp2_random" in arms:
             ratio("dynamic_vs_fsdp2_random", "fsdp2_random", DYNAMIC_TARGETS["dynamic_vs_fsdp2_random"])
         goal = DYNAMIC_TARGETS["dynamic_bubble_pct_max"]
-        targets["dynamic_bubble_pct"] = {
+        targets["dynamic_bubble_pct" + suffix] = {
             "value": dyn["bubble_pct"],
             "target": f"<= {goal}",
             "met": dyn["bubble_pct"] <= goal,
         }
-        if "odc" in arms:
-            ratio("dynamic_vs_free_equal", "odc", DYNAMIC_TARGETS["dynamic_vs_free_equal"])
+        if free_name in arms:
+            ratio("dynamic_vs_free_equal", free_name, DYNAMIC_TARGETS["dynamic_vs_free_equal"])
     else:
         if "step_over_ideal" in dyn:
             goal = DYNAMIC_TARGETS["dynamic_step_over_ideal_max"]
             value = dyn["step_over_ideal"]
-            targets["dynamic_step_over_ideal"] = {"value": value, "target": f"<= {goal}", "met": value <= goal}
-        if "odc" in arms:
-            ratio("dynamic_vs_free_slowed", "odc", DYNAMIC_TARGETS["dynamic_vs_free_slowed"])
+            targets["dynamic_step_over_ideal" + suffix] = {
+                "value": value,
+                "target": f"<= {goal}",
+                "met": value <= goal,
+            }
+        if free_name in arms:
+            ratio("dynamic_vs_free_slowed", free_name, DYNAMIC_TARGETS["dynamic_vs_free_slowed"])
     return targets
 
 

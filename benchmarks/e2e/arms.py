@@ -70,6 +70,15 @@ ARMS: dict[str, Arm] = {
             ("--odc", "true", "--odc_memory_policy", "both"),
             planned=True,
         ),
+        # The dynamic plan's queue has more, smaller microbatches than the free plan: keeping parameters and
+        # gradients through the step makes each of them free of communication. Compared with odc_both.
+        Arm(
+            "odc_dynamic_both",
+            "ODC + dynamic, keep both",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_plan", "dynamic", "--odc_memory_policy", "both"),
+            planned=True,
+        ),
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
     )
 }

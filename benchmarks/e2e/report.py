@@ -68,6 +68,16 @@ def targets_text(result: dict) -> list[str]:
         "dynamic_step_over_ideal": "ODC + dynamic step time over the ideal",
         "dynamic_vs_free_slowed": "ODC + dynamic tokens/s over ODC + free",
     }
+    # the same targets for the pair that keeps parameters and gradients through the step (odc_memory_policy both)
+    names.update(
+        {
+            k + "_keep_both": v.replace("ODC + dynamic", "ODC + dynamic, keep both").replace(
+                "ODC + free", "ODC + free, keep both"
+            )
+            for k, v in list(names.items())
+            if k.startswith("dynamic")
+        }
+    )
     lines = []
     targets = {**result.get("targets", {}), **result.get("dynamic_targets", {})}
     for key, t in targets.items():
@@ -76,10 +86,10 @@ def targets_text(result: dict) -> list[str]:
         spread = ""
         if len(t.get("per_repeat") or []) > 1:
             spread = f"; per repeat {min(t['per_repeat']):.3f}x to {max(t['per_repeat']):.3f}x"
-        lines.append(f"{names[key]:<44}{value:>8}  (target {t['target']}: {'met' if t['met'] else 'NOT met'}{spread})")
+        lines.append(f"{names[key]:<56}{value:>8}  (target {t['target']}: {'met' if t['met'] else 'NOT met'}{spread})")
     if result.get("limit_from_odc_busy_tokens_per_s"):
         lines.append(
-            f"{'limit estimated from ODC mean busy time':<44}{result['limit_from_odc_busy_tokens_per_s']:>8.1f}  "
+            f"{'limit estimated from ODC mean busy time':<56}{result['limit_from_odc_busy_tokens_per_s']:>8.1f}  "
             "tok/s (busy includes ODC's own copies and adds: a lower bound on the limit's tokens/s)"
         )
     if "ideal" in result:

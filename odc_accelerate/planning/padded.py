@@ -14,7 +14,7 @@ that fit the budget (the fewest microbatches a sorted cut allows).
 - ``"lockstep"``: the whole step is cut into runs, split further until every rank can get the same number of
   microbatches, and runs of similar cost share a slot.
 - ``"dynamic"``: the whole step is cut into runs, the costliest split (at their best cut) while the queue is shorter
-  than two per rank, ordered costliest first and dealt round-robin (the queue ranks claim from,
+  than four per rank (`QUEUE_PER_RANK`), ordered costliest first and dealt round-robin (the queue ranks claim from,
   `odc_accelerate.planning.dynamic`).
 """
 

@@ -62,10 +62,10 @@ def check_plan(plan, lengths, world, budget, plan_name):
             assert all(len(rank) > 0 for rank in plan), "a rank idles although there are enough samples"
     elif plan_name == "dynamic":
         # One queue for the whole step, packed first-fit: no two of its microbatches fit together; dealt round-robin.
-        # Split to at least two per rank (one per sample when fewer), else packed first-fit.
+        # Split to at least four per rank (one per sample when fewer), else packed first-fit.
         queue = claim_queue(plan)
         assert all(len(mb) > 0 for mb in queue)
-        target = min(2 * world, n)
+        target = min(4 * world, n)
         assert len(queue) >= target
         if len(queue) > target:
             toks = [int(lengths[mb].sum()) for mb in queue]
@@ -538,10 +538,10 @@ def test_dynamic_plan_is_one_queue_costliest_first(lengths, world, budget):
     mb_costs = [float(costs[mb].sum()) for mb in queue]
     assert mb_costs == sorted(mb_costs, reverse=True)
     # the whole step packed as tightly as first-fit decreasing packs it (no per-rank split first), then split while
-    # shorter than two microbatches per rank
+    # shorter than four microbatches per rank
     tokens = np.asarray(lengths, dtype=np.int64)
     packed = len(plan_step(lengths, 1, budget, plan="free")[0])
-    assert len(queue) == max(packed, min(2 * world, len(lengths)))
+    assert len(queue) == max(packed, min(4 * world, len(lengths)))
     for mb in queue:
         assert len(mb) == 1 or tokens[mb].sum() <= budget
 
@@ -549,16 +549,16 @@ def test_dynamic_plan_is_one_queue_costliest_first(lengths, world, budget):
 def test_dynamic_padded_queue_costliest_first_and_sampler_yields_it():
     rows = np.array([2, 2, 2, 2, 2, 2])
     widths = np.array([100, 900, 300, 880, 120, 310])
-    plan = plan_padded(rows, widths, widths.astype(np.float64), 2, 2000, "dynamic")
+    plan = plan_padded(rows, widths, widths.astype(np.float64), 1, 2000, "dynamic")
     queue = claim_queue(plan)
     # widest-first runs of <= 2000 padded tokens ([1], [3], [5, 2, 4], [0]; padded costs 1800, 1760, 1860, 200),
-    # costliest first
+    # costliest first; 4 microbatches are enough for 1 rank
     assert queue == [[5, 2, 4], [1], [3], [0]]
-    # on 3 ranks the queue needs 6 microbatches: the costliest run of several samples is split at its best cut
-    queue3 = claim_queue(plan_padded(rows, widths, widths.astype(np.float64), 3, 2000, "dynamic"))
-    assert sorted(map(sorted, queue3)) == [[0], [1], [2], [3], [4], [5]]
+    # on 2 ranks the queue needs 8 microbatches, more than the 6 samples: every run of several samples is split
+    queue2 = claim_queue(plan_padded(rows, widths, widths.astype(np.float64), 2, 2000, "dynamic"))
+    assert sorted(map(sorted, queue2)) == [[0], [1], [2], [3], [4], [5]]
     few = claim_queue(plan_step([100, 200, 300], 2, 10000, cost="tokens", plan="dynamic"))
-    assert few == [[2], [1], [0]]  # fewer samples than 2 per rank: one per microbatch
+    assert few == [[2], [1], [0]]  # fewer samples than 4 per rank: one per microbatch
     sampler = LengthBalancedBatchSampler(np.arange(1, 41) * 50, 3, 1, 12, 600, plan="dynamic", seed=1)
     other = LengthBalancedBatchSampler(np.arange(1, 41) * 50, 3, 2, 12, 600, plan="dynamic", seed=1)
     for k, (mine, theirs) in enumerate(zip(sampler, other, strict=True)):
