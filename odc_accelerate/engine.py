@@ -349,8 +349,14 @@ class ODCEngine:
                 compat.check_keep_support(g.group)
                 g.saved_keep = compat.keep_flags(g.group)
             # The dynamic plan's counter: the transport's own (no communication here), or the store fallback for a
-            # transport without one (one broadcast, here at set-up and never inside a step).
-            self._claims = None if self.frozen else claim_counter(self.transport, self._pg)
+            # transport without one (one broadcast, here at set-up and never inside a step). On an HSDP mesh every
+            # rank of every replica claims from one queue, beyond the shard group's transport (one host): the store.
+            if self.frozen:
+                self._claims = None
+            elif self.replicas > 1:
+                self._claims = claim_counter(None)
+            else:
+                self._claims = claim_counter(self.transport, self._pg)
             self._claimed_step = -1
             self._peak = memory.PeakMemory(self._device)
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
@@ -542,7 +548,9 @@ class ODCEngine:
         the next index is claimed when the loop asks for it, with an atomic fetch-and-add on the step's counter
         (`odc_accelerate.transport.claims`). Across ranks every index is yielded exactly once; a rank that is free
         first takes the next one, so a slower rank runs fewer. No ``torch.distributed`` call is made. Normalise the
-        loss by the step's global count of loss items, known from the queue before the first claim.
+        loss by the step's global count of loss items, known from the queue before the first claim. On an HSDP mesh
+        every rank of every replica claims from one queue (planned for all of them; the counter is the
+        ``torch.distributed`` store's, `~odc_accelerate.transport.claims.StoreClaimCounter`).
 
         ```python
         queue = claim_queue(plan_step(lengths, world_size, budget, plan="dynamic"))  # same on every rank
@@ -552,8 +560,9 @@ class ODCEngine:
         engine.pre_optimizer_step()
         ```
 
-        A rank's gradients go to their owners after each microbatch's backward (a rank learns that a microbatch was
-        its last only when its next claim finds none left). Call once per optimizer step, between
+        A rank learns that a microbatch was its last only when its next claim finds none left: unless the memory
+        policy keeps gradients through the step (``grads`` / ``both``), each microbatch's backward sends them to their
+        owners. Call once per optimizer step, between
         ``post_optimizer_step`` and ``pre_optimizer_step``; iterate lazily (collecting the indices first would claim
         them all for this rank).
 
@@ -561,15 +570,9 @@ class ODCEngine:
             count (`int`): number of microbatches in the step's queue.
 
         Raises:
-            RuntimeError: called outside a step, twice in one step, on a frozen engine, or on an HSDP mesh.
+            RuntimeError: called outside a step, twice in one step, or on a frozen engine.
         """
         self._check_trainable("claim_microbatches")
-        if self.replicas > 1:
-            # Each shard group has its own counter; a queue shared by every replica needs one counter for all of them.
-            raise RuntimeError(
-                f"the dynamic plan does not span HSDP replicas yet (this engine has {self.replicas}): each shard group "
-                "would run the whole queue. Use odc_plan: free (or lockstep) with an HSDP mesh, or a 1-D mesh"
-            )
         if self._state != EngineState.IN_STEP:
             raise RuntimeError(
                 "claim_microbatches() is for the microbatches of a step: call it before pre_optimizer_step()"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -76,11 +77,6 @@ def train_hsdp(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     out["transport"] = engine.transport.name
     out["replicas"], out["shard_world"] = engine.replicas, engine.world_size
     out["buckets"] = engine.replicate_buckets
-    try:  # the dynamic plan's counter is per shard group: refused on an HSDP mesh, before any claim
-        next(engine.claim_microbatches(1))
-        out["dynamic_refusal"] = None
-    except RuntimeError as err:
-        out["dynamic_refusal"] = str(err)
     out["counts"] = _steps(model, engine, optim, steps[: save_after + 1], rank, world_size)
     out["replicate_bytes"] = engine.last_step_stats.replicate_bytes
 
@@ -107,6 +103,38 @@ def train_hsdp(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     out["params_resumed"] = full_params(model)
     engine.close()
     dist.barrier()
+    return out
+
+
+def train_hsdp_dynamic(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The dynamic plan on the HSDP mesh: every rank of both replicas claims from one queue per step (each step's
+    sequences, one per microbatch); rank ``spec["slow_rank"]`` sleeps ``spec["slow_s"]`` after each microbatch."""
+    replicas, shards = spec["mesh"]
+    os.environ["ODC_HOST_ID"] = f"host{rank // shards}"
+    cfg = ToyConfig(**spec.get("cfg", {}))
+    model = _hsdp_model(cfg, replicas, shards, seed=0)
+    engine = ODCEngine(model, timeout=60.0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    claimed, calls = [], []
+    for step in make_steps(spec["plan"], cfg.vocab, seed=1):
+        queue = [ids for rank_mbs in step for ids in rank_mbs]
+        scale = loss_scale(sum(ids.shape[1] - 1 for ids in queue), world_size)
+        mine = []
+        with count_dist_calls() as in_microbatches:
+            for i in engine.claim_microbatches(len(queue)):
+                mine.append(i)
+                loss, _ = token_loss_sum(model, queue[i])
+                (loss * scale).backward()
+                if rank == spec["slow_rank"]:
+                    time.sleep(spec["slow_s"])
+        claimed.append(mine)
+        calls.append(dict(in_microbatches))
+        engine.pre_optimizer_step()
+        optim.step()
+        optim.zero_grad()
+        engine.post_optimizer_step()
+    out = {"claimed": claimed, "calls": calls, "params": full_params(model)}
+    engine.close()
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
 from tests.helpers.engine_workers import reference
-from tests.helpers.hsdp_workers import train_hsdp, train_hsdp_kill
+from tests.helpers.hsdp_workers import train_hsdp, train_hsdp_dynamic, train_hsdp_kill
 from tests.multiprocess.test_engine_parity import rel_diff
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch; ranks 0-1 are host 0, ranks 2-3 host 1.
@@ -26,7 +26,6 @@ def test_hsdp_parity_collectives_refusal_and_checkpoint_resume(tmp_path):
         # a shard group over two hosts is refused on every rank, with the fix
         assert "spans 2 hosts" in res["refusal"] and "dp_shard_size" in res["refusal"], res["refusal"]
         assert (res["transport"], res["replicas"], res["shard_world"]) == ("shm", 2, 2)
-        assert "dynamic plan does not span HSDP replicas" in res["dynamic_refusal"], res["dynamic_refusal"]
 
     # parity: equal to one process training on each step's whole batch (loss over the global token count)
     ref = reference(dict(plan=UNEQUAL))
@@ -55,6 +54,24 @@ def test_hsdp_parity_collectives_refusal_and_checkpoint_resume(tmp_path):
             rel_diff(res["params_resumed"], res["params"]),
         )
         assert rel_diff(res["params_resumed"], ref) <= 1e-6, rank
+
+
+def test_hsdp_dynamic_plan_claims_across_replicas():
+    # One queue per step for all 4 ranks of both replicas; rank 3 is much slower, so its peers take more.
+    spec = dict(mesh=(2, 2), plan=UNEQUAL, slow_rank=3, slow_s=0.3)
+    results = launch(train_hsdp_dynamic, 4, spec, timeout=400)
+    for step, rank_mbs in enumerate(UNEQUAL):
+        count = sum(len(mbs) for mbs in rank_mbs)
+        claimed = sorted(i for res in results for i in res["claimed"][step])
+        assert claimed == list(range(count)), (step, [res["claimed"][step] for res in results])
+    # every microbatch was claimed by exactly one rank, and the slowed rank ran fewer than the average
+    total = sum(len(mbs) for step in UNEQUAL for mbs in step)
+    assert sum(len(c) for c in results[3]["claimed"]) < total / 4, [res["claimed"] for res in results]
+    ref = reference(dict(plan=UNEQUAL))
+    for rank, res in enumerate(results):
+        assert all(calls == {} for calls in res["calls"]), (rank, res["calls"])  # no torch.distributed call in claims
+        assert rel_diff(res["params"], ref) <= 1e-6, (rank, rel_diff(res["params"], ref))
+        assert rel_diff(res["params"], results[0]["params"]) == 0.0  # every replica holds the same model
 
 
 def test_hsdp_killed_rank_is_named_on_every_host(pid_dir):

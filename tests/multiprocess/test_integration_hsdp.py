@@ -5,7 +5,8 @@ launch --num_machines 2 --machine_rank i --main_process_ip 127.0.0.1`` commands 
 accelerate config's ``parallelism_config`` (``dp_replicate_size: 2``, ``dp_shard_size: 2``). Module-scoped runs:
 
 * ``sft``: ``accelerate launch`` + ``--odc true``, 5 samples per step over 4 ranks (unequal microbatch counts);
-* ``dpo``: ``odc-accelerate launch`` (ODC switched on by the config file's ``odc*`` keys), 5 pairs per step;
+* ``dpo``: ``odc-accelerate launch`` (ODC switched on by the config file's ``odc*`` keys), 5 pairs per step, the
+  ``dynamic`` plan (``ODC_PLAN``): the ranks of both replicas claim the step's pairs from one queue;
 * ``grpo``: fixed completions (`tests/helpers/grpo_loop.py`) under a small token budget;
 * each one's reference: TRL's own trainer in one process on the same optimizer steps;
 * ``loop``: a custom accelerate loop on ``Accelerator(fsdp_plugin=ODCPlugin())`` (`tests/helpers/accelerate_loop.py`),
@@ -113,7 +114,14 @@ def runs(tmp_path_factory):
         procs["sft_resumed"] = machines(*sft, *resume)
     procs["sft_ref"] = [trl_reference("sft", 5, *SFT_ARGS, output_dir=out["sft_ref"])]
     procs["dpo"] = machines(
-        HSDP_CONFIG, DPO, *DPO_ARGS, "--output_dir", out["dpo"], launcher="odc", ODC_TRACE_DIR=str(out["dpo"] / "t")
+        HSDP_CONFIG,
+        DPO,
+        *DPO_ARGS,
+        "--output_dir",
+        out["dpo"],
+        launcher="odc",
+        ODC_TRACE_DIR=str(out["dpo"] / "t"),
+        ODC_PLAN="dynamic",  # every rank of both replicas claims from one queue per step
     )
     procs["dpo_ref"] = [trl_reference("dpo", 5, *DPO_ARGS, output_dir=out["dpo_ref"])]
     grpo = [GRPO_LOOP, "--odc", "true", "--odc_max_tokens_per_microbatch", "40", "--per_device_train_batch_size", "4"]
@@ -195,15 +203,17 @@ def test_sft_hsdp_resumes_from_a_trainer_checkpoint(runs):
     assert update > 0 and diff / update <= 1e-5, (diff, update)
 
 
-def test_dpo_hsdp_from_config_keys_matches_trl_in_one_process(runs):
+def test_dpo_hsdp_dynamic_plan_from_config_keys_matches_trl_in_one_process(runs):
     _check(runs, "dpo")
     _check(runs, "dpo_ref")
     out, ref = runs["out"]["dpo"], runs["out"]["dpo_ref"]
     _check_hsdp_ranks(out, steps=2)
     for r in reports(out, "odc_run_rank"):
         assert r["odc_config"]["source"] == "env"  # the config file's odc keys, exported by odc-accelerate launch
+        assert r["odc_config"]["plan"] == "dynamic"
         assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
     counts = _microbatches_per_rank(out / "t")
+    assert [sum(step) for step in zip(*counts, strict=True)] == [5, 5], counts  # each pair claimed once
     assert any(min(step) != max(step) for step in zip(*counts, strict=True)), counts
     for a, b in zip(logged_steps(out), logged_steps(ref), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

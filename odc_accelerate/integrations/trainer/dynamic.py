@@ -14,9 +14,10 @@ microbatch (`ClaimedStep`).
   early is one an idle peer cannot take, and at the end of the step that is exactly the imbalance the plan removes.
   Loading and collating on claim is on the rank's critical path instead; the Trainer's map-style datasets are tokenized
   ahead, so this is an index lookup plus the collator (measured in benchmarks/README.md).
-* **Gradients after every microbatch.** A rank learns that a microbatch was its last only when its next claim finds
-  none left, so every microbatch's backward scatter-adds its gradient (as accelerate's ``sync_each_batch``); the
-  static plans accumulate locally until the rank's last microbatch.
+* **Gradients.** A rank learns that a microbatch was its last only when its next claim finds none left, so the step
+  loop syncs after every microbatch and the engine's step memory policy decides what that means: a scatter-add per
+  microbatch (``neither``, ``params``), or gradients kept unsharded until ``pre_optimizer_step`` (``grads``,
+  ``both``). The queue has more microbatches than a static plan, so keeping them saves more here.
 """
 
 from __future__ import annotations
