@@ -12,6 +12,10 @@ fresh processes, and writes ``results.json`` and ``summary.txt`` to the output f
   (the default) and in bf16 (``accumulate_dtype=torch.bfloat16``);
 * ``memory``: the transport's memory report against the GPU's free memory before, with and after the engine
   (``close()`` must give it back);
+* ``memory_policy``: the engine's peak memory per rank (torch's allocator) under the step memory policy ``neither``
+  against what a rank may hold: 4 shards (parameters, gradients, AdamW's moments; fp32) + FSDP2's working set + one
+  microbatch's activations + the transport's staging pool (its segment is outside torch's allocator), and ``both``
+  beside it; the same worker and bound as the CPU test (`tests/multiprocess/test_engine_memory_policy.py`);
 * ``speed``: read and atomic-accumulate bandwidth between the two ranks and the engine's step time. Both ranks share
   one GPU, so these figures are single-GPU copy and atomic throughput, not NVLink.
 
@@ -431,6 +435,30 @@ def case_memory() -> dict[str, Any]:
     }
 
 
+def case_memory_policy() -> dict[str, Any]:
+    from .memory_workers import neither_bound, peak_memory
+
+    plan = [[[256, 128], [192]], [[160], [256, 64]], [[256], [256]]]
+    spec = dict(plan=plan, cfg=MEDIUM, policies=["neither", "both"], device="cuda")
+    ranks = launch(peak_memory, 2, spec, timeout=300, env={OVERLAP_ENV: "1"})
+    sizes = neither_bound(ranks[0]["groups"], MEDIUM, 256, 2)
+    staging = max(r["neither"]["transport"].get("staging", 0) for r in ranks)
+    bound = sizes["total"] + staging
+    neither = [max(r["neither"]["peaks"][1:]) for r in ranks]  # from step 2 on: .grad and AdamW's state exist
+    both = [max(r["both"]["peaks"][1:]) for r in ranks]
+    return {
+        "bound": dict(sizes, staging=staging, bound=bound),
+        "peak_neither": neither,
+        "peak_both": both,
+        "peak_neither_over_bound": [p / bound for p in neither],
+        "summaries": {policy: ranks[0][policy]["summary"] for policy in spec["policies"]},
+        "checks": {
+            "neither: allocator peak within 1.05 x the bound": all(p <= 1.05 * bound for p in neither),
+            "both keeps more than neither": all(b > n for b, n in zip(both, neither, strict=True)),
+        },
+    }
+
+
 def case_speed() -> dict[str, Any]:
     ranks = launch(speed_worker, 2, {"numel": 64 * 2**20, "iters": 10}, timeout=300, env={OVERLAP_ENV: "1"})
     steps = launch(
@@ -471,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for results.json and summary.txt")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--cases", default="refusals,parity,memory,speed")
+    p.add_argument("--cases", default="refusals,parity,memory,memory_policy,speed")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {"environment": environment()}
@@ -480,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "refusals": case_refusals,
         "parity": lambda: case_parity(args.device),
         "memory": case_memory,
+        "memory_policy": case_memory_policy,
         "speed": case_speed,
     }
     for name in cases:

@@ -120,40 +120,92 @@ def _rss_now() -> int:
 
 
 def peak_memory(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """For each of ``spec["policies"]``: the peak RSS of every step's microbatches and fold (before the optimizer),
-    above the RSS before its model existed; and the sizes an independent bound is computed from.
+    """For each of ``spec["policies"]``: the peak memory of every step's microbatches and fold (before the optimizer),
+    above the memory in use before its model existed; and the sizes an independent bound is computed from.
 
-    Run with ``MALLOC_MMAP_THRESHOLD_`` set low, so that freed tensors go back to the system and RSS follows the
-    memory in use."""
+    ``spec["device"]``: ``"cpu"`` (default; RSS: run with ``MALLOC_MMAP_THRESHOLD_`` set low, so that freed tensors go
+    back to the system and RSS follows the memory in use) or ``"cuda"`` (torch's allocator peak; both ranks on GPU 0,
+    the GPU check's layout)."""
     cfg = ToyConfig(**spec["cfg"])
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if spec.get("device") == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
     # Warm-up on a tiny model through the same code (FSDP2, the engine, AdamW): the interpreter's and torch's one-off
-    # costs (imported modules, code pages, thread pools) land before the baseline, not in the measured steps.
+    # costs (imported modules, code pages, thread pools, CUDA kernels) land before the baseline, not in the steps.
     tiny = ToyConfig(vocab=cfg.vocab, dim=32, heads=cfg.heads, layers=1)
-    _run_steps(rank, world_size, shard_model(build_model(tiny, seed=0)), spec, tiny, "neither")
+    warm = shard_model(build_model(tiny, seed=0).to(device))
+    _run_steps(rank, world_size, warm, spec, tiny, "neither", device)
     out: dict[str, Any] = {}
     for policy in spec["policies"]:
-        base = _rss_now()
-        model = shard_model(build_model(cfg, seed=0))
-        peaks, groups, summary = _run_steps(rank, world_size, model, spec, cfg, policy)
+        base = _rss_now() if device.type == "cpu" else torch.cuda.memory_allocated(device)
+        model = shard_model(build_model(cfg, seed=0).to(device))
+        peaks, groups, summary, report = _run_steps(rank, world_size, model, spec, cfg, policy, device)
         del model
-        out[policy] = {"peaks": [p - base for p in peaks], "summary": summary}
+        out[policy] = {"peaks": [p - base for p in peaks], "summary": summary, "transport": report}
         out["groups"] = groups
         dist.barrier()
     return out
 
 
-def _run_steps(rank: int, world_size: int, model: Any, spec: dict[str, Any], cfg: ToyConfig, policy: str) -> tuple:
-    """Train ``model`` over ``spec["plan"]`` under ``policy``: each step's peak memory, the group sizes, the summary."""
+def neither_bound(groups: list[dict[str, Any]], cfg: dict[str, Any], length: int, world_size: int) -> dict[str, int]:
+    """What one rank may hold under ``neither`` (fp32, AdamW), without the transport's pool, from the engine's group
+    sizes (`peak_memory`'s ``groups``) and one microbatch of ``length`` tokens of the toy LM ``cfg``.
+
+    * 4 shards: parameters, ``.grad`` and AdamW's two moments are each one shard of the model;
+    * FSDP2's working set in a block's backward: the block and the prefetched one gathered, the root (its backward
+      spans the blocks'), the block's unsharded gradient, its reduce-scatter input and the previous block's (FSDP2
+      keeps one in flight), and the reduce-scatter output;
+    * one microbatch's activations, counted independently: the tensors autograd saves for the forward of a plain
+      (unsharded) copy of the model.
+    """
+    shard = sum(g["gather"] for g in groups)
+    accumulator = sum(g["reduce"] for g in groups)
+    blocks = [g["full"] for g in groups if g["fqn"] != "<root>"]
+    root = next(g["full"] for g in groups if g["fqn"] == "<root>")
+    model = build_model(ToyConfig(**cfg), seed=0)
+    ids = make_steps([[[length]]], cfg["vocab"], seed=1)[0][0][0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(model, ids)
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    working = 2 * max(blocks) + root + 3 * max(blocks) + max(blocks) // world_size
+    return {
+        "shard": shard,
+        "accumulator": accumulator,
+        "working": working,
+        "activations": activations,
+        "total": 4 * shard + working + activations,
+    }
+
+
+def _run_steps(
+    rank: int,
+    world_size: int,
+    model: Any,
+    spec: dict[str, Any],
+    cfg: ToyConfig,
+    policy: str,
+    device: torch.device,
+) -> tuple:
+    """Train ``model`` over ``spec["plan"]`` under ``policy``: each step's peak memory, the group sizes, the summary
+    and the transport's memory report."""
     engine = ODCEngine(model, timeout=60.0, memory_policy=policy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peaks = []
-    meter = PeakMemory(torch.device("cpu"))
+    meter = PeakMemory(device)
     for step in make_steps(spec["plan"], cfg.vocab, seed=1):
         n_global = sum(ids.shape[1] - 1 for rank_mbs in step for ids in rank_mbs)
         meter.reset()
         for ids in step[rank]:
-            loss, _ = token_loss_sum(model, ids)
+            loss, _ = token_loss_sum(model, ids.to(device))
             (loss * loss_scale(n_global, world_size)).backward()
         engine.pre_optimizer_step()
         peaks.append(meter.read())  # the microbatches' and the fold's peak, before the optimizer's own
@@ -170,5 +222,6 @@ def _run_steps(rank: int, world_size: int, model: Any, spec: dict[str, Any], cfg
         for g in engine._groups
     ]
     summary = engine.memory_summary()
+    report = engine.transport.memory_report()
     engine.close()
-    return peaks, groups, summary
+    return peaks, groups, summary, report

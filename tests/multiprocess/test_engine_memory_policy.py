@@ -7,7 +7,7 @@ import torch
 from odc_accelerate.testing import launch
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, token_loss_sum
 from tests.helpers.engine_workers import reference
-from tests.helpers.memory_workers import frozen_keep, peak_memory, train_policies
+from tests.helpers.memory_workers import frozen_keep, neither_bound, peak_memory, train_policies
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch. Unequal counts (2 vs 1, 1 vs 3), a rank with none
 # (step 3); the blocks' `gate` runs for odd lengths only, so some params get no gradient in some backwards, and in
@@ -130,31 +130,11 @@ def test_neither_stays_within_shard_accumulator_one_microbatch_and_pool(monkeypa
     plan = [[[64, 32], [48]], [[40], [64, 16]], [[64], [64]]]
     results = launch(peak_memory, 2, dict(plan=plan, cfg=cfg, policies=["neither", "both"]), timeout=300)
     world = 2
-    groups = results[0]["groups"]
-    shard = sum(g["gather"] for g in groups)  # fp32: params, .grad, AdamW's two moments are each one shard
-    accumulator = sum(g["reduce"] for g in groups)
+    longest = max(n for step in plan for r in step for n in r)
+    sizes = neither_bound(results[0]["groups"], cfg, longest, world)
     # the transport's pool as RSS sees it: every rank's published shard and accumulator, mapped by each rank
-    pool = world * (shard + accumulator)
-    blocks = [g["full"] for g in groups if g["fqn"] != "<root>"]
-    root = next(g["full"] for g in groups if g["fqn"] == "<root>")
-    # one microbatch's activations, counted independently: the tensors autograd saves for the longest sequence
-    model = build_model(ToyConfig(**cfg), seed=0)
-    ids = make_steps([[[max(n for step in plan for r in step for n in r)]]], cfg["vocab"], seed=1)[0][0][0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        token_loss_sum(model, ids)
-    activations = sum(n for ptr, n in saved.items() if ptr not in params)
-    # FSDP2's working set in a block's backward: the block and the prefetched one gathered, the root (its backward
-    # spans the blocks'), the block's unsharded gradient, its reduce-scatter input and the previous block's (FSDP2
-    # keeps one in flight), and the reduce-scatter output.
-    working = 2 * max(blocks) + root + 3 * max(blocks) + max(blocks) // world
-    bound = 4 * shard + pool + working + activations
+    pool = world * (sizes["shard"] + sizes["accumulator"])
+    bound = sizes["total"] + pool
     # 5%: RSS also holds what glibc serves below the mmap threshold (Python objects, autograd nodes) and whole pages.
     limit = 1.05 * bound
     for rank in range(world):
@@ -164,7 +144,7 @@ def test_neither_stays_within_shard_accumulator_one_microbatch_and_pool(monkeypa
         kept = max(results[rank]["both"]["peaks"][1:])
         assert kept > limit, (rank, kept / 2**20, limit / 2**20)
     print(
-        f"bound {bound / 2**20:.0f} MiB: shard {shard / 2**20:.0f} x4, pool {pool / 2**20:.0f}, working set "
-        f"{working / 2**20:.0f}, activations {activations / 2**20:.1f}; neither "
+        f"bound {bound / 2**20:.0f} MiB: shard {sizes['shard'] / 2**20:.0f} x4, pool {pool / 2**20:.0f}, working set "
+        f"{sizes['working'] / 2**20:.0f}, activations {sizes['activations'] / 2**20:.1f}; neither "
         f"{[max(r['neither']['peaks'][1:]) / 2**20 for r in results]}, both {[max(r['both']['peaks'][1:]) / 2**20 for r in results]}"
     )
