@@ -283,13 +283,6 @@ class ODCEngine:
         # HSDP: the whole job checks together (a refusal on one replica must reach the others).
         self._check_same_model_everywhere(entries, problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
-        if replicate_pg is not None and self._policy != [("*", "neither")]:
-            # Kept gradients are reduced through FSDP2's post-backward path, whose all-reduce across replicas HSDP
-            # defers to the step: the two together are not built yet. Same policy and mesh everywhere: all ranks raise.
-            raise ValueError(
-                f"memory_policy={memory_policy!r} is not supported on an HSDP mesh yet: use odc_memory_policy neither "
-                "(the default) with HSDP, or a 1-D mesh"
-            )
         if replicate_pg is not None:
             compat.check_hsdp(entries[0][1])
             name = transport if isinstance(transport, str) else getattr(transport, "name", "")

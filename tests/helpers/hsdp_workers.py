@@ -107,34 +107,45 @@ def train_hsdp(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
 
 
 def train_hsdp_dynamic(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """The dynamic plan on the HSDP mesh: every rank of both replicas claims from one queue per step (each step's
-    sequences, one per microbatch); rank ``spec["slow_rank"]`` sleeps ``spec["slow_s"]`` after each microbatch."""
+    """The dynamic plan on the HSDP mesh, once per memory policy of ``spec["policies"]`` (a fresh model each): every
+    rank of both replicas claims from one queue per step (each step's sequences, one per microbatch); rank
+    ``spec["slow_rank"]`` sleeps ``spec["slow_s"]`` after each microbatch."""
     replicas, shards = spec["mesh"]
     os.environ["ODC_HOST_ID"] = f"host{rank // shards}"
     cfg = ToyConfig(**spec.get("cfg", {}))
-    model = _hsdp_model(cfg, replicas, shards, seed=0)
-    engine = ODCEngine(model, timeout=60.0)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    claimed, calls = [], []
-    for step in make_steps(spec["plan"], cfg.vocab, seed=1):
-        queue = [ids for rank_mbs in step for ids in rank_mbs]
-        scale = loss_scale(sum(ids.shape[1] - 1 for ids in queue), world_size)
-        mine = []
-        with count_dist_calls() as in_microbatches:
-            for i in engine.claim_microbatches(len(queue)):
-                mine.append(i)
-                loss, _ = token_loss_sum(model, queue[i])
-                (loss * scale).backward()
-                if rank == spec["slow_rank"]:
-                    time.sleep(spec["slow_s"])
-        claimed.append(mine)
-        calls.append(dict(in_microbatches))
-        engine.pre_optimizer_step()
-        optim.step()
-        optim.zero_grad()
-        engine.post_optimizer_step()
-    out = {"claimed": claimed, "calls": calls, "params": full_params(model)}
-    engine.close()
+    out: dict[str, Any] = {}
+    for policy in spec["policies"]:
+        model = _hsdp_model(cfg, replicas, shards, seed=0)
+        engine = ODCEngine(model, timeout=60.0, memory_policy=policy)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        claimed, calls, kept = [], [], []
+        for step in make_steps(spec["plan"], cfg.vocab, seed=1):
+            queue = [ids for rank_mbs in step for ids in rank_mbs]
+            scale = loss_scale(sum(ids.shape[1] - 1 for ids in queue), world_size)
+            kept.append(engine.memory_choices())
+            mine = []
+            with count_dist_calls() as in_microbatches:
+                for i in engine.claim_microbatches(len(queue)):
+                    mine.append(i)
+                    loss, _ = token_loss_sum(model, queue[i])
+                    (loss * scale).backward()
+                    if rank == spec["slow_rank"]:
+                        time.sleep(spec["slow_s"])
+            claimed.append(mine)
+            calls.append(dict(in_microbatches))
+            engine.pre_optimizer_step()
+            optim.step()
+            optim.zero_grad()
+            engine.post_optimizer_step()
+        out[policy] = {
+            "claimed": claimed,
+            "calls": calls,
+            "kept": kept,
+            "scatters": engine.last_step_stats.scatters,
+            "params": full_params(model),
+        }
+        engine.close()
+        dist.barrier()
     return out
 
 

@@ -56,22 +56,32 @@ def test_hsdp_parity_collectives_refusal_and_checkpoint_resume(tmp_path):
         assert rel_diff(res["params_resumed"], ref) <= 1e-6, rank
 
 
-def test_hsdp_dynamic_plan_claims_across_replicas():
-    # One queue per step for all 4 ranks of both replicas; rank 3 is much slower, so its peers take more.
-    spec = dict(mesh=(2, 2), plan=UNEQUAL, slow_rank=3, slow_s=0.3)
+def test_hsdp_dynamic_plan_and_memory_policies_match_one_process():
+    # One queue per step for all 4 ranks of both replicas; rank 3 is much slower, so its peers take more. Under the
+    # default policy and with parameters and gradients kept through the step (reduced once, before the replicas'
+    # all-reduce).
+    spec = dict(mesh=(2, 2), plan=UNEQUAL, slow_rank=3, slow_s=0.3, policies=["neither", "both"])
     results = launch(train_hsdp_dynamic, 4, spec, timeout=400)
-    for step, rank_mbs in enumerate(UNEQUAL):
-        count = sum(len(mbs) for mbs in rank_mbs)
-        claimed = sorted(i for res in results for i in res["claimed"][step])
-        assert claimed == list(range(count)), (step, [res["claimed"][step] for res in results])
-    # every microbatch was claimed by exactly one rank, and the slowed rank ran fewer than the average
-    total = sum(len(mbs) for step in UNEQUAL for mbs in step)
-    assert sum(len(c) for c in results[3]["claimed"]) < total / 4, [res["claimed"] for res in results]
     ref = reference(dict(plan=UNEQUAL))
-    for rank, res in enumerate(results):
-        assert all(calls == {} for calls in res["calls"]), (rank, res["calls"])  # no torch.distributed call in claims
-        assert rel_diff(res["params"], ref) <= 1e-6, (rank, rel_diff(res["params"], ref))
-        assert rel_diff(res["params"], results[0]["params"]) == 0.0  # every replica holds the same model
+    total = sum(len(mbs) for step in UNEQUAL for mbs in step)
+    for policy in spec["policies"]:
+        runs = [res[policy] for res in results]
+        for step, rank_mbs in enumerate(UNEQUAL):
+            claimed = sorted(i for run in runs for i in run["claimed"][step])
+            assert claimed == list(range(sum(len(mbs) for mbs in rank_mbs))), (policy, step)
+        # every microbatch was claimed by exactly one rank, and the slowed rank ran fewer than the average
+        assert sum(len(c) for c in runs[3]["claimed"]) < total / 4, (policy, [run["claimed"] for run in runs])
+        for rank, run in enumerate(runs):
+            assert all(kept == {g: policy for g in kept} for kept in run["kept"]), (policy, run["kept"])
+            assert all(calls == {} for calls in run["calls"]), (policy, rank, run["calls"])  # no collective in claims
+            assert rel_diff(run["params"], ref) <= 1e-6, (policy, rank, rel_diff(run["params"], ref))
+            assert rel_diff(run["params"], runs[0]["params"]) == 0.0  # every replica holds the same model
+    # the last step's scatter-adds: one per param group and microbatch, or (keeping gradients) one per param group
+    for res in results:
+        groups = len(res["both"]["kept"][-1])
+        for policy, per_step in (("neither", len(res["neither"]["claimed"][-1])), ("both", 1)):
+            ran = len(res[policy]["claimed"][-1])
+            assert res[policy]["scatters"] == (groups * per_step if ran else 0), (policy, ran, res[policy]["scatters"])
 
 
 def test_hsdp_killed_rank_is_named_on_every_host(pid_dir):
