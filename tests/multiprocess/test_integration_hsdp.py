@@ -6,7 +6,8 @@ accelerate config's ``parallelism_config`` (``dp_replicate_size: 2``, ``dp_shard
 
 * ``sft``: ``accelerate launch`` + ``--odc true``, 5 samples per step over 4 ranks (unequal microbatch counts);
 * ``dpo``: ``odc-accelerate launch`` (ODC switched on by the config file's ``odc*`` keys), 5 pairs per step, the
-  ``dynamic`` plan (``ODC_PLAN``): the ranks of both replicas claim the step's pairs from one queue;
+  ``dynamic`` plan (``ODC_PLAN``): the ranks of both replicas claim the step's pairs from one queue, keeping
+  parameters and gradients through the step (``ODC_MEMORY_POLICY=both``);
 * ``grpo``: fixed completions (`tests/helpers/grpo_loop.py`) under a small token budget;
 * each one's reference: TRL's own trainer in one process on the same optimizer steps;
 * ``loop``: a custom accelerate loop on ``Accelerator(fsdp_plugin=ODCPlugin())`` (`tests/helpers/accelerate_loop.py`),
@@ -122,6 +123,7 @@ def runs(tmp_path_factory):
         launcher="odc",
         ODC_TRACE_DIR=str(out["dpo"] / "t"),
         ODC_PLAN="dynamic",  # every rank of both replicas claims from one queue per step
+        ODC_MEMORY_POLICY="both",  # parameters gathered once, gradients reduced once per step
     )
     procs["dpo_ref"] = [trl_reference("dpo", 5, *DPO_ARGS, output_dir=out["dpo_ref"])]
     grpo = [GRPO_LOOP, "--odc", "true", "--odc_max_tokens_per_microbatch", "40", "--per_device_train_batch_size", "4"]
@@ -210,7 +212,7 @@ def test_dpo_hsdp_dynamic_plan_from_config_keys_matches_trl_in_one_process(runs)
     _check_hsdp_ranks(out, steps=2)
     for r in reports(out, "odc_run_rank"):
         assert r["odc_config"]["source"] == "env"  # the config file's odc keys, exported by odc-accelerate launch
-        assert r["odc_config"]["plan"] == "dynamic"
+        assert r["odc_config"]["plan"] == "dynamic" and r["odc_config"]["memory_policy"] == "both"
         assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
     counts = _microbatches_per_rank(out / "t")
     assert [sum(step) for step in zip(*counts, strict=True)] == [5, 5], counts  # each pair claimed once
