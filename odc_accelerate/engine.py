@@ -20,11 +20,9 @@ call and waits for no peer, so ranks may run different numbers of microbatches, 
 
 from __future__ import annotations
 
-import atexit
 import enum
 import logging
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import hsdp, memory
-from ._compat import CompatError, warn_if_untested
+from . import hsdp, memory, process_exit
 from ._compat import fsdp as compat
+from ._compat import warn_if_untested
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
 from .transport.claims import claim_counter, claim_indices
 
@@ -359,7 +357,7 @@ class ODCEngine:
             self._state = EngineState.BROKEN
             self.close()
             raise
-        _watch_for_exit(self)
+        process_exit.watch(self)
         logger.info(
             "ODC engine on rank %d/%d: %d param groups%s, transport %s%s, memory policy %s: %s",
             self.rank,
@@ -795,7 +793,7 @@ class ODCEngine:
             self._state = EngineState.CLOSED
         self._pg = None  # set-up only; a closed engine must not keep the group (and gloo's threads) alive
         self._claims = None  # the transport itself, or a store counter: neither may outlive close()
-        _release_destroyed_groups()
+        process_exit.release_destroyed_groups()
 
     def __enter__(self) -> ODCEngine:
         return self
@@ -814,64 +812,3 @@ class ODCEngine:
     def param_groups(self) -> list[str]:
         """FQNs of the FSDP2 param groups the engine serves, in registration order."""
         return [g.fqn for g in self._groups]
-
-
-# ---------------------------------------------------------------------- process exit
-# gloo joins its worker threads only when a process group object is freed, and ``destroy_process_group()`` does not
-# free it while FSDP2 modules, their device meshes or an engine still reference it. A worker still running while the
-# interpreter finalises can abort a finished run (``terminate called without an active exception``): a custom loop that
-# ends with ``engine.close(); dist.destroy_process_group()`` and keeps its model in a global would fail at exit.
-_LIVE_ENGINES: weakref.WeakSet[ODCEngine] = weakref.WeakSet()  # weak: the exit handler keeps no engine alive
-_exit_handler_registered = False
-
-
-def _watch_for_exit(engine: ODCEngine) -> None:
-    """Track ``engine`` and register `_release_process_groups_at_exit` (once per process)."""
-    global _exit_handler_registered
-    _LIVE_ENGINES.add(engine)
-    if not _exit_handler_registered:
-        atexit.register(_release_process_groups_at_exit)
-        _exit_handler_registered = True
-
-
-def _default_group_destroyed() -> bool:
-    return dist.is_available() and not dist.is_initialized()
-
-
-def _release_destroyed_groups() -> int:
-    """Once ``dist.destroy_process_group()`` has run, drop every reference FSDP2 modules keep to process groups.
-
-    That frees the groups, so gloo joins its worker threads now. Does nothing while the default process group exists
-    (the model may still be trained with FSDP2); once it is destroyed no FSDP2 module of this process can communicate
-    anyway. A missing torch internal is logged, not raised: training is over.
-
-    Returns:
-        `int`: how many references to process groups were dropped.
-    """
-    if not _default_group_destroyed():
-        return 0
-    try:
-        dropped = compat.release_process_groups([])
-    except CompatError as err:
-        logger.warning(
-            "%s Without it gloo's worker threads may outlive destroy_process_group (rare abort at exit).", err
-        )
-        return 0
-    logger.debug("Released %d references to destroyed process groups.", dropped)
-    return dropped
-
-
-def _release_process_groups_at_exit() -> None:
-    """Exit handler: if the default group was destroyed, close the engines left open and release the groups.
-
-    Runs before the interpreter finalises, while gloo can still join its threads. Holds no engine or model: a live
-    engine is found through `_LIVE_ENGINES`, a live FSDP2 module through torch's registry of module states.
-    """
-    if not _default_group_destroyed():
-        return
-    for engine in list(_LIVE_ENGINES):
-        try:
-            engine.close()  # an engine left open: its transport goes (nothing can use it without the group)
-        except Exception as err:  # best effort at exit: report, and still release the rest
-            logger.warning("Closing an ODCEngine at exit failed: %s", err)
-    _release_destroyed_groups()

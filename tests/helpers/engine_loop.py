@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ODCEngine(model)
     if args.keep_exit_handler == "false":
-        from odc_accelerate import engine as engine_module
+        from odc_accelerate import process_exit
 
-        atexit.unregister(engine_module._release_process_groups_at_exit)
+        atexit.unregister(process_exit.release_process_groups_at_exit)
 
     def step(index: int, per_rank: list[int], odc: ODCEngine | None) -> None:
         g = torch.Generator().manual_seed(1000 + index)

@@ -14,10 +14,10 @@ def test_non_fsdp_model_is_refused_without_distributed():
 
 def test_release_at_exit_only_warns_about_a_missing_torch_internal(caplog, monkeypatch):
     """A torch whose DeviceMesh lacks what the release reads: the exit handler warns, naming it, and does not raise."""
-    from odc_accelerate import engine
+    from odc_accelerate import process_exit
 
-    real = engine.compat.release_process_groups
-    monkeypatch.setattr(engine.compat, "release_process_groups", lambda meshes: real([object(), *meshes]))
-    with caplog.at_level("WARNING", logger=engine.__name__):
-        engine._release_process_groups_at_exit()  # no process group in this process, as after destroy_process_group()
+    real = process_exit.compat.release_process_groups
+    monkeypatch.setattr(process_exit.compat, "release_process_groups", lambda meshes: real([object(), *meshes]))
+    with caplog.at_level("WARNING", logger=process_exit.__name__):
+        process_exit.release_process_groups_at_exit()  # no process group in this process, as after destroy_process_group()
     assert "DeviceMesh._pg_registry" in caplog.text and "outlive destroy_process_group" in caplog.text
