@@ -53,6 +53,20 @@ def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
+def run_claimed(engine: ODCEngine, model: Any, queue: list[torch.Tensor], scale: float, slow_s: float = 0.0) -> list:
+    """One step of the dynamic plan on this rank: claim ``queue``'s microbatches one at a time and run each (its
+    summed token loss times ``scale``, backward), sleeping ``slow_s`` after each (a slower device). Returns the
+    claimed indices in the order run."""
+    mine = []
+    for i in engine.claim_microbatches(len(queue)):
+        mine.append(i)
+        loss, _ = token_loss_sum(model, queue[i])
+        (loss * scale).backward()
+        if slow_s:
+            time.sleep(slow_s)
+    return mine
+
+
 def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train the toy LM for ``spec["plan"]`` (steps x ranks x sequence lengths) with FSDP2 or ODC.
 
@@ -104,15 +118,9 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("dynamic"):
             # The dynamic plan: the step's sequences in one queue (the same on every rank), claimed one at a time.
             queue = [ids for rank_mbs in step for ids in rank_mbs]
-            mine = []
             with count_dist_calls() as calls:
-                for i in engine.claim_microbatches(len(queue)):
-                    mine.append(i)
-                    loss, _ = token_loss_sum(model, queue[i])
-                    (loss * scale).backward()
-                    if spec.get("slow_rank") == rank:
-                        time.sleep(spec["slow_s"])
-            claimed.append(mine)
+                slow_s = spec["slow_s"] if spec.get("slow_rank") == rank else 0.0
+                claimed.append(run_claimed(engine, model, queue, scale, slow_s))
         with count_dist_calls() as more_calls:
             for i, ids in enumerate([] if spec.get("dynamic") else step[rank]):
                 if spec.get("no_sync"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from odc_accelerate.loss import loss_scale
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
 
 from .dist_counter import count_dist_calls
-from .engine_workers import full_params
+from .engine_workers import full_params, run_claimed
 
 
 def _hsdp_model(cfg: ToyConfig, replicas: int, shards: int, seed: int) -> torch.nn.Module:
@@ -123,15 +122,9 @@ def train_hsdp_dynamic(rank: int, world_size: int, spec: dict[str, Any]) -> dict
             queue = [ids for rank_mbs in step for ids in rank_mbs]
             scale = loss_scale(sum(ids.shape[1] - 1 for ids in queue), world_size)
             kept.append(engine.memory_choices())
-            mine = []
             with count_dist_calls() as in_microbatches:
-                for i in engine.claim_microbatches(len(queue)):
-                    mine.append(i)
-                    loss, _ = token_loss_sum(model, queue[i])
-                    (loss * scale).backward()
-                    if rank == spec["slow_rank"]:
-                        time.sleep(spec["slow_s"])
-            claimed.append(mine)
+                slow_s = spec["slow_s"] if rank == spec["slow_rank"] else 0.0
+                claimed.append(run_claimed(engine, model, queue, scale, slow_s))
             calls.append(dict(in_microbatches))
             engine.pre_optimizer_step()
             optim.step()
