@@ -12,7 +12,7 @@ a queue of few microbatches cannot be shared out finely: with 3 microbatches on 
 1.5x slower than its peer should run 40% of the step, not 50%. So the queue keeps at least
 ``min(QUEUE_PER_RANK x ranks, samples)`` microbatches: while it is shorter, its costliest microbatch of several samples
 is split in two (`split_until`). Measured on the end-to-end SFT benchmark (2 ranks, 8 samples per step), two per rank
-left a 10% bubble at equal speeds; four per rank left 3.5%, and 1.06 of the ideal step with one rank 1.5x slower. Each
+left a 10% bubble at equal speeds; four per rank left 3.2%, and 1.06 of the ideal step with one rank 1.5x slower. Each
 extra microbatch costs a gather and a scatter-add per parameter group unless the step memory policy keeps them
 (``odc_memory_policy``: ``both`` or ``auto``), which is how this plan is meant to run.
 
