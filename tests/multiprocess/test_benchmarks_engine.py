@@ -42,7 +42,10 @@ def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_pa
         balanced, imbalanced, ratio, rss = (float(x) for x in rows[arm])
         assert balanced == pytest.approx(summary[f"{prefix}_balanced_ms"], abs=0.051), arm
         assert imbalanced == pytest.approx(summary[f"{prefix}_imbalanced_ms"], abs=0.051), arm
-        assert ratio == pytest.approx(imbalanced / balanced, abs=0.006), arm
+        # The ratio column comes from the unrounded medians (the rounded ms columns can be a few percent off on
+        # quick runs of a few ms), so it is checked against the stored figures, to the printed precision.
+        exact = summary[f"{prefix}_imbalanced_ms"] / summary[f"{prefix}_balanced_ms"]
+        assert ratio == pytest.approx(exact, abs=0.0051), arm
         assert rss == pytest.approx(summary[f"{prefix}_peak_rss_mb"], abs=0.51), arm
     ratios = dict(re.findall(r"^(ODC [^\d]+?|FSDP2 [^\d]+?)\s+([\d.]+)  \(target", table, flags=re.M))
     assert float(ratios["ODC imbalanced / ODC balanced"]) == pytest.approx(
