@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import hsdp, memory, process_exit
+from . import hsdp, memory, model_check, process_exit
 from ._compat import fsdp as compat
 from ._compat import warn_if_untested
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
@@ -265,7 +265,7 @@ class ODCEngine:
         self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         self._claimed_step = -1
 
-        entries, problem = self._inspect(model)
+        entries, problem = model_check.served_groups(model)
         # Agree across ranks before raising: a rank that raised alone would leave its peers waiting in the
         # next collective.
         self._pg = compat.shard_group(entries[0][1]) if entries else None
@@ -279,7 +279,7 @@ class ODCEngine:
                 f"{compat.mesh_of(entries[0][1]).size()} of {dist.get_world_size()}. Build the mesh over all ranks."
             )
         # HSDP: the whole job checks together (a refusal on one replica must reach the others).
-        self._check_same_model_everywhere(entries, problem, group=None if replicate_pg is not None else self._pg)
+        model_check.agree_on_model(entries, problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
         if replicate_pg is not None:
             compat.check_hsdp(entries[0][1])
@@ -371,78 +371,6 @@ class ODCEngine:
             self.memory_policy,
             self.memory_summary(),
         )
-
-    # ------------------------------------------------------------------ set-up checks
-    def _inspect(self, model: nn.Module) -> tuple[list[tuple[nn.Module, Any]], str | None]:
-        """The (module, param group) pairs the engine serves, and the first reason to refuse the model, if any."""
-        try:
-            return self._entries(model), None
-        except ValueError as err:
-            return [], str(err)
-
-    def _entries(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
-        entries: list[tuple[nn.Module, Any]] = []
-        for module, state in compat.all_states(model):
-            groups = compat.param_groups(state)
-            if len(groups) > 1:
-                raise ValueError(
-                    f"ODC supports one param group per fully_shard call, but {type(module).__name__} has "
-                    f"{len(groups)} (from shard_placement_fn with per-param meshes); shard it with one mesh"
-                )
-            for group in groups:
-                fqn = compat.group_fqn(group)
-                if (problem := compat.mesh_problem(group)) is not None:
-                    raise ValueError(problem)
-                if compat.uses_hpz(group):
-                    raise ValueError(
-                        f"ODC does not support reshard_after_forward as an int (HPZ) yet; {fqn} uses it. "
-                        "Use reshard_after_forward=True or False."
-                    )
-                if compat.offloads(group):
-                    raise ValueError(
-                        f"ODC does not support CPUOffloadPolicy yet; {fqn} uses it. Remove offload_policy."
-                    )
-                if (problem := compat.reduce_dtype_problem(group)) is not None:
-                    raise ValueError(problem)
-                entries.append((module, group))
-        if not entries:
-            raise ValueError("the FSDP2 model has no parameters to shard; nothing for ODC to do")
-        pgs = {(id(compat.shard_group(g)), id(compat.replicate_group(g))) for _, g in entries}
-        if len(pgs) != 1:
-            raise ValueError("ODC needs every fully_shard call to use the same mesh / process group")
-        return entries
-
-    def _check_same_model_everywhere(
-        self, entries: list[tuple[nn.Module, Any]], problem: str | None, group: Any = None
-    ) -> None:
-        """All ranks must build the same groups in the same order, or reads would mix layers.
-
-        Also the one place where a set-up error found on some ranks only is raised on every rank of ``group``.
-        """
-        signature = [(compat.group_fqn(g), compat.group_layout(g), str(compat.reduce_dtype(g))) for _, g in entries]
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (signature, problem), group=group)
-        rank = dist.get_rank(group)
-        problems = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
-        if problems:
-            first, text = problems[0]
-            raise ValueError(text if first == rank else f"rank {first} refused the model: {text}")
-        signatures = [s for s, _ in gathered]
-        different = [r for r, s in enumerate(signatures) if s != signatures[0]]
-        if different:
-            first = signatures[different[0]]
-            where = next(
-                (
-                    f"group {i} ({a[0]} vs {b[0]})"
-                    for i, (a, b) in enumerate(zip(signatures[0], first, strict=False))
-                    if a != b
-                ),
-                f"the number of groups ({len(signatures[0])} vs {len(first)})",
-            )
-            raise ValueError(
-                f"ODC needs the same FSDP2 model on every rank, but rank(s) {different} differ from rank 0 "
-                f"at {where}. Build and wrap the model identically on all ranks."
-            )
 
     # ------------------------------------------------------------------ hooks
     def _check_usable(self) -> None:
