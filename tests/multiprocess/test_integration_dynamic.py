@@ -35,6 +35,8 @@ from integration_utils import (
     trl_reference,
 )
 
+from odc_accelerate.integrations.trainer.setup import DYNAMIC_POLICY_HINT
+
 SFT_COMMON = [
     "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--max_length", "128",
     "--odc_max_tokens_per_microbatch", "128", "--optim", "sgd", "--learning_rate", "0.5", "--seed", "0",
@@ -156,6 +158,9 @@ def test_sft_dynamic_matches_one_process(runs):
         check_ok(runs["procs"][name])
     out = runs["out"]["sft"]
     _same_training(out, runs["out"]["sft_single"])
+    # the banner names the plan, and (under the default memory policy) how to avoid its extra copies
+    banner = "plan dynamic (each rank claims the step's next microbatch when it is free) (" + DYNAMIC_POLICY_HINT
+    assert runs["procs"]["sft"].stderr.count(banner) == 1, runs["procs"]["sft"].stderr[-3000:]
     ranks = reports(out, "odc_run_rank")
     assert [r["odc_config"]["plan"] for r in ranks] == ["dynamic", "dynamic"]
     for r in ranks:

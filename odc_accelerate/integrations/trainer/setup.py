@@ -172,10 +172,22 @@ class ODCAcceleratorSetup:
         )
 
 
+#: Said in the banner when the dynamic plan runs under the memory policy ``neither``.
+DYNAMIC_POLICY_HINT = (
+    "under memory policy neither every claimed microbatch gathers the parameters and reduces its gradients again; "
+    "odc_memory_policy both (or auto) keeps them through the step where memory allows"
+)
+
+
 def _plan_text(config: ODCConfig) -> str:
     """The banner's words for the plan, with the ``dynamic`` plan's fallback when ``reproducible`` is set."""
     if config.plan == "dynamic":
         if config.reproducible:
             return "free (odc_plan dynamic with odc_reproducible: the static plan, for run-to-run reproducibility)"
-        return "dynamic (each rank claims the step's next microbatch when it is free)"
+        text = "dynamic (each rank claims the step's next microbatch when it is free)"
+        if config.memory_policy == "neither":
+            # The queue holds more, smaller microbatches than a static plan, and under "neither" each one gathers the
+            # parameters and reduces its gradients again: measured up to 5% slower than the free plan at equal speeds.
+            text += f" ({DYNAMIC_POLICY_HINT})"
+        return text
     return str(config.plan)
