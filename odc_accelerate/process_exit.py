@@ -11,25 +11,29 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
 from ._compat import CompatError
 from ._compat import fsdp as compat
 
-if TYPE_CHECKING:
-    from .engine import ODCEngine
-
 __all__ = ["release_destroyed_groups", "release_process_groups_at_exit", "watch"]
 
 logger = logging.getLogger(__name__)
 
-_LIVE_ENGINES: weakref.WeakSet[ODCEngine] = weakref.WeakSet()  # weak: the exit handler keeps no engine alive
+
+class _Closeable(Protocol):
+    """What the exit handler needs of an engine (`odc_accelerate.ODCEngine`): a ``close`` that frees its transport."""
+
+    def close(self) -> None: ...
+
+
+_LIVE_ENGINES: weakref.WeakSet[_Closeable] = weakref.WeakSet()  # weak: the exit handler keeps no engine alive
 _exit_handler_registered = False
 
 
-def watch(engine: ODCEngine) -> None:
+def watch(engine: _Closeable) -> None:
     """Track ``engine`` and register `release_process_groups_at_exit` (once per process)."""
     global _exit_handler_registered
     _LIVE_ENGINES.add(engine)

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .recipe import read_recipe, recipe_path
+from ..recipe import read_recipe, recipe_path
 
 __all__ = ["ODC_CLASSES", "install", "main", "require_odc_trainer"]
 

