@@ -1,10 +1,13 @@
 """``odc-accelerate config``: write an accelerate config file for FSDP2 + ODC, as ``accelerate config`` does.
 
 Each setting comes from its flag, else from a question with a default (Enter takes it), else, with ``--default``,
-from the default. The file is the ``odc_cpu`` or ``odc_gpu`` preset (`odc_accelerate.cli.presets`) with the answers
-applied; it is checked as ``odc-accelerate launch`` and accelerate check it before it is written. Without
-``--config_file`` it goes where ``accelerate config`` writes (accelerate's default config file), which ``accelerate
-launch`` and ``odc-accelerate launch`` read when no ``--config_file`` is given.
+from the default. Every ODC option is a flag named by its config key (``--odc_transport``, ``--odc_memory_policy``,
+...; see `odc_accelerate.config.ODCConfig`); the transport and the plan are also asked for, and ``--transport`` /
+``--plan`` are short spellings of theirs. The file is the ``odc_cpu`` or ``odc_gpu`` preset
+(`odc_accelerate.cli.presets`) with the answers applied; it is checked as ``odc-accelerate launch`` and accelerate check
+it before it is written. Without ``--config_file`` it goes where ``accelerate config`` writes (accelerate's default
+config file), which ``accelerate launch`` and ``odc-accelerate launch`` read when no ``--config_file`` is given. As
+``accelerate config default`` does, an existing file is never replaced unless ``--force`` is given.
 """
 
 from __future__ import annotations
@@ -16,13 +19,21 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import ODCConfig
+from ..config import ODCConfig, option_fields
 from ..validation import check_positive_int
 from .presets import cuda_device_count, preset_path
 
-__all__ = ["build_config", "main", "make_parser", "write_config"]
+__all__ = ["build_config", "config_option_fields", "main", "make_parser", "write_config"]
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
+# Options asked for when no flag gives them, with the short flag each also accepts.
+_ASKED = {"transport": "--transport", "plan": "--plan"}
+
+
+def config_option_fields() -> list:
+    """The `ODCConfig` option fields that ``odc-accelerate config`` takes as flags: all but ``enable`` (the file it
+    writes always turns ODC on)."""
+    return [f for f in option_fields() if f.name != "enable"]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -36,8 +47,11 @@ def make_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="GPUs of one node.")
     where.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="CPU processes (gloo).")
     parser.add_argument("--num_processes", help="Processes (default: the GPU count, or 2 on CPU).")
-    parser.add_argument("--transport", help="ODC transport (default: auto).")
-    parser.add_argument("--plan", help="Microbatch plan: free, lockstep or dynamic (default: free).")
+    # One flag per ODC option, generated from ODCConfig (its key, as on every other surface).
+    for f in config_option_fields():
+        names = [f"--{f.metadata['key']}"] + ([_ASKED[f.name]] if f.name in _ASKED else [])
+        asked = " Asked for when not given." if f.name in _ASKED else ""
+        parser.add_argument(*names, dest=f.name, help=f.metadata["help"] + asked)
     parser.add_argument(
         "--mixed_precision", choices=MIXED_PRECISION, help="Mixed precision (default: bf16 on GPUs, no on CPU)."
     )
@@ -47,6 +61,9 @@ def make_parser() -> argparse.ArgumentParser:
         "`odc-accelerate launch` without --config_file).",
     )
     parser.add_argument("--default", action="store_true", help="Write the defaults without asking.")
+    parser.add_argument(
+        "--force", action="store_true", help="Replace the file if it exists (without it, an existing file is kept)."
+    )
     return parser
 
 
@@ -82,30 +99,48 @@ def build_config(
     transport: str = "auto",
     plan: str = "free",
     mixed_precision: str | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """The accelerate config (a mapping) for FSDP2 + ODC: the ``odc_<device>`` preset with these settings.
 
+    Args:
+        options:
+            Further ODC options by `ODCConfig` field name (``memory_policy="auto"``); `None` leaves one out of the
+            file (its default applies).
+
     Raises:
         ValueError: an invalid setting, naming it.
+        TypeError: an option that is not an ODC option.
     """
     import yaml
 
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be cpu or gpu, got {device!r}.")
     num_processes = check_positive_int(num_processes, "num_processes")
-    resolved = ODCConfig(enable=True, transport=transport, plan=plan)  # one check of the ODC values
+    given = {name: value for name, value in options.items() if value is not None}
+    unknown = set(given) - {f.name for f in config_option_fields()}
+    if unknown:
+        raise TypeError(f"Unknown ODC option(s): {', '.join(sorted(unknown))}.")
+    # One check (and coercion) of the ODC values, by ODCConfig itself.
+    resolved = ODCConfig(enable=True, transport=transport, plan=plan, **given)
     with open(preset_path(f"odc_{device}"), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     config["num_processes"] = num_processes
     if mixed_precision is not None:
         _choice(MIXED_PRECISION, "mixed_precision")(mixed_precision)
         config["mixed_precision"] = mixed_precision
+    keys = {f.name: f.metadata["key"] for f in config_option_fields()}
     config["fsdp_config"].update(odc=True, odc_transport=resolved.transport, odc_plan=resolved.plan)
+    config["fsdp_config"].update({keys[name]: getattr(resolved, name) for name in given})
     return config
 
 
-def write_config(config: dict[str, Any], path: str) -> None:
-    """Write ``config`` to ``path`` (YAML), after checking it as ``odc-accelerate launch`` and accelerate do."""
+def write_config(config: dict[str, Any], path: str, force: bool = False) -> None:
+    """Write ``config`` to ``path`` (YAML), after checking it as ``odc-accelerate launch`` and accelerate do.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``force`` is not set (the file is left as it was).
+    """
     import yaml
     from accelerate.commands.config import load_config_from_file
 
@@ -115,6 +150,8 @@ def write_config(config: dict[str, Any], path: str) -> None:
         "# FSDP2 + ODC, written by `odc-accelerate config`. Launch with `odc-accelerate launch --config_file <this "
         "file>`\n# (plain `accelerate launch` ignores the odc* keys).\n" + yaml.safe_dump(config, sort_keys=True)
     )
+    if os.path.exists(path) and not force:
+        raise FileExistsError(_exists_message(path))
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=folder)
@@ -129,6 +166,13 @@ def write_config(config: dict[str, Any], path: str) -> None:
         raise
 
 
+def _exists_message(path: str) -> str:
+    return (
+        f"{path} exists and was left as it is (plain `accelerate launch` may be using it). Pass --force to replace it, "
+        "or --config_file PATH to write another file and launch with `odc-accelerate launch --config_file PATH`."
+    )
+
+
 def main(argv: Sequence[str], ask: Callable[[str], str] = input) -> int:
     """``odc-accelerate config ARGV``; ``ask`` reads one answer (``input`` by default)."""
     from ..planning import PLANS
@@ -141,6 +185,14 @@ def main(argv: Sequence[str], ask: Callable[[str], str] = input) -> int:
             return parse(str(value))
         return default if opts.default else _ask(question, default, parse, ask)
 
+    if opts.config_file:
+        path = opts.config_file
+    else:
+        from accelerate.commands.config import default_config_file as path
+    # Refuse before asking anything: an existing file (accelerate's default config above all) is the user's.
+    if os.path.exists(path) and not opts.force:
+        print(f"odc-accelerate config: {_exists_message(path)}", file=sys.stderr)
+        return 1
     gpus = cuda_device_count()
     try:
         device = setting(
@@ -163,15 +215,17 @@ def main(argv: Sequence[str], ask: Callable[[str], str] = input) -> int:
             "bf16" if device == "gpu" else "no",
             _choice(MIXED_PRECISION, "mixed_precision"),
         )
+        others = {f.name: getattr(opts, f.name) for f in config_option_fields() if f.name not in _ASKED}
         config = build_config(
-            device=device, num_processes=num_processes, transport=transport, plan=plan, mixed_precision=mixed_precision
+            device=device,
+            num_processes=num_processes,
+            transport=transport,
+            plan=plan,
+            mixed_precision=mixed_precision,
+            **others,
         )
-        if opts.config_file:
-            path = opts.config_file
-        else:
-            from accelerate.commands.config import default_config_file as path
-        write_config(config, path)
-    except ValueError as err:
+        write_config(config, path, force=opts.force)
+    except (ValueError, FileExistsError) as err:
         print(f"odc-accelerate config: {err}", file=sys.stderr)
         return 2
     print(f"odc-accelerate config: wrote {path}")

@@ -370,12 +370,67 @@ def test_config_asks_for_what_no_flag_gives(tmp_path, no_cuda, capsys):
         raise EOFError
 
     questions.clear()
-    assert config_cmd.main(["--cpu", "--plan", "free", "--config_file", str(out)], ask=eof) == 0
+    assert config_cmd.main(["--cpu", "--plan", "free", "--config_file", str(out), "--force"], ask=eof) == 0
     assert [q.split("?")[0] for q in questions] == [
         "How many processes",
         "ODC transport (auto, shm, network, hierarchical, cuda)",
         "Mixed precision (no, bf16, fp16)",
     ]
+
+
+def test_config_keeps_an_existing_default_config_and_names_it(tmp_path):
+    """Without --force, accelerate's default config file (found as accelerate finds it: HF_HOME) is never replaced."""
+    import subprocess
+
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n")
+    before = default.read_bytes()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    run = subprocess.run(
+        [sys.executable, "-m", "odc_accelerate.cli", "config", "--cpu", "--default"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr
+    assert default.read_bytes() == before and os.listdir(default.parent) == ["default_config.yaml"]
+    assert f"{default} exists and was left as it is" in run.stderr
+    assert "--force" in run.stderr and "--config_file PATH" in run.stderr
+
+
+def test_config_replaces_an_existing_file_only_with_force(tmp_path, no_cuda, capsys):
+    out = tmp_path / "cfg.yaml"
+    out.write_text("mine: true\n")
+    from odc_accelerate.cli import config as config_cmd
+
+    asked = []
+    assert config_cmd.main(["--cpu", "--config_file", str(out)], ask=asked.append) == 1  # before any question
+    assert out.read_text() == "mine: true\n" and not asked
+    assert f"{out} exists" in capsys.readouterr().err
+    assert main(["config", "--cpu", "--default", "--force", "--config_file", str(out)]) == 0
+    assert _written(out)[0]["distributed_type"] == "FSDP"
+
+
+def test_config_takes_every_odc_option_by_its_key(tmp_path, no_cuda):
+    out = tmp_path / "cfg.yaml"
+    argv = ["config", "--cpu", "--default", "--config_file", str(out), "--odc_transport", "shm", "--plan", "dynamic"]
+    argv += ["--odc_memory_policy", "auto", "--odc_memory_headroom", "2GiB", "--odc_reproducible", "true"]
+    argv += ["--odc_metrics", "per_rank", "--odc_timeout", "30"]
+    assert main(argv) == 0
+    config, env = _written(out)
+    assert env == {
+        "ODC_ENABLE": "true",
+        "ODC_TRANSPORT": "shm",
+        "ODC_PLAN": "dynamic",
+        "ODC_MEMORY_POLICY": "auto",
+        "ODC_MEMORY_HEADROOM": "2gib",
+        "ODC_REPRODUCIBLE": "true",
+        "ODC_METRICS": "per_rank",
+        "ODC_TIMEOUT": "30.0",
+    }
 
 
 def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
