@@ -53,10 +53,28 @@ def _entries(model: nn.Module) -> list[Entry]:
             entries.append((module, group))
     if not entries:
         raise ValueError("the FSDP2 model has no parameters to shard; nothing for ODC to do")
-    pgs = {(id(compat.shard_group(g)), id(compat.replicate_group(g))) for _, g in entries}
-    if len(pgs) != 1:
-        raise ValueError("ODC needs every fully_shard call to use the same mesh / process group")
+    # ODC replaces FSDP2's collectives, so the process group objects themselves need not be one: what must agree is
+    # who the peers are and in which order (a shard's owner is its rank in the group). Several groups over the same
+    # ranks are what torch builds for each `fully_shard` without `mesh=` under a gloo default group on a CUDA
+    # machine (e.g. `--ddp_backend gloo`).
+    layouts = {(_ranks(compat.shard_group(g)), _ranks(compat.replicate_group(g))) for _, g in entries}
+    if len(layouts) != 1:
+        described = "; ".join(
+            f"shard ranks {list(shard)}" + (f", replicate ranks {list(rep)}" if rep else "")
+            for shard, rep in sorted(layouts)
+        )
+        raise ValueError(
+            "ODC needs every fully_shard call to shard over the same ranks in the same order, but the model's param "
+            f"groups use different process groups ({described}). Pass one DeviceMesh to every fully_shard call "
+            "(e.g. DeviceMesh.from_group(dist.group.WORLD, device_type)), or, under accelerate, set a "
+            "parallelism_config (or use the NCCL backend on GPUs, whose default mesh is shared)."
+        )
     return entries
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group`` in group-rank order (empty for no group)."""
+    return () if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 def agree_on_model(entries: list[Entry], problem: str | None, group: Any = None) -> None:

@@ -68,6 +68,18 @@ def build_model(cfg: ToyConfig, seed: int = 0) -> ToyLM:
     return ToyLM(cfg)
 
 
+def world_mesh(device_type: str):
+    """One 1-D DeviceMesh on the default (world) process group.
+
+    ``fully_shard`` without ``mesh=`` builds its own default mesh per call; under a gloo default group on a CUDA
+    machine each of those gets a new process group. One mesh passed to every call keeps one group, as a real job has.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
+
 def shard_model(
     model: ToyLM,
     *,
@@ -75,20 +87,25 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     shard_placement_fn: Callable | None = None,
     mesh=None,
+    block_mesh=None,
 ) -> ToyLM:
-    """FSDP2-wrap like accelerate does: each block, then the root (embedding, final norm, head)."""
+    """FSDP2-wrap like accelerate does: each block, then the root (embedding, final norm, head).
+
+    ``mesh`` defaults to :func:`world_mesh` on the model's device type; ``block_mesh`` (default ``mesh``) is the
+    blocks' own, e.g. a second mesh over the same ranks.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if mesh is None:
+        mesh = world_mesh(next(model.parameters()).device.type)
     kwargs = dict(
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         reshard_after_forward=reshard_after_forward,
         shard_placement_fn=shard_placement_fn,
     )
-    if mesh is not None:
-        kwargs["mesh"] = mesh
     for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, mesh=block_mesh if block_mesh is not None else mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -103,9 +104,12 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=False,
     )
     model = Qwen3MoeForCausalLM(cfg)
+    # One mesh for every call: without it, each fully_shard builds its own default mesh (and, under a gloo default
+    # group on a CUDA machine, its own process group).
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ODCEngine(model)
     if args.keep_exit_handler == "false":

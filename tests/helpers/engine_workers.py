@@ -82,10 +82,18 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     # the setting when they shard the param).
     for name, dtype in spec.get("grad_dtypes", {}).items():
         model.get_parameter(name).grad_dtype = getattr(torch, dtype)
+    # "two_groups": the blocks on a second process group over the same ranks (what torch's default mesh per
+    # fully_shard call gives under a gloo default group on a CUDA machine).
+    block_mesh = None
+    if spec.get("two_groups"):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        block_mesh = DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu")
     model = shard_model(
         model,
         mp_policy=_mp_policy(spec.get("precision", "fp32")),
         shard_placement_fn=_placement(spec, world_size),
+        block_mesh=block_mesh,
     )
     if spec.get("grad_divide_factor"):
         for module in model.modules():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from odc_accelerate.engine import ODCEngine
-from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+from odc_accelerate.testing.models import ToyConfig, build_model, shard_model, world_mesh
 from odc_accelerate.transport import BufferSpec, ShmTransport
 
 
@@ -96,9 +96,10 @@ def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[
 
             model = build_model(cfg)
             policy = CPUOffloadPolicy(pin_memory=False) if rank == 1 else OffloadPolicy()
+            mesh = world_mesh("cpu")
             for block in model.blocks:
-                fully_shard(block, offload_policy=policy)
-            fully_shard(model, offload_policy=policy)
+                fully_shard(block, offload_policy=policy, mesh=mesh)
+            fully_shard(model, offload_policy=policy, mesh=mesh)
             out[case] = _outcome(lambda m=model: ODCEngine(m))
         elif case == "unknown_transport":
             model = shard_model(build_model(cfg))

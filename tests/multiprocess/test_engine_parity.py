@@ -92,6 +92,17 @@ def test_shard_dim1_divide_factor_no_sync_and_grad_carry_over_match_fsdp2():
     assert rel_diff(odc[0]["params"], fsdp[0]["params"]) <= 1e-6
 
 
+def test_param_groups_on_two_process_groups_over_the_same_ranks_train_like_one_process():
+    # The blocks' fully_shard calls on one gloo group, the root's on another over the same ranks: ODC replaces
+    # FSDP2's collectives, so only the ranks and their order matter. Unequal work, against one process.
+    plan = [[[12], [10, 9, 8]], [[7, 11], [13]]]
+    ref = reference(dict(plan=plan, clip=0.5))
+    odc = run("odc", plan=plan, clip=0.5, two_groups=True)
+    assert_no_comm_during_microbatches(odc)
+    assert rel_diff(odc[0]["params"], ref) <= 1e-5
+    assert rel_diff(odc[1]["params"], odc[0]["params"]) == 0.0
+
+
 def regroup_evenly(plan):
     """The same sequences, in the same order, split 50/50 between the two ranks (equal work for FSDP2)."""
     out = []
