@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from trl import TrlParser, get_dataset
@@ -23,19 +24,40 @@ class ODCTrlParser(TrlParser):
 
     TRL's parser keeps the keys no dataclass knows for ``accelerate launch`` (and the scripts drop them), so
     ``odc_plam: free`` would otherwise train with the default plan.
+
+    After a parse, `given` holds the names of the arguments the user set, on the command line or in the recipe (the
+    offline default replaces only the sizes the user did not set, see `demo_sizes`).
     """
+
+    given: frozenset[str] = frozenset()
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, *rest: Any, **kwargs: Any) -> tuple:
         import sys
 
         args = list(sys.argv[1:] if args is None else args)
         self._odc_recipe = args[args.index("--config") + 1] if "--config" in args[:-1] else None
-        return super().parse_args_and_config(args, *rest, **kwargs)
+        self._recipe_keys: set[str] = set()
+        out = super().parse_args_and_config(args, *rest, **kwargs)
+        command_line = list(args)
+        if "--config" in command_line[:-1]:
+            del command_line[command_line.index("--config") : command_line.index("--config") + 2]
+        self.given = frozenset(self._recipe_keys | self._set_on_command_line(command_line))
+        return out
 
     def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
         recipe = getattr(self, "_odc_recipe", None)
         check_recipe_keys(kwargs, where=f"the recipe {recipe}" if recipe else "the --config recipe")
+        self._recipe_keys = set(kwargs)
         return super().set_defaults_with_config(**kwargs)
+
+    def _set_on_command_line(self, args: list[str]) -> set[str]:
+        # argparse fills a destination with its default only when the namespace lacks it: parsing into a namespace
+        # that holds a marker everywhere leaves the marker exactly where the command line set nothing (abbreviations
+        # and --no_* complements resolved by argparse itself, not by matching strings).
+        unset = object()
+        marked = argparse.Namespace(**{a.dest: unset for a in self._actions if a.dest != argparse.SUPPRESS})
+        namespace, _ = self.parse_known_args(args, namespace=marked)
+        return {dest for dest, value in vars(namespace).items() if value is not unset}
 
 
 def make_trl_parser(dataclass_types: tuple, name: str, subparsers: Any = None, prog: str | None = None) -> TrlParser:
@@ -58,19 +80,21 @@ def require_demo_extra() -> None:
         raise ImportError(DEMO_EXTRA_MESSAGE)
 
 
-# TRL's defaults of the sizes the offline demo replaces.
-_TRL_DEFAULT_MAX_LENGTH = 1024
-_TRL_DEFAULT_BATCH = 8
+def demo_sizes(training_args: Any, sizes: Mapping[str, Any], given: Collection[str] | None) -> set[str]:
+    """Smaller steps than TRL's defaults, so that the offline demo runs in a minute or two on 2 CPU cores: each of
+    ``sizes`` (argument name -> demo value) is set unless the user set that argument. Returns the names set.
 
-
-def demo_sizes(training_args: Any, batch: int) -> None:
-    """Smaller steps than TRL's defaults, so that the offline demo runs in a minute or two on 2 CPU cores:
-    ``max_length`` 512 and ``per_device_train_batch_size`` ``batch`` where they are TRL's defaults (pass other values
-    to override)."""
-    if training_args.max_length == _TRL_DEFAULT_MAX_LENGTH:
-        training_args.max_length = 512
-    if training_args.per_device_train_batch_size == _TRL_DEFAULT_BATCH:
-        training_args.per_device_train_batch_size = batch
+    Args:
+        given (`Collection[str]`, *optional*):
+            The argument names the user set (`ODCTrlParser.given`): a value the user passed is kept even when it equals
+            TRL's default. `None` (not known: the arguments were built in Python) keeps every value.
+    """
+    if given is None:
+        return set()
+    replaced = {name for name in sizes if name not in given}
+    for name in replaced:
+        setattr(training_args, name, sizes[name])
+    return replaced
 
 
 def offline_models(training_args: Any, model_args: Any, copies: int = 1) -> tuple[list[Any], Any]:

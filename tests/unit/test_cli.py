@@ -165,6 +165,40 @@ def test_the_package_parser_reads_odc_recipe_keys_and_refuses_typos(tmp_path):
         make_parser().parse_args_and_config(["--config", str(typo)], fail_with_unknown_args=False)
 
 
+def test_offline_sizes_keep_what_the_user_set_even_when_it_equals_trls_default(tmp_path):
+    """The offline default shrinks only the sizes the user did not set; TRL's own default values passed on the command
+    line or in the recipe are kept."""
+    from odc_accelerate.scripts import grpo, sft
+    from odc_accelerate.scripts._common import demo_sizes
+
+    sizes = {"max_length": 512, "per_device_train_batch_size": 4}
+    parser = sft.make_parser()
+    _, args, _, _ = parser.parse_args_and_config(["--max_length", "1024", "--output_dir", str(tmp_path)])
+    assert demo_sizes(args, sizes, parser.given) == {"per_device_train_batch_size"}
+    assert (args.max_length, args.per_device_train_batch_size) == (1024, 4)
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("per_device_train_batch_size: 8\n")
+    parser = sft.make_parser()
+    _, args, _, _ = parser.parse_args_and_config(["--config", str(recipe), "--output_dir", str(tmp_path)])
+    assert demo_sizes(args, sizes, parser.given) == {"max_length"}
+    assert (args.max_length, args.per_device_train_batch_size) == (512, 8)
+
+    parser = sft.make_parser()
+    _, args, _, _ = parser.parse_args_and_config(["--output_dir", str(tmp_path)])
+    demo_sizes(args, sizes, parser.given)
+    assert (args.max_length, args.per_device_train_batch_size) == (512, 4)
+    _, args, _, _ = sft.make_parser().parse_args_and_config(["--output_dir", str(tmp_path)])
+    assert demo_sizes(args, sizes, None) == set()
+    assert (args.max_length, args.per_device_train_batch_size) == (1024, 8)  # built in Python: nothing replaced
+
+    parser = grpo.make_parser()
+    argv = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path)]
+    _, args, _, _ = parser.parse_args_and_config(argv, fail_with_unknown_args=False)
+    grpo._offline_sizes(args, parser.given)
+    assert (args.num_generations, args.per_device_train_batch_size, args.max_completion_length) == (8, 8, 128)
+
+
 @pytest.mark.parametrize("name", training.COMMANDS)
 def test_training_command_refuses_odc_typos_before_launching(name, tmp_path, calls, capsys):
     typo = tmp_path / "typo.yaml"
