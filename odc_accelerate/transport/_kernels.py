@@ -1,0 +1,210 @@
+"""Triton kernels of the CUDA transport: ``accumulate_(dst, src)``, one fused cast-and-atomic-add.
+
+``dst += src`` for 1-D tensors of equal length, where ``dst`` may be a peer's accumulator mapped through symmetric
+memory. Each program loads ``src`` in its own dtype (fp32, bf16 or fp16), converts in registers and adds into ``dst``
+(fp32, or bf16) with relaxed atomic reductions of system scope: adds arriving from other GPUs over NVLink are atomic
+with this GPU's own. It reads no index vector and stages nothing for the cast: on sm_90, with 16-byte aligned data
+(every accumulator view of the segment plan is), each thread issues 16-byte vector reductions
+(``red.global.sys.relaxed.add.v4.f32``).
+
+Triton is imported on first use, so the package imports without it (torch's CPU wheels come without Triton).
+`kernel_available` says whether the kernel can run for a device and accumulator dtype, and why not; the transport
+falls back to ``index_add_`` where it cannot. CPU tensors run the kernel under Triton's interpreter
+(``TRITON_INTERPRET=1``): slow, for checking its logic in tests.
+
+Launch parameters: `BLOCK` elements per program and loop iteration, `NUM_WARPS` warps per program, and a grid of at
+most ``sm_share`` x the GPU's SMs programs (default `DEFAULT_SM_SHARE`), each looping over the blocks: the adds run
+while the backward pass computes, and a capped grid leaves most SMs to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+#: elements each program adds per loop iteration: 16 per thread at 4 warps, i.e. four 16-byte fp32 reductions
+BLOCK = 2048
+#: warps per program
+NUM_WARPS = 4
+#: share of the GPU's SMs the grid may cover (one program per SM at most); a setting of `accumulate_`
+DEFAULT_SM_SHARE = 0.25
+#: programs under Triton's interpreter (CPU tensors): more than one, so that the grid-stride loop is exercised
+INTERPRETER_PROGRAMS = 3
+#: elements per launch: offsets stay within int32 (one add of more elements takes several launches)
+MAX_LAUNCH_NUMEL = 2**30
+#: source dtypes the kernel reads
+SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: accumulator dtypes the kernel adds into
+ACCUMULATOR_DTYPES = (torch.float32, torch.bfloat16)
+
+# triton.language, bound by `_triton()` on first use. The kernel below names it only in its body and (thanks to
+# postponed annotations) its `tl.constexpr` annotation, both resolved when Triton compiles or interprets it.
+tl: Any = None
+
+
+def _accumulate_kernel(dst, src, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offsets = tl.arange(0, BLOCK)
+    full = n // BLOCK
+    # Whole blocks without a mask: the compiler can then vectorise the loads and the reductions.
+    for block in range(pid, full, programs):
+        index = block * BLOCK + offsets
+        x = tl.load(src + index).to(dst.dtype.element_ty)
+        tl.atomic_add(dst + index, x, sem="relaxed", scope="sys")
+    # The ragged tail (possibly empty), by the last program, which has the fewest whole blocks.
+    if pid == programs - 1:
+        index = full * BLOCK + offsets
+        mask = index < n
+        x = tl.load(src + index, mask=mask, other=0).to(dst.dtype.element_ty)
+        tl.atomic_add(dst + index, x, mask=mask, sem="relaxed", scope="sys")
+
+
+@functools.cache
+def _triton() -> tuple[Any, str | None]:
+    """``(triton, None)``, or ``(None, why it cannot be imported)``."""
+    global tl
+    try:
+        import triton
+        import triton.language as language
+    except ImportError as err:  # torch's CPU wheels come without Triton
+        return None, f"Triton is not installed ({err}); it comes with torch's CUDA wheels"
+    tl = language
+    return triton, None
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The kernel compiled by Triton for GPUs, or run by Triton's interpreter for CPU tensors.
+
+    Built explicitly for each mode: ``triton.jit`` would choose once, at decoration, from ``$TRITON_INTERPRET``.
+    """
+    triton, why = _triton()
+    if triton is None:
+        raise RuntimeError(why)
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_accumulate_kernel)
+    return triton.jit(_accumulate_kernel)
+
+
+def _interpreting() -> bool:
+    """Triton's own switch for its interpreter (``TRITON_INTERPRET=1``)."""
+    triton, _ = _triton()
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def kernel_available(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """Whether `accumulate_` can add into ``dtype`` accumulators on ``device``, and a sentence saying why (not).
+
+    Compiles nothing: a CUDA device needs Triton and compute capability 8.0 or newer (9.0 for bf16 accumulators,
+    whose vector atomic adds Hopper introduced); CPU tensors need Triton's interpreter (``TRITON_INTERPRET=1``),
+    which has no bf16 atomics.
+
+    Args:
+        device (`torch.device` or `str`): where the accumulator lives.
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): the accumulator's dtype.
+
+    Returns:
+        `tuple[bool, str]`: availability and its reason.
+    """
+    device = torch.device(device)
+    if dtype not in ACCUMULATOR_DTYPES:
+        return False, f"the kernel adds into fp32 or bf16 accumulators, not {dtype}"
+    triton, why = _triton()
+    if triton is None:
+        return False, why
+    if device.type == "cpu":
+        if not _interpreting():
+            return False, "CPU tensors run the kernel only under Triton's interpreter (TRITON_INTERPRET=1)"
+        if dtype == torch.bfloat16:
+            return False, "Triton's interpreter has no bf16 atomic adds"
+        return True, f"Triton {triton.__version__}'s interpreter on CPU tensors"
+    if device.type != "cuda" or torch.version.cuda is None or not torch.cuda.is_available():
+        return False, f"the kernel runs on NVIDIA GPUs (CUDA builds of torch), not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return False, f"this GPU is sm_{major}{minor}; the kernel needs sm_80 or newer"
+    if dtype == torch.bfloat16 and major < 9:
+        return False, f"this GPU is sm_{major}{minor}; bf16 atomic adds need sm_90 or newer"
+    return True, f"Triton {triton.__version__} on sm_{major}{minor}"
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_programs(device: torch.device | str, sm_share: float = DEFAULT_SM_SHARE) -> int:
+    """The grid cap: ``sm_share`` of ``device``'s SMs, at least one program (`INTERPRETER_PROGRAMS` on CPU).
+
+    Raises:
+        ValueError: ``sm_share`` is not in (0, 1].
+    """
+    if not 0 < sm_share <= 1:
+        raise ValueError(f"sm_share must be in (0, 1], got {sm_share}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, math.floor(_sm_count(index) * sm_share))
+
+
+def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, programs: int | None = None) -> torch.Tensor:
+    """``dst += src`` with system-scope atomic adds, the cast from ``src``'s dtype done in registers.
+
+    Safe against concurrent adds into ``dst`` from other processes and GPUs (relaxed atomics: the sum is exact up to
+    the order of floating-point additions). Enqueued on the current stream; returns ``dst``.
+
+    Args:
+        dst (`torch.Tensor`): 1-D contiguous accumulator, fp32 or bf16 (possibly a peer's mapped memory).
+        src (`torch.Tensor`): as many elements as ``dst`` (any shape, contiguous), fp32, bf16 or fp16, on the same
+            device.
+        programs (`int`, *optional*): grid cap; defaults to `max_programs` of ``dst``'s device.
+
+    Raises:
+        TypeError: a dtype the kernel does not handle.
+        ValueError: shapes, layouts or devices that do not match.
+        RuntimeError: ``torch.use_deterministic_algorithms(True)`` is on (atomic adds sum in varying order), or
+            Triton is not installed.
+    """
+    if dst.dtype not in ACCUMULATOR_DTYPES:
+        raise TypeError(f"accumulate_ adds into fp32 or bf16, got a {dst.dtype} accumulator")
+    if src.dtype not in SOURCE_DTYPES:
+        raise TypeError(f"accumulate_ reads fp32, bf16 or fp16 sources, got {src.dtype}")
+    if dst.dim() != 1 or not dst.is_contiguous():
+        raise ValueError(f"accumulate_ needs a 1-D contiguous accumulator, got shape {tuple(dst.shape)}")
+    if src.numel() != dst.numel():
+        raise ValueError(f"accumulate_ of {src.numel()} elements into an accumulator of {dst.numel()}")
+    if not src.is_contiguous():
+        raise ValueError("accumulate_ needs a contiguous source (it reads it in place, without staging)")
+    if src.device != dst.device:
+        raise ValueError(f"accumulate_ from {src.device} into {dst.device}: both must be on one device")
+    if torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(
+            "accumulate_ adds with atomics, whose order varies from run to run, but "
+            "torch.use_deterministic_algorithms(True) is on"
+        )
+    n = dst.numel()
+    if n == 0:
+        return dst
+    interpret = dst.device.type != "cuda"
+    kernel = _kernel(interpret)
+    cap = programs if programs is not None else max_programs(dst.device)
+    if cap < 1:
+        raise ValueError(f"programs must be >= 1, got {cap}")
+    src = src.reshape(-1)
+    for start in range(0, n, MAX_LAUNCH_NUMEL):
+        stop = min(start + MAX_LAUNCH_NUMEL, n)
+        grid = (min(cap, -(-(stop - start) // BLOCK)),)
+        if interpret:
+            kernel[grid](dst[start:stop], src[start:stop], stop - start, BLOCK=BLOCK)
+        else:
+            # Triton launches on the current device; dst may be a peer's memory mapped on this one.
+            with torch.cuda.device(dst.device):
+                kernel[grid](dst[start:stop], src[start:stop], stop - start, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return dst
