@@ -31,15 +31,36 @@ def _gpu_bf16_available() -> bool:
     return bool(is_torch_bf16_gpu_available() or is_torch_xla_available())
 
 
+def _has_accelerator() -> bool:
+    """Whether torch sees a GPU or another accelerator (CUDA, ROCm, XPU, MPS, ...) on this machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return bool(accelerator is not None and accelerator.is_available())
+
+
 def cpu_precision_defaults(args: Any) -> None:
     """On a machine without a bf16-capable GPU, TRL's default ``bf16=True`` would stop the run ("Your setup doesn't
-    support bf16/gpu"): the default becomes fp32 there, and an explicit ``--bf16 true`` sets ``use_cpu`` so that bf16
-    mixed precision runs on CPU (FSDP2's MixedPrecisionPolicy). GPU runs keep TRL's defaults."""
-    if not _gpu_bf16_available():
-        if args.bf16 is None and not args.fp16:
-            args.bf16 = False
-        elif args.bf16:
-            args.use_cpu = True
+    support bf16/gpu"): the default becomes fp32 there. An explicit ``--bf16 true`` sets ``use_cpu`` so that bf16
+    mixed precision runs on CPU (FSDP2's MixedPrecisionPolicy) only on a machine with no GPU at all: a GPU without
+    bf16 stops the run instead, rather than moving it to the CPU. GPU runs with bf16 keep TRL's defaults.
+
+    Raises:
+        ValueError: ``--bf16 true`` on a GPU without bf16 support (and without ``--use_cpu true``).
+    """
+    if _gpu_bf16_available():
+        return
+    if args.bf16 is None and not args.fp16:
+        args.bf16 = False
+    elif args.bf16 and not args.use_cpu:
+        if _has_accelerator():
+            raise ValueError(
+                "--bf16 true: this machine's GPU does not support bf16. Pass --bf16 false (fp32) or --fp16 true on the "
+                "GPU, or --use_cpu true to train in bf16 on the CPU."
+            )
+        args.use_cpu = True
 
 
 def _checkpointing_by_its_current_name(args: Any) -> None:
@@ -70,8 +91,8 @@ class ODCTRLConfigMixin(ODCTrainingArgumentsMixin):
 class ODCSFTConfig(ODCTRLConfigMixin, SFTConfig):
     """`trl.SFTConfig` plus the ODC options (``--odc``, ``--odc_plan``, ...; see `odc_accelerate.config.ODCConfig`).
 
-    On a machine without a bf16-capable GPU the precision defaults to fp32, and ``--bf16 true`` runs bf16 mixed
-    precision on CPU; GPU runs keep TRL's defaults.
+    On a machine without a bf16-capable GPU the precision defaults to fp32; ``--bf16 true`` runs bf16 mixed precision
+    on CPU where there is no GPU, and stops with a message on a GPU without bf16. GPU runs keep TRL's defaults.
     """
 
 
