@@ -11,7 +11,7 @@ extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``-
 ``pydoc_data`` help topics, long-tailed text. No network is needed then.
 
     odc-accelerate sft --max_steps 3 --logging_steps 1 --output_dir OUT
-    accelerate launch --config_file examples/sft/configs/odc_cpu.yaml -m odc_accelerate.scripts.sft --odc true ...
+    accelerate launch --config_file CONFIG -m odc_accelerate.scripts.sft --odc true ...  # CONFIG: odc-accelerate config
 """
 
 from __future__ import annotations

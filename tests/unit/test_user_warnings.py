@@ -70,3 +70,26 @@ def test_grpo_metrics_stay_local_when_trl_reduces_differently(caplog):
     text = _metrics_warning(ODCGRPOTrainer, fake, caplog)
     assert "GRPO made 3 metric reductions per microbatch, expected 6" in text
     assert "the loss metrics of this step are local" in text
+
+
+def test_launch_refusal_names_what_an_installed_package_offers(monkeypatch):
+    """The refusal of a launch without FSDP names the package's presets and config writer, not files of a clone."""
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    trainer = SimpleNamespace(odc_config=ODCConfig(enable=True), args=SimpleNamespace(fsdp_plugin_args=None))
+    with pytest.raises(ValueError) as err:
+        ODCAcceleratorSetup._build_accelerator_args(trainer)
+    message = str(err.value)
+    assert "ODC needs FSDP2, but this run does not use FSDP" in message
+    assert "--accelerate_config odc_cpu|odc_gpu" in message and "`odc-accelerate config`" in message
+    assert "examples/" not in message
+
+
+def test_no_package_text_names_a_file_of_the_clone():
+    """pip users have no examples/ folder: no message, docstring or help text of the package names one."""
+    from pathlib import Path
+
+    import odc_accelerate
+
+    package = Path(odc_accelerate.__file__).parent
+    naming = [str(p.relative_to(package)) for p in package.rglob("*.py") if "examples/" in p.read_text()]
+    assert naming == []

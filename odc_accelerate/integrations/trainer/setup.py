@@ -20,6 +20,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ODCAcceleratorSetup"]
 
+# How to launch what ODC needs, with what an installed package offers (its presets and config writer).
+LAUNCH_HINT = (
+    "Launch with `odc-accelerate sft|dpo|grpo --accelerate_config odc_cpu|odc_gpu` (the package's FSDP2 + ODC "
+    "accelerate configs), or write one with `odc-accelerate config` and run `odc-accelerate launch --config_file PATH "
+    "script.py` (the config needs `distributed_type: FSDP`, `fsdp_version: 2` and num_processes >= 2)."
+)
+
 
 class ODCAcceleratorSetup:
     """Part of `ODCTrainerMixin`: the resolved settings (``odc_config``), the step timer, the accelerator and its
@@ -55,8 +62,7 @@ class ODCAcceleratorSetup:
             if state.distributed_type != DistributedType.FSDP or not isinstance(plugin, ODCPlugin):
                 raise ValueError(
                     f"ODC needs FSDP2 across several processes, but this run is {state.distributed_type} with "
-                    f"{state.num_processes} process(es). Launch with `accelerate launch --config_file <cfg>` where the "
-                    "config has `distributed_type: FSDP`, `fsdp_version: 2` and num_processes >= 2."
+                    f"{state.num_processes} process(es). {LAUNCH_HINT}"
                 )
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -66,9 +72,8 @@ class ODCAcceleratorSetup:
             launched_fsdp = str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false"), "ACCELERATE_USE_FSDP")
             if not plugin_args and not launched_fsdp:
                 raise ValueError(
-                    "ODC needs FSDP2, but this run does not use FSDP (plain DDP or a single process). Launch with an "
-                    "accelerate config that has `distributed_type: FSDP` and `fsdp_version: 2` (e.g. "
-                    "examples/sft/configs/odc_cpu.yaml), or pass `--fsdp full_shard` with `fsdp_version: 2`."
+                    "ODC needs FSDP2, but this run does not use FSDP (plain DDP or a single process). "
+                    f"{LAUNCH_HINT} Or pass `--fsdp full_shard` with `fsdp_version: 2`."
                 )
             version = plugin_args.get("fsdp_version") or (
                 os.environ.get("FSDP_VERSION", "1") if launched_fsdp and not plugin_args else 2
