@@ -6,10 +6,15 @@ symmetric-memory segment and the streams.
 
 The design (see ``docs/transports.md``): every rank's segment holds its published shards and its gradient
 accumulators, and a sender adds its slice straight into the owner's accumulator with native atomic adds over the peer
-mapping (``index_add_``, whose CUDA kernel uses ``atomicAdd``). The only other device memory is a staging pool of a
-fixed, configurable size: the index vector ``index_add_`` needs and one chunk of the accumulator's dtype for casting a
-low-precision gradient before the add. Every add goes through the pool in chunks of at most ``chunk_numel`` elements,
-so the transport's memory is ``published + accumulator + pool`` whatever the world size.
+mapping. The adds take one of two paths:
+
+* the accumulate kernel (:mod:`._kernels`, Triton): reads the gradient in its own dtype, casts in registers and adds
+  with system-scope atomics; it needs no device memory of its own (``staged=False``: no pool);
+* the fallback where Triton cannot run, ``index_add_`` (its CUDA kernel uses ``atomicAdd``) through a staging pool of
+  a fixed, configurable size: the index vector ``index_add_`` needs and one chunk of the accumulator's dtype for
+  casting a low-precision gradient before the add, in chunks of at most ``chunk_numel`` elements.
+
+Either way the transport's memory is ``published + accumulator (+ pool)`` whatever the world size.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 
 from .base import BufferSpec
 
-#: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset)
+#: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
+#: accumulate kernel's 16-byte vector reductions need every accumulator view 16-byte aligned (the segment's base is).
 ALIGN = 256
 #: symmetric-memory blocks are mapped in units of this size (the CUDA VMM granularity on current GPUs)
 SEGMENT_GRANULARITY = 2 * 2**20
@@ -98,8 +104,9 @@ class SegmentPlan:
         segment_bytes (`int`): bytes of the segment as laid out (before the allocator rounds it up).
         published_bytes (`int`): bytes of the buffers nobody adds into (published shards, flags).
         accumulator_bytes (`int`): bytes of the accumulators.
-        staging_bytes (`int`): bytes of the staging pool (0 when nothing is accumulated).
-        chunk_numel (`int`): elements per atomic-add chunk, what the pool holds.
+        staging_bytes (`int`): bytes of the staging pool (0 when nothing is accumulated, or the adds run the
+            accumulate kernel, which stages nothing).
+        chunk_numel (`int`): elements per atomic-add chunk, what the pool holds (0 without a pool).
         cast_dtype (`torch.dtype | None`): the accumulators' dtype (None without accumulators).
         needs_cast (`bool`): some accumulator is wider than its registered dtype, so the pool holds a cast chunk.
     """
@@ -134,10 +141,10 @@ class SegmentPlan:
         }
 
     def describe(self) -> str:
+        staging = f" + staging {_mib(self.staging_bytes)}" if self.staging_bytes else ""
         return (
             f"{_mib(self.device_bytes)} (published {_mib(self.published_bytes)} + accumulator "
-            f"{_mib(self.accumulator_bytes)} + staging {_mib(self.staging_bytes)}, rounded to "
-            f"{_mib(SEGMENT_GRANULARITY)} mappings)"
+            f"{_mib(self.accumulator_bytes)}{staging}, rounded to {_mib(SEGMENT_GRANULARITY)} mappings)"
         )
 
     def view(self, segment: torch.Tensor, name: str) -> torch.Tensor:
@@ -152,6 +159,8 @@ def plan_segment(
     staging_bytes: int,
     accumulate_dtype: torch.dtype | None = None,
     signal_pad_bytes: int | None = None,
+    *,
+    staged: bool = True,
 ) -> SegmentPlan:
     """Lay out the segment for ``specs`` and size the staging pool's chunks.
 
@@ -161,6 +170,8 @@ def plan_segment(
         accumulate_dtype: dtype to store accumulated buffers in; None widens 16-bit floats to fp32.
         signal_pad_bytes: the signal pad torch's symmetric memory allocates with each segment; None (a torch that
             does not say) counts a whole mapping granule, an upper bound.
+        staged: the adds go through the staging pool (the ``index_add_`` path); False for the accumulate kernel,
+            which needs no pool (``staging_bytes`` is then ignored).
 
     Raises:
         ValueError: the pool cannot hold even one useful chunk, or accumulators disagree on their dtype.
@@ -187,7 +198,7 @@ def plan_segment(
             published += spec.numel * dtype.itemsize
     chunk = 0
     pool = 0
-    if accumulated:
+    if accumulated and staged:
         # Per chunk element: one int32 index, and one element of the accumulator's dtype where a narrower gradient is
         # cast before its add.
         per_element = _INDEX_DTYPE.itemsize + (cast_dtype.itemsize if needs_cast else 0)
@@ -225,7 +236,8 @@ def chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 
 class StagingPool:
-    """The bounded device memory every accumulate goes through: an index vector and one cast chunk.
+    """The ``index_add_`` fallback's bounded device memory: an index vector and one cast chunk (the accumulate
+    kernel needs neither).
 
     ``index_add_`` on CUDA adds with ``atomicAdd``, so concurrent adds from several ranks into one accumulator are
     safe; it needs an index (``arange``) and a ``src`` of the accumulator's dtype. Both come from here, reused chunk

@@ -10,12 +10,15 @@ after ``rendezvous``. A segment holds the rank's published shards and its gradie
 * ``read(peer, name, out)`` is ``out.copy_(peer_view)`` enqueued on the caller's current stream: the published shard
   is already there, so nothing waits for the peer and the host does not block;
 * ``accumulate(owner, name, src)`` adds ``src`` straight into the owner's accumulator with atomic adds over the peer
-  mapping (``index_add_``, whose CUDA kernel uses ``atomicAdd``), in chunks that go through a staging pool of fixed
-  size (the index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own adds use the
-  same atomic path, since peers add into the same memory at the same time.
+  mapping: the accumulate kernel (:mod:`._kernels`, Triton) reads ``src`` in its own dtype, casts in registers and
+  adds with system-scope vector atomics, staging nothing. Where Triton cannot run (not installed, a GPU older than
+  sm_80, a bf16 accumulator before sm_90) the fallback, said once in the log and named by ``accumulate_path``, is
+  ``index_add_`` (its CUDA kernel uses device-scope ``atomicAdd``) in chunks through a staging pool of fixed size (the
+  index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own adds use the same atomic
+  path, since peers add into the same memory at the same time.
 
-Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less) + the staging pool
-(``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their device facts
+Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less), + on the fallback the
+staging pool (``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their device facts
 and refuse together, naming what to change, when: a GPU is shared without ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``,
 a peer's GPU is not visible or not peer-accessible, peer-to-peer atomics are not native (PCIe), the symmetric-memory
 backend is not CUDA, deterministic algorithms are on, or the memory does not fit. Multicast (NVLS) is never bound for
@@ -52,6 +55,7 @@ from ._cuda_plan import (
     plan_segment,
     staging_bytes_setting,
 )
+from ._kernels import DEFAULT_SM_SHARE, accumulate_, kernel_available, max_programs
 from .base import BufferSpec, Transport, host_id
 from .shm import ShmTransport
 
@@ -59,6 +63,31 @@ logger = logging.getLogger(__name__)
 
 _PHASE = "setup_phase"  # the control plane's one buffer: how far this rank got in set-up (`_setup_watchdog`)
 _P2P_NATIVE_ATOMIC = 3  # CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cudaDevP2PAttrNativeAtomicSupported)
+#: the accumulate paths: the Triton kernel (`._kernels.accumulate_`), or ``index_add_`` through the staging pool
+KERNEL_PATH, FALLBACK_PATH = "kernel", "index_add_"
+_said: set[tuple[str, str]] = set()  # accumulate paths already logged by this process
+
+
+def choose_accumulate_path(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """The accumulate path for accumulators of ``dtype`` on ``device`` and why; logged once per process.
+
+    The kernel where `._kernels.kernel_available` says it can run, else the ``index_add_`` fallback (logged at
+    WARNING: it moves about twice the bytes per element, needs the staging pool, and its atomics are of device scope,
+    which the 'cuda' transport relies on NVLink to perform at the owner for adds arriving from peers).
+    """
+    ok, why = kernel_available(device, dtype)
+    path = KERNEL_PATH if ok else FALLBACK_PATH
+    if (path, why) not in _said:
+        _said.add((path, why))
+        if ok:
+            logger.info("cuda transport: gradients accumulate with the Triton kernel (%s)", why)
+        else:
+            logger.warning(
+                "cuda transport: gradients accumulate with index_add_ through a staging pool, the slower fallback "
+                "with device-scope atomics, because %s",
+                why,
+            )
+    return path, why
 
 
 def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
@@ -150,6 +179,8 @@ class CudaTransport(Transport):
         accumulate_dtype (`torch.dtype`, *optional*): dtype of the gradient accumulators. By default 16-bit reduce
             dtypes are widened to fp32 (a whole step is summed before the fold); pass e.g. ``torch.bfloat16`` to keep
             them narrow and save memory.
+        accumulate_sm_share (`float`, *optional*, defaults to `._kernels.DEFAULT_SM_SHARE`): share of the GPU's SMs
+            the accumulate kernel's grid may cover; the rest are left to the backward pass it runs beside.
 
     Buffers registered with ``accumulated=True`` come back in the accumulator dtype, which may be wider than
     registered; the engine's fold divides in that dtype and then casts to the parameters' dtype.
@@ -167,8 +198,17 @@ class CudaTransport(Transport):
         *,
         staging_mib: float | None = None,
         accumulate_dtype: torch.dtype | None = None,
+        accumulate_sm_share: float = DEFAULT_SM_SHARE,
     ) -> None:
         super().__init__(rank, world_size, timeout)
+        if not 0 < accumulate_sm_share <= 1:
+            raise ValueError(f"accumulate_sm_share must be in (0, 1], got {accumulate_sm_share}")
+        self._sm_share = accumulate_sm_share
+        self._programs: int | None = None  # the accumulate kernel's grid cap, set by `register`
+        #: how gradients are added (`KERNEL_PATH` or `FALLBACK_PATH`; None before ``register`` or without
+        #: accumulators), and why that path
+        self.accumulate_path: str | None = None
+        self.accumulate_reason = ""
         self._group = group
         self._device = torch.device(device) if device is not None else None
         self._staging_bytes = staging_bytes_setting(staging_mib)
@@ -219,9 +259,14 @@ class CudaTransport(Transport):
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
         from .._compat import fsdp as compat
 
-        plan = plan_segment(
-            specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=compat.symmetric_signal_pad_bytes()
-        )
+        pad = compat.symmetric_signal_pad_bytes()
+        plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad, staged=False)
+        if plan.accumulated:
+            self.accumulate_path, self.accumulate_reason = choose_accumulate_path(device, plan.cast_dtype)
+            if self.accumulate_path == KERNEL_PATH:
+                self._programs = max_programs(device, self._sm_share)
+            else:  # the fallback adds through the staging pool: plan it
+                plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad)
         reason = memory_refusal(plan, facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
@@ -238,7 +283,7 @@ class CudaTransport(Transport):
                 segments = self._map_segments(plan.segment_bytes, device)
             self._segment = segments[self.rank]
             self._views = [{name: plan.view(seg, name) for name in plan.offsets} for seg in segments]
-            if plan.accumulated:
+            if plan.staging_bytes:
                 self._pool = StagingPool(plan.chunk_numel, plan.cast_dtype, device, cast=plan.needs_cast)
             self._sync()  # zeroed before any peer can add
             self._control.barrier()
@@ -247,11 +292,12 @@ class CudaTransport(Transport):
             self.close()
             raise
         logger.info(
-            "cuda transport up: rank %d/%d on %s; ODC GPU memory per rank %s",
+            "cuda transport up: rank %d/%d on %s; ODC GPU memory per rank %s; accumulate path %s",
             self.rank,
             self.world_size,
             device,
             plan.describe(),
+            self.accumulate_path or "none (nothing is accumulated)",
         )
         return dict(self._views[self.rank])
 
@@ -319,7 +365,11 @@ class CudaTransport(Transport):
         if name not in self._plan.accumulated:
             raise KeyError(f"buffer {name!r} was not registered with accumulated=True: nothing may add into it")
         self._note_stream()
-        self._pool.add(self._views[owner][name], src)
+        if self._pool is None:
+            # The kernel reads src in place: contiguous already (a row of FSDP2's reduce-scatter input).
+            accumulate_(self._views[owner][name], src.contiguous(), programs=self._programs)
+        else:
+            self._pool.add(self._views[owner][name], src)
 
     def flush(self) -> None:
         """Wait until every add, read and publish this rank enqueued has completed on its GPU.

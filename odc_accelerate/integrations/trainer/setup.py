@@ -163,10 +163,14 @@ class ODCAcceleratorSetup:
             memory += f" (rank 0: {engine.memory_summary()})"
         if config.memory_policy == "auto":
             memory += f", headroom {config.memory_headroom}, re-chosen by each rank every step"
+        # The 'cuda' transport adds gradients with its Triton kernel or, where that cannot run, a slower fallback.
+        path = getattr(transport, "accumulate_path", None)
+        accumulate = f"; gradients accumulate by {path} ({transport.accumulate_reason})" if path else ""
         logger.warning(
-            "ODC on: transport %s (%s)%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
+            "ODC on: transport %s (%s%s)%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
+            accumulate,
             hsdp,
             _plan_text(config),
             budget,
