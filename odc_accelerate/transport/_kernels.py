@@ -204,7 +204,15 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, programs: int | None = 
         if interpret:
             kernel[grid](dst[start:stop], src[start:stop], stop - start, BLOCK=BLOCK)
         else:
-            # Triton launches on the current device; dst may be a peer's memory mapped on this one.
+            # Triton launches on the current device; dst may be a peer's memory mapped on this one. Nothing to fuse
+            # (a convert and an add): said explicitly, which also keeps Triton's warning about its default quiet.
             with torch.cuda.device(dst.device):
-                kernel[grid](dst[start:stop], src[start:stop], stop - start, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                kernel[grid](
+                    dst[start:stop],
+                    src[start:stop],
+                    stop - start,
+                    BLOCK=BLOCK,
+                    num_warps=NUM_WARPS,
+                    enable_fp_fusion=False,
+                )
     return dst

@@ -1,0 +1,189 @@
+"""The cuda transport's accumulate kernel (`odc_accelerate.transport._kernels`) on CPU, under Triton's interpreter.
+
+Exact against a float64 reference for every source dtype into an fp32 accumulator, at block and launch edges; where
+it may run and why not; the transport's choice of path; and, where the installed Triton can compile for sm_90 without
+a GPU, the vector reductions it emits. Two processes adding into one shared tensor: tests/multiprocess.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from odc_accelerate.transport import BufferSpec, cuda
+from odc_accelerate.transport import _kernels as kernels
+from odc_accelerate.transport._cuda_plan import plan_segment
+from odc_accelerate.transport._kernels import BLOCK, accumulate_, kernel_available
+
+pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
+
+INTERPRET = "TRITON_INTERPRET"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton's switch for CPU tensors (read when availability is asked; the CPU kernel is always interpreted)."""
+    monkeypatch.setenv(INTERPRET, "1")
+
+
+def _reference_add(acc: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``acc + src`` summed in float64, rounded once to fp32: what one fp32 atomic add gives."""
+    return (acc.double() + src.double()).float()
+
+
+# ------------------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_source_dtype_adds_exactly_into_fp32_at_block_edges(dtype):
+    gen = torch.Generator().manual_seed(0)
+    guard = 7
+    for numel in (1, BLOCK - 1, BLOCK + 1, 3 * BLOCK + 17):
+        for offset in (0, 1, BLOCK - 1):  # views starting inside, and one short of, a block
+            memory = torch.zeros(offset + numel + guard)
+            dst = memory[offset : offset + numel]
+            expected = torch.zeros(numel)
+            for _ in range(2):  # the second add lands on non-zero values: a real sum, rounded as fp32 rounds it
+                src = torch.randn(numel, generator=gen).to(dtype)
+                accumulate_(dst, src)
+                expected = _reference_add(expected, src)
+            assert torch.equal(dst, expected), (dtype, numel, offset)
+            # nothing written outside the view
+            assert not memory[:offset].any() and not memory[offset + numel :].any(), (numel, offset)
+
+
+def test_adds_split_into_several_launches_cover_every_element_once(monkeypatch):
+    # On a GPU one launch covers at most MAX_LAUNCH_NUMEL elements (int32 offsets); shrunk here to cut three launches.
+    monkeypatch.setattr(kernels, "MAX_LAUNCH_NUMEL", 2 * BLOCK + 3)
+    src = torch.randn(5 * BLOCK + 1, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    dst = torch.ones(src.numel())
+    accumulate_(dst, src)
+    assert torch.equal(dst, _reference_add(torch.ones(src.numel()), src))
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+def test_any_grid_cap_covers_every_block_once(programs):
+    # 4 whole blocks and a tail: fewer programs than blocks loop, more than blocks leave some idle.
+    src = torch.randn(4 * BLOCK + 9, generator=torch.Generator().manual_seed(2))
+    dst = torch.zeros(src.numel())
+    accumulate_(dst, src, programs=programs)
+    assert torch.equal(dst, src)
+
+
+def test_an_empty_add_and_a_shaped_source():
+    assert accumulate_(torch.zeros(0), torch.zeros(0)).numel() == 0
+    src = torch.arange(12, dtype=torch.float16).view(3, 4)  # any shape: read as its 12 elements in order
+    dst = torch.zeros(12)
+    accumulate_(dst, src)
+    assert torch.equal(dst, torch.arange(12, dtype=torch.float32))
+
+
+def test_refusals_name_what_is_wrong():
+    dst = torch.zeros(8)
+    with pytest.raises(TypeError, match="fp32 or bf16, got a torch.float64 accumulator"):
+        accumulate_(torch.zeros(8, dtype=torch.float64), torch.zeros(8))
+    with pytest.raises(TypeError, match="sources, got torch.int32"):
+        accumulate_(dst, torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="of 7 elements into an accumulator of 8"):
+        accumulate_(dst, torch.zeros(7))
+    with pytest.raises(ValueError, match="1-D contiguous accumulator"):
+        accumulate_(torch.zeros(4, 2), torch.zeros(8))
+    with pytest.raises(ValueError, match="contiguous source"):
+        accumulate_(dst, torch.zeros(16)[::2])
+    with pytest.raises(ValueError, match="programs must be >= 1"):
+        accumulate_(dst, torch.zeros(8), programs=0)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+            accumulate_(dst, torch.zeros(8))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert not dst.any()  # nothing was added by a refused call
+
+
+# ------------------------------------------------------------------------------------------ where the kernel runs
+def test_availability_and_its_reasons(monkeypatch):
+    monkeypatch.delenv(INTERPRET, raising=False)
+    ok, why = kernel_available("cpu")
+    assert not ok and "TRITON_INTERPRET=1" in why
+    monkeypatch.setenv(INTERPRET, "1")
+    assert kernel_available("cpu")[0]
+    ok, why = kernel_available("cpu", torch.bfloat16)
+    assert not ok and "no bf16 atomic" in why  # the interpreter's limit; a bf16 accumulator takes the fallback
+    ok, why = kernel_available("cpu", torch.float16)
+    assert not ok and "not torch.float16" in why
+    if not torch.cuda.is_available():
+        ok, why = kernel_available("cuda")
+        assert not ok and "NVIDIA GPUs" in why
+    monkeypatch.setattr(kernels, "_triton", lambda: (None, "Triton is not installed (test)"))
+    assert kernel_available("cpu") == (False, "Triton is not installed (test)")
+
+
+def test_grid_cap_setting():
+    assert kernels.max_programs("cpu") == kernels.INTERPRETER_PROGRAMS
+    for share in (0, 1.5):
+        with pytest.raises(ValueError, match="sm_share must be in"):
+            kernels.max_programs("cpu", share)
+    with pytest.raises(ValueError, match="accumulate_sm_share must be in"):
+        cuda.CudaTransport(0, 2, accumulate_sm_share=0)
+
+
+def test_transport_picks_the_kernel_where_it_runs_and_says_so_once(interpret, monkeypatch, caplog):
+    monkeypatch.setattr(cuda, "_said", set())
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger=cuda.logger.name):
+        assert cuda.choose_accumulate_path(cpu, torch.float32)[0] == cuda.KERNEL_PATH
+        for _ in range(2):
+            path, why = cuda.choose_accumulate_path(cpu, torch.bfloat16)
+            assert path == cuda.FALLBACK_PATH and "bf16" in why
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "index_add_" in warnings[0].getMessage() and "bf16" in warnings[0].getMessage()
+    assert any(r.levelno == logging.INFO and "Triton kernel" in r.getMessage() for r in caplog.records)
+
+
+def test_kernel_path_plans_no_pool_and_keeps_every_view_16_byte_aligned():
+    specs = {
+        "p0": BufferSpec(numel=3, dtype=torch.bfloat16),  # odd sizes in front push later offsets off any multiple
+        "g0": BufferSpec(numel=7, dtype=torch.bfloat16, accumulated=True),
+        "flag": BufferSpec(numel=1, dtype=torch.uint8),
+        "g1": BufferSpec(numel=3001, dtype=torch.float16, accumulated=True),
+    }
+    staged = plan_segment(specs, 2**20)
+    kernel = plan_segment(specs, 2**20, staged=False)
+    assert staged.staging_bytes > 0 and "staging" in staged.describe()
+    assert kernel.staging_bytes == kernel.chunk_numel == 0 and "staging" not in kernel.describe()
+    assert kernel.offsets == staged.offsets and kernel.report()["staging"] == 0
+    assert kernel.device_bytes == staged.device_bytes - staged.staging_bytes
+    segment = torch.empty(kernel.segment_bytes, dtype=torch.uint8)
+    assert segment.data_ptr() % 16 == 0  # as a symmetric-memory segment is (mapping granularity)
+    assert all(kernel.view(segment, name).data_ptr() % 16 == 0 for name in specs)
+
+
+# --------------------------------------------------------------------------------------- what the GPU compile emits
+def test_sm90_compile_emits_system_scope_vector_reductions():
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        def ptx(dst: str, src: str) -> str:
+            source = ASTSource(
+                fn=kernels._kernel(False),
+                signature={"dst": dst, "src": src, "n": "i32", "BLOCK": "constexpr"},
+                constexprs={"BLOCK": BLOCK},
+                # 16-byte aligned pointers, as Triton specialises them at launch for the segment plan's views
+                attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
+            )
+            target = GPUTarget("cuda", 90, 32)
+            return triton.compile(
+                source, target=target, options={"num_warps": kernels.NUM_WARPS, "enable_fp_fusion": False}
+            ).asm["ptx"]
+
+        from_bf16 = ptx("*fp32", "*bf16")
+    except Exception as err:  # an older Triton's API, or a wheel without the CUDA backend or ptxas
+        pytest.skip(f"this Triton ({triton.__version__}) cannot compile for sm_90 here: {err!r}")
+    assert "red.global.sys.relaxed.add.v4.f32" in from_bf16
+    assert "red.global.sys.relaxed.add.v4.f32" in ptx("*fp32", "*fp32")
+    assert "red.global.sys.relaxed.add.noftz.v8.bf16" in ptx("*bf16", "*fp32")
+    # no index vector: the only global loads are the source's, 16 bytes wide in the loop over whole blocks
+    assert "ld.global.v4.b32" in from_bf16 and "atom." not in from_bf16
