@@ -2,7 +2,9 @@
 
 The SFT, DPO and GRPO examples (offline default model, tokenizer and data) under real ``accelerate launch`` with 2
 ranks. On ``cuda`` both ranks share the one GPU over a gloo process group (``--ddp_backend gloo``; NCCL refuses two
-ranks on one GPU) with the ``cuda`` transport (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). Cases:
+ranks on one GPU) with the ``cuda`` transport (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), and the ODC runs set
+the test-only switch ``ODC_TEST_SHARED_GPU=1`` (`shared_gpu.py`: accelerate's barrier on the current device, one
+default FSDP2 mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), on CPU too. Cases:
 
 * ``sft_fp32`` / ``dpo_fp32``: 5 samples per optimizer step, so the ranks run different numbers of microbatches,
   against TRL's own trainer in one process on the same steps (`tests/helpers/trl_reference.py`): per-step loss and
@@ -77,6 +79,12 @@ def _env(device: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def _odc_env(device: str, **extra: str) -> dict[str, str]:
+    # The ODC runs share one GPU between 2 ranks over gloo (`shared_gpu.py`); on CPU the same switch runs, so that CI
+    # exercises it.
+    return _env(device, ODC_TEST_SHARED_GPU="1", **extra)
+
+
 def _config(device: str, precision: str, out: Path) -> Path:
     """An accelerate config for 2 processes: the package's GPU or CPU preset with the given mixed precision."""
     text = (PRESETS / ("odc_gpu.yaml" if device == "cuda" else "odc_cpu.yaml")).read_text()
@@ -102,7 +110,7 @@ def _odc_run(trainer: str, device: str, precision: str, out: Path, args: list[st
     extra = ["--ddp_backend", "gloo"] if device == "cuda" else []
     flags = ["--bf16", "true" if precision == "bf16" else "false"]
     cmd = [*launch, "--main_process_port", "0", RUN_EXAMPLE, script, "--odc", "true", *args, *flags, *extra]
-    return _run(cmd, _env(device, **env), timeout)
+    return _run(cmd, _odc_env(device, **env), timeout)
 
 
 def _reference(trainer: str, device: str, precision: str, args: list[str], timeout: float):
@@ -173,6 +181,7 @@ def case_parity(trainer: str, device: str, precision: str, work: Path, logs: lis
     checks[f"both ranks used the {transport} transport"] = len(reports) == 2 and all(
         r.get("transport") == transport for r in reports
     )
+    checks["one FSDP2 mesh for every fully_shard call"] = all(r.get("fsdp_meshes") == 1 for r in reports)
     losses, ref_losses = _losses(odc_out), _losses(ref_out)
     result["loss"], result["reference_loss"] = losses, ref_losses
     loss_rel = max(

@@ -21,6 +21,10 @@ builds (any `ODCTrainerMixin` subclass) gets:
   whole run: after each microbatch's forward and backward (each block the step timer times as compute) it sleeps
   ``F - 1`` times the block's measured time, inside the block (a slower device, for the benchmark's slowed condition);
 
+with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let 2 ranks share one GPU over gloo (`shared_gpu.py`: the
+barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), applied before
+the script runs;
+
 and, with ``ODC_BENCH_RSS_DIR`` set, ``rss_rank<RANK>.json`` there when the process ends, even on an error: ``ru_maxrss``
 of this process (peak resident memory, including the shared-memory pages it touched).
 """
@@ -80,6 +84,8 @@ class RunReport:
             "engine": type(engine).__name__ if engine is not None else None,
             "transport": type(engine.transport).__name__ if engine is not None and engine.transport else None,
             "engine_param_groups": len(engine.param_groups) if engine is not None else None,
+            # distinct DeviceMesh objects the trained parameters are sharded on (1: one mesh for every fully_shard)
+            "fsdp_meshes": len({id(p.device_mesh) for p in trainer.model.parameters() if hasattr(p, "device_mesh")}),
             "replicas": getattr(engine, "replicas", None),  # HSDP: replicas of each shard
             "replicate_buckets": getattr(engine, "replicate_buckets", None),
             # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
@@ -104,10 +110,10 @@ class RunReport:
             )
         out = trainer.args.output_dir
         if _flag("ODC_DUMP_PARAMS"):
-            params = {}
-            for name, p in trainer.model.named_parameters():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                params[name] = full.detach().to(torch.float32).cpu()
+            from tests.helpers.shared_gpu import full_tensor_via_cpu
+
+            # Through CPU: a gather of CUDA DTensors over a gloo group can crash.
+            params = {name: full_tensor_via_cpu(p).to(torch.float32) for name, p in trainer.model.named_parameters()}
             if trainer.accelerator.is_main_process:
                 torch.save(params, os.path.join(out, "final_params.pt"))
         os.makedirs(out, exist_ok=True)
@@ -281,6 +287,10 @@ def main() -> None:
     sys.argv = [script, *sys.argv[2:]]
     sys.path[0] = os.path.dirname(script)  # as `python script` sets it
     try:
+        from tests.helpers import shared_gpu
+
+        if shared_gpu.enabled():
+            shared_gpu.enable()
         instrument_trainers()
         runpy.run_path(script, run_name="__main__")
     finally:

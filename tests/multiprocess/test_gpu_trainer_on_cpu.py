@@ -30,11 +30,11 @@ def test_trainer_driver_runs_its_sft_parity_case_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "logs.txt").read_text()[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "results.json", "summary.txt"]
     result = json.loads((tmp_path / "results.json").read_text())["sft_fp32"]
-    assert len(result["checks"]) == 7 and all(result["checks"].values()), result["checks"]
+    assert len(result["checks"]) == 8 and all(result["checks"].values()), result["checks"]
     assert result["transports"] == ["ShmTransport", "ShmTransport"]
     assert result["loss_max_rel"] <= 1e-4 and result["params_max_rel"] <= 1e-4
     summary = (tmp_path / "summary.txt").read_text()
-    assert summary.count("[ok]") == 7 and "FAIL" not in summary
+    assert summary.count("[ok]") == 8 and "FAIL" not in summary
 
 
 def test_gpu_session_refuses_an_unknown_step_before_any_work(tmp_path):
