@@ -176,6 +176,7 @@ def train_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, 
         "grads": first_grads,
         "params": {n: _local(p) for n, p in model.named_parameters()},
         "transport": engine.transport.name,
+        "accumulate_path": getattr(engine.transport, "accumulate_path", None),
         "memory_report": engine.transport.memory_report(),
         "stats": dataclasses.asdict(stats) if stats is not None else None,
         "step_s": step_s,
@@ -352,6 +353,8 @@ def _compare(ranks: list[dict[str, np.ndarray]], ref: dict[str, np.ndarray], wor
 
 def case_parity(device: str) -> dict[str, Any]:
     env = {OVERLAP_ENV: "1"}
+    if device == "cpu":  # the accumulate kernel runs on CPU tensors under Triton's interpreter (fp32 accumulators)
+        env["TRITON_INTERPRET"] = "1"
     # The 'cuda' transport accumulating in fp32 (its default) and in bf16; on CPU its protocol over shared memory.
     wide, narrow = ("auto", "cuda-bf16-acc") if device == "cuda" else ("cuda-on-cpu", "cuda-on-cpu-bf16-acc")
     runs = {"fp32": ["auto", wide], "bf16-fp32-reduce": [wide], "bf16": [wide, narrow]}
@@ -363,6 +366,7 @@ def case_parity(device: str) -> dict[str, Any]:
             ranks = launch(train_worker, 2, {**spec, "transport": name}, timeout=300, env=env)
             out[f"{precision}/{name}"] = {
                 "transport": ranks[0]["transport"],
+                "accumulate_path": ranks[0]["accumulate_path"],
                 "grad": _compare([r["grads"] for r in ranks], ref["grads"], 2),
                 "params_after_3_steps": _compare([r["params"] for r in ranks], ref["params"], 2),
                 "memory_report": ranks[0]["memory_report"],

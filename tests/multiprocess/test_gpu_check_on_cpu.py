@@ -32,5 +32,14 @@ def test_gpu_check_runs_its_parity_case_on_cpu(tmp_path):
     # both transports, fp32 and the bf16 variants, each compared against one process
     assert len(checks) == 7 and all(checks.values()), checks
     assert any("cuda-on-cpu" in name for name in checks) and any("shm" in name for name in checks)
+    # fp32 accumulators take the accumulate kernel (Triton's interpreter on CPU tensors); bf16 ones the index_add_
+    # fallback (the interpreter has no bf16 atomics)
+    paths = {run: res["accumulate_path"] for run, res in results["parity"].items() if "cuda-on-cpu" in run}
+    assert paths == {
+        "fp32/cuda-on-cpu": "kernel",
+        "bf16-fp32-reduce/cuda-on-cpu": "kernel",
+        "bf16/cuda-on-cpu": "kernel",
+        "bf16/cuda-on-cpu-bf16-acc": "index_add_",
+    }, paths
     summary = (out / "summary.txt").read_text()
     assert summary.count("PASS") == 7 and "FAIL" not in summary
