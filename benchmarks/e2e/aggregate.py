@@ -47,7 +47,10 @@ def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None)
             "peak_rss_mb": [
                 max(r["peak_rss_mb"][i] for r in arm_runs) for i in range(len(arm_runs[0]["peak_rss_mb"]))
             ],
-            "microbatches": [min(s["microbatches"][0] for s in sums), max(s["microbatches"][1] for s in sums)],
+            "microbatches_min_max": [
+                min(s["microbatches_min_max"][0] for s in sums),
+                max(s["microbatches_min_max"][1] for s in sums),
+            ],
             "tokens_per_s_runs": [s["tokens_per_s"] for s in sums],
             "step_s_runs": [s["step_s_median"] for s in sums],
         }

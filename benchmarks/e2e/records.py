@@ -27,7 +27,10 @@ def parse_log_history(log_history: list[dict]) -> list[dict]:
                 "busy_s": [float(row[f"odc/busy_s_rank{r}"]) for r in ranks],
                 "wait_s": [float(row[f"odc/wait_s_rank{r}"]) for r in ranks],
                 "bubble_pct": float(row.get("odc/bubble_pct", 0.0)),
-                "microbatches": [int(row.get("odc/microbatches_min", 0)), int(row.get("odc/microbatches_max", 0))],
+                "microbatches_min_max": [
+                    int(row.get("odc/microbatches_min", 0)),
+                    int(row.get("odc/microbatches_max", 0)),
+                ],
             }
         )
     return steps
@@ -62,7 +65,10 @@ def summarize_run(steps: list[dict], warmup: int, share: int = 1) -> dict:
         "busy_s": busy,
         "wait_s": wait,
         "bubble_pct": 100.0 * (1.0 - mean_busy_total / total),
-        "microbatches": [min(s["microbatches"][0] for s in measured), max(s["microbatches"][1] for s in measured)],
+        "microbatches_min_max": [
+            min(s["microbatches_min_max"][0] for s in measured),
+            max(s["microbatches_min_max"][1] for s in measured),
+        ],
     }
 
 

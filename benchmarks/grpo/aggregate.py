@@ -45,7 +45,10 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
             med[key] = [statistics.median(s[key][r] for s in sums) for r in range(world)]
         rewards = [s["reward"] for s in sums if s.get("reward") is not None]
         med["reward"] = statistics.median(rewards) if rewards else None
-        med["microbatches"] = [min(s["microbatches"][0] for s in sums), max(s["microbatches"][1] for s in sums)]
+        med["microbatches_min_max"] = [
+            min(s["microbatches_min_max"][0] for s in sums),
+            max(s["microbatches_min_max"][1] for s in sums),
+        ]
         rss = [r["peak_rss_mb"] for r in arm_runs if r.get("peak_rss_mb")]
         med["peak_rss_mb"] = [max(x[i] for x in rss) for i in range(len(rss[0]))] if rss else []
         med["step_s_runs"] = [s["step_s"] for s in sums]

@@ -68,7 +68,10 @@ def summarize_run(steps: list[dict], warmup: int) -> dict:
         "completion_mean_length": statistics.fmean(s["completion_mean_length"] for s in measured),
         "completion_max_length": max(s["completion_max_length"] for s in measured),
         "reward": statistics.fmean(rewards) if rewards else None,
-        "microbatches": [min(s["microbatches"][0] for s in measured), max(s["microbatches"][1] for s in measured)],
+        "microbatches_min_max": [
+            min(s["microbatches_min_max"][0] for s in measured),
+            max(s["microbatches_min_max"][1] for s in measured),
+        ],
     }
 
 

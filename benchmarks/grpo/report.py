@@ -27,7 +27,7 @@ def table_rows(result: dict) -> list[list[str]]:
     rows = [head]
     for name in [n for n in ARMS if n in arms]:
         a = arms[name]
-        mb = a["microbatches"]
+        mb = a["microbatches_min_max"]
         rows.append(
             [
                 a["label"],

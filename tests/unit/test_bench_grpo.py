@@ -75,7 +75,7 @@ def test_a_run_summary_matches_hand_computed_figures():
     # per step the slowest rank: max(5, 2) and max(7, 3)
     assert odc["generation_max_s"] == pytest.approx(6.0)
     assert odc["bubble_pct"] == pytest.approx(100 * (1 - (7.55 + 11.3) / 20))
-    assert odc["microbatches"] == [1, 3]
+    assert odc["microbatches_min_max"] == [1, 3]
     with pytest.raises(ValueError, match="raise --max_steps"):
         summarize_run(steps, warmup=3)
     # a long third measured step: the run's figures are means over steps (same prompts in both arms), not medians

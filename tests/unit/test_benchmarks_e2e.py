@@ -229,7 +229,7 @@ def test_slowed_rank_condition_ideal_and_dynamic_targets():
         step = busy[0] + wait[0]
         summary = {
             "step_s_median": step, "tokens_per_s": tps, "bubble_pct": bubble, "busy_s": busy, "wait_s": wait,
-            "microbatches": [1, 3], "steps_measured": 1,
+            "microbatches_min_max": [1, 3], "steps_measured": 1,
         }  # fmt: skip
         steps = [{"step": 2, "step_s": step, "busy_s": busy, "wait_s": wait}]
         return {"summary": summary, "peak_rss_mb": [1.0, 1.0], "repeat": repeat, "steps": steps}
@@ -256,3 +256,26 @@ def test_slowed_rank_condition_ideal_and_dynamic_targets():
     }
     with pytest.raises(SystemExit):
         parse_args(["sft", "--slow_rank", "0"])  # the limit's processes are rank 0: the slowed rank must not be
+
+
+def _values_of(node, key: str) -> list:
+    """Every value stored under ``key`` anywhere in a JSON tree."""
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == key] + [x for v in node.values() for x in _values_of(v, key)]
+    if isinstance(node, list):
+        return [x for v in node for x in _values_of(v, key)]
+    return []
+
+
+def test_stored_results_name_the_microbatch_range_as_such():
+    """A per-step record, run summary or arm median holds the fewest and the most microbatches of any rank: stored as
+    ``microbatches_min_max``, everywhere the readers (aggregate, report) look for it. ``microbatches`` stays the step
+    traces' list of microbatch shapes."""
+    stored = sorted((ROOT / "benchmarks" / "e2e").rglob("results.json")) + [ROOT / "benchmarks/grpo/results.json"]
+    assert len(stored) >= 10
+    for path in stored:
+        result = json.loads(path.read_text())
+        pairs = _values_of(result, "microbatches_min_max")
+        assert pairs and all(len(p) == 2 and p[0] <= p[1] for p in pairs), path
+        assert all(isinstance(mb, dict) for s in _values_of(result, "microbatches") for mb in s), path
+        assert all("microbatches_min_max" in arm for arm in result["arms"].values()), path
