@@ -1,0 +1,58 @@
+"""Two processes add into one shared-memory tensor with the accumulate kernel (Triton's interpreter, CPU tensors) at
+the same time: the exact sum, as ranks add into one owner's accumulator on GPUs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
+
+NUMEL = 3 * 2048 + 5  # three whole blocks and a ragged tail
+ROUNDS = 12
+
+
+def _source(rank: int) -> torch.Tensor:
+    # Multiples of 1/8 up to 8 in magnitude: exact in bf16 and in any fp32 partial sum, so that the order in which
+    # the two processes' adds land cannot change the result; only a lost update can.
+    gen = torch.Generator().manual_seed(rank)
+    return (torch.randint(-64, 65, (NUMEL,), generator=gen).float() / 8).to(torch.bfloat16)
+
+
+def _adder(path: str, rank: int, start: mp.Barrier) -> None:
+    from odc_accelerate.transport._kernels import accumulate_
+
+    torch.set_num_threads(1)
+    shared = torch.from_file(path, shared=True, size=NUMEL, dtype=torch.float32)
+    src = _source(rank)
+    start.wait(timeout=60)  # both processes add at the same time
+    for _ in range(ROUNDS):
+        accumulate_(shared, src)
+
+
+def test_two_processes_adding_into_one_shared_tensor_give_the_exact_sum():
+    path = f"/dev/shm/odc-accumulate-kernel-{uuid.uuid4().hex}"
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_adder, args=(path, rank, start)) for rank in range(2)]
+    try:
+        torch.from_file(path, shared=True, size=NUMEL, dtype=torch.float32).zero_()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        assert [p.exitcode for p in procs] == [0, 0]
+        result = torch.from_file(path, shared=False, size=NUMEL, dtype=torch.float32)
+        expected = (_source(0).double() + _source(1).double()) * ROUNDS
+        assert torch.equal(result.double(), expected)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+    assert not os.path.exists(path)
