@@ -19,8 +19,11 @@ from .engine_workers import _mp_policy, full_params
 
 def _train_one(rank: int, world_size: int, spec: dict[str, Any], policy: str | None) -> dict[str, Any]:
     """Train the toy LM over ``spec["plan"]`` with ODC under ``policy``, or (``policy`` None) with plain FSDP2 keeping
-    its parameters gathered and its gradients unsharded through accumulation (FSDP2's own equivalent of ``both``;
-    equal microbatch counts only)."""
+    its parameters gathered and its gradients unsharded through accumulation (FSDP2's own equivalent of ``both``).
+
+    FSDP2's collectives pair up across ranks, so under plain FSDP2 every rank runs the step's largest microbatch count:
+    a rank with fewer pads with zero-weighted microbatches, whose gradient is exactly zero (the sums are unchanged; use
+    a model whose every parameter gets a gradient in every backward, as AdamW treats a zero gradient unlike none)."""
     cfg = ToyConfig(**spec.get("cfg", {}))
     model = shard_model(build_model(cfg, seed=0), mp_policy=_mp_policy(spec.get("precision", "fp32")))
     engine = None
@@ -39,12 +42,16 @@ def _train_one(rank: int, world_size: int, spec: dict[str, Any], policy: str | N
         scale = loss_scale(n_global, world_size) if n_global else 0.0
         if engine is not None:
             out["choices"].append(engine.memory_choices())
+        work = [(ids, scale) for ids in step[rank]]
+        if engine is None:
+            filler = next(ids for rank_mbs in step for ids in rank_mbs)
+            work += [(filler, 0.0)] * (max(len(rank_mbs) for rank_mbs in step) - len(work))
         with count_dist_calls() as calls:
-            for i, ids in enumerate(step[rank]):
+            for i, (ids, weight) in enumerate(work):
                 if engine is None:
-                    model.set_requires_gradient_sync(i == len(step[rank]) - 1)
+                    model.set_requires_gradient_sync(i == len(work) - 1)
                 loss, _ = token_loss_sum(model, ids)
-                (loss * scale).backward()
+                (loss * weight).backward()
                 if engine is not None and "republish_mid_step" not in out:
                     try:  # a microbatch ran (its gradient may be kept, not added yet): too late to republish
                         engine.republish()

@@ -69,15 +69,17 @@ def test_every_policy_trains_like_one_process_and_keeps_what_it_says():
 
 def test_bf16_every_policy_bit_identical_to_fsdp2_keeping_params_and_grads():
     # Plain FSDP2 with reshard_after_forward/backward off and gradient sync on the last microbatch only (its own way
-    # of keeping both) against ODC under every fixed policy: same bf16 model, equal microbatch counts. The gated model
-    # runs separately (FSDP2 itself refuses to reduce a kept fp32 gradient beside a bf16 one of a param that got
+    # of keeping both) against ODC under every fixed policy: same bf16 model and microbatches. The counts are unequal
+    # (2 vs 1, 1 vs 3) and a rank has none (step 3): ODC's ranks run only their own, plain FSDP2's ranks pad to the
+    # step's largest count with zero-weighted microbatches (its collectives must pair up). The gated model runs
+    # separately, ODC only (FSDP2 itself refuses to reduce a kept fp32 gradient beside a bf16 one of a param that got
     # its first gradient in the last microbatch; ODC reduces kept gradients at the step boundary, where it does not).
-    equal = [[[12, 8], [10, 9]], [[7, 11], [13, 5]]]
+    unequal = [[[12, 8], [10]], [[7], [11, 13, 5]], [[], [9, 6]]]
     plain = launch(
         train_policies,
         2,
         dict(
-            plan=equal,
+            plan=unequal,
             precision="bf16",
             cfg=dict(layers=2),
             policies=["fsdp2-keep", "neither", "params", "grads", "both"],
@@ -88,7 +90,7 @@ def test_bf16_every_policy_bit_identical_to_fsdp2_keeping_params_and_grads():
         train_policies,
         2,
         dict(
-            plan=equal,
+            plan=unequal,
             precision="bf16",
             cfg=dict(layers=2, gated=True),
             policies=["neither", "params", "grads", "both"],
