@@ -426,19 +426,34 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
     return None
 
 
-def memory_refusal(plan: SegmentPlan, facts: Sequence[DeviceFacts]) -> str | None:
-    """Why ``plan`` does not fit in the GPUs' free memory (ranks sharing a GPU add up), or None if it fits."""
+#: GPU memory each rank must have free beyond the plan when the transport is set up: the first use of its kernels
+#: and of symmetric memory grows the CUDA context and torch's peer tables (~70 MiB per rank measured on an H100, not
+#: given back before the process ends), and the engine's first publish casts one parameter at a time.
+SETUP_MARGIN_BYTES = 128 * 2**20
+
+
+def memory_refusal(
+    plan: SegmentPlan, facts: Sequence[DeviceFacts], margin_bytes: int = SETUP_MARGIN_BYTES
+) -> str | None:
+    """Why ``plan`` (plus ``margin_bytes`` per rank for set-up) does not fit in the GPUs' free memory (ranks sharing a
+    GPU add up), or None if it fits. The same text on every rank: every rank decides from the same gathered facts."""
     by_gpu: dict[str, list[int]] = {}
     for rank, f in enumerate(facts):
         by_gpu.setdefault(f.uuid, []).append(rank)
     for ranks in by_gpu.values():
-        need = plan.device_bytes * len(ranks)
+        need = (plan.device_bytes + margin_bytes) * len(ranks)
         free = min(facts[r].free_bytes for r in ranks)
         if need > free:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks} (one GPU)"
-            return (
-                f"{who} need(s) {_mib(need)} of GPU memory for the 'cuda' ODC transport, {plan.describe()} per rank, "
-                f"but only {_mib(free)} is free. Lower the staging pool (staging_mib / ${STAGING_ENV}), shard over "
-                "more GPUs, or free memory before creating the engine"
-            )
+            return out_of_memory_text(who, need, free, plan, margin_bytes)
     return None
+
+
+def out_of_memory_text(who: str, need: int, free: int, plan: SegmentPlan, margin_bytes: int) -> str:
+    """The refusal for too little GPU memory: what is needed, what is free, and what to change."""
+    return (
+        f"{who} need(s) {_mib(need)} of GPU memory for the 'cuda' ODC transport ({plan.describe()} + "
+        f"{_mib(margin_bytes)} set-up margin per rank), but only {_mib(free)} is free. Lower the staging pool "
+        f"(staging_mib / ${STAGING_ENV}), accumulate in bf16 (accumulate_dtype), shard over more GPUs, or free memory "
+        "before creating the engine"
+    )

@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-FAILED = -1
-CONTROL_UP, ALLOCATING, RENDEZVOUS, MAPPED = 0, 1, 2, 3
+FAILED, OUT_OF_MEMORY = -1, -2
+CONTROL_UP, ALLOCATING, ALLOCATED, RENDEZVOUS, MAPPED = 0, 1, 2, 3, 4
 PHASES = {
     FAILED: "failed (see its own error)",
+    OUT_OF_MEMORY: "ran out of GPU memory allocating its segment (every rank refuses)",
     CONTROL_UP: "has not started allocating its segment",
     ALLOCATING: "allocating its segment (symmetric memory, empty_strided_p2p)",
+    ALLOCATED: "allocated its segment, waiting for the peers to allocate theirs",
     RENDEZVOUS: "in the symmetric-memory rendezvous",
     MAPPED: "mapped every peer's segment",
 }

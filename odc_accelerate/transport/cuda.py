@@ -47,11 +47,13 @@ import torch.distributed as dist
 from . import _setup_watchdog as watchdog
 from ._cuda_plan import (
     OVERLAP_ENV,
+    SETUP_MARGIN_BYTES,
     DeviceFacts,
     SegmentPlan,
     StagingPool,
     device_refusal,
     memory_refusal,
+    out_of_memory_text,
     plan_segment,
     staging_bytes_setting,
 )
@@ -61,7 +63,8 @@ from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-_PHASE = "setup_phase"  # the control plane's one buffer: how far this rank got in set-up (`_setup_watchdog`)
+_PHASE = "setup_phase"  # control plane: how far this rank got in set-up (`_setup_watchdog`)
+_FREE = "setup_free"  # control plane: this rank's free GPU bytes when its allocation ran out of memory
 _P2P_NATIVE_ATOMIC = 3  # CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cudaDevP2PAttrNativeAtomicSupported)
 #: the accumulate paths: the Triton kernel (`._kernels.accumulate_`), or ``index_add_`` through the staging pool
 KERNEL_PATH, FALLBACK_PATH = "kernel", "index_add_"
@@ -88,6 +91,14 @@ def choose_accumulate_path(device: torch.device, dtype: torch.dtype) -> tuple[st
                 why,
             )
     return path, why
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a CUDA out-of-memory error: torch's allocator raises `torch.OutOfMemoryError`, while a
+    failed driver allocation (symmetric memory's ``cuMemCreate``) surfaces as a runtime error naming it."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    )
 
 
 def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
@@ -273,22 +284,19 @@ class CudaTransport(Transport):
         self._plan = plan
         # Control plane first: it also checks that every rank is on this host (CUDA IPC cannot cross hosts).
         self._control = ShmTransport(self.rank, self.world_size, timeout=self.timeout, group=self._group)
-        self._phase = self._control.register({_PHASE: BufferSpec(numel=1, dtype=torch.int64)})[_PHASE]
+        control = self._control.register(
+            {_PHASE: BufferSpec(numel=1, dtype=torch.int64), _FREE: BufferSpec(numel=1, dtype=torch.int64)}
+        )
+        self._phase, self._free_slot = control[_PHASE], control[_FREE]
         try:
-            # Symmetric memory's allocation and rendezvous have no timeout: the watchdog ends this process, naming the
-            # rank at fault, if a peer fails or dies there or nothing finishes within the timeout.
-            with watchdog.SetupWatchdog(
-                self.rank, self.world_size, self.timeout, self._phase_of, self._control.dead_peers
-            ):
-                segments = self._map_segments(plan.segment_bytes, device)
+            segments = self._map_segments(plan, device)
             self._segment = segments[self.rank]
             self._views = [{name: plan.view(seg, name) for name in plan.offsets} for seg in segments]
-            if plan.staging_bytes:
-                self._pool = StagingPool(plan.chunk_numel, plan.cast_dtype, device, cast=plan.needs_cast)
             self._sync()  # zeroed before any peer can add
             self._control.barrier()
         except BaseException:
-            self._set_phase(watchdog.FAILED)  # the peers' watchdogs stop waiting for this rank
+            if self._phase is not None and int(self._phase) != watchdog.OUT_OF_MEMORY:  # peers read that one
+                self._set_phase(watchdog.FAILED)  # the peers' watchdogs stop waiting for this rank
             self.close()
             raise
         logger.info(
@@ -315,14 +323,88 @@ class CudaTransport(Transport):
         self._control.read(rank, _PHASE, out)
         return int(out)
 
-    def _map_segments(self, nbytes: int, device: torch.device) -> list[torch.Tensor]:
-        """Collective: allocate this rank's zeroed segment and map every peer's; element ``r`` is rank ``r``'s."""
+    def _map_segments(self, plan: SegmentPlan, device: torch.device) -> list[torch.Tensor]:
+        """Collective: allocate this rank's zeroed segment (and staging pool) and map every peer's; element ``r`` is
+        rank ``r``'s.
+
+        Every rank allocates, then the ranks agree on the host that all of them succeeded before any enters the
+        rendezvous: a rank out of GPU memory makes every rank raise the same refusal, instead of leaving its peers
+        blocked in a call with no timeout. Symmetric memory's calls have none, so a watchdog guards each of them: it
+        ends this process, naming the rank at fault, if a peer fails or dies there or nothing finishes in time.
+        """
         self._set_phase(watchdog.ALLOCATING)
-        own = self._allocate_segment(nbytes, device)
+        own = None
+        with self._watchdog():
+            try:
+                own = self._allocate_segment(plan.segment_bytes, device)
+                if plan.staging_bytes:
+                    self._pool = StagingPool(plan.chunk_numel, plan.cast_dtype, device, cast=plan.needs_cast)
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                own = self._pool = None
+                self._report_out_of_memory(device)
+        if own is not None:
+            self._set_phase(watchdog.ALLOCATED)
+        self._agree_on_allocation(plan)
         self._set_phase(watchdog.RENDEZVOUS)
-        segments = self._exchange_segments(own, nbytes)
+        with self._watchdog():
+            segments = self._exchange_segments(own, plan.segment_bytes)
         self._set_phase(watchdog.MAPPED)
         return segments
+
+    def _watchdog(self) -> watchdog.SetupWatchdog:
+        return watchdog.SetupWatchdog(
+            self.rank, self.world_size, self.timeout, self._phase_of, self._control.dead_peers
+        )
+
+    def _free_bytes(self, device: torch.device) -> int:
+        """Free memory on this rank's GPU now (what a refusal names)."""
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(device)[0])
+
+    def _report_out_of_memory(self, device: torch.device) -> None:
+        """Tell the peers (control plane) that this rank's allocation ran out of memory, and how much was free."""
+        self._free_slot.fill_(self._free_bytes(device))
+        self._set_phase(watchdog.OUT_OF_MEMORY)
+
+    def _agree_on_allocation(self, plan: SegmentPlan) -> None:
+        """Wait on the host until every rank allocated, or raise the same refusal on every rank if one ran out of
+        memory. A peer that failed otherwise or died, or a wait beyond the timeout, raises too (this rank is not in
+        a blocking call yet, so it can)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            phases = [self._phase_of(r) for r in range(self.world_size)]
+            short = [r for r, p in enumerate(phases) if p == watchdog.OUT_OF_MEMORY]
+            if short:
+                free = {r: self._free_of(r) for r in short}
+                who = f"rank {short[0]}" if len(short) == 1 else f"ranks {short}"
+                need = (plan.device_bytes + SETUP_MARGIN_BYTES) * len(short)
+                text = out_of_memory_text(who, need, min(free.values()), plan, SETUP_MARGIN_BYTES)
+                raise RuntimeError(
+                    f"the 'cuda' ODC transport cannot run: {text} (its allocation ran out of GPU memory)"
+                )
+            if all(p >= watchdog.ALLOCATED for p in phases):
+                return
+            failed = [r for r, p in enumerate(phases) if p == watchdog.FAILED]
+            dead = self._control.dead_peers()
+            if failed or dead:
+                raise RuntimeError(
+                    f"the 'cuda' ODC transport's set-up stopped on rank {self.rank}: rank(s) {sorted({*failed, *dead})} "
+                    "failed or exited while allocating (see their own error)"
+                )
+            if time.monotonic() >= deadline:
+                behind = [r for r, p in enumerate(phases) if p < watchdog.ALLOCATED]
+                raise RuntimeError(
+                    f"the 'cuda' ODC transport's set-up on rank {self.rank} timed out after {self.timeout:g}s waiting "
+                    f"for rank(s) {behind} to allocate their segments"
+                )
+            time.sleep(0.005)
+
+    def _free_of(self, rank: int) -> int:
+        out = torch.empty(1, dtype=torch.int64)
+        self._control.read(rank, _FREE, out)
+        return int(out)
 
     def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Collective (every rank of the group calls it): this rank's zeroed segment in symmetric memory."""

@@ -17,22 +17,28 @@ FOREVER = 3600.0  # longer than any test's limit: only the watchdog can end it
 
 
 class StuckSetupTransport(CpuSegmentsCudaTransport):
-    """``mode="fail"``: rank 1 runs out of memory allocating its segment while rank 0 waits in the rendezvous;
-    ``mode="hang"``: rank 1 never finishes allocating and rank 0 waits in the rendezvous."""
+    """``mode="fail"``: rank 1 fails in the rendezvous (a socket error) while rank 0 waits in it;
+    ``mode="hang"``: rank 1 never finishes allocating;
+    ``mode="oom"``: rank 1 runs out of GPU memory allocating its segment (``oom_error``: how: torch's allocator, or a
+    driver error as symmetric memory raises it), with ``free_bytes`` stated free."""
 
-    def __init__(self, rank: int, world_size: int, mode: str, **kwargs: Any) -> None:
+    def __init__(self, rank: int, world_size: int, mode: str, oom_error: str = "allocator", **kwargs: Any) -> None:
         super().__init__(rank, world_size, **kwargs)
-        self.mode = mode
+        self.mode, self.oom_error = mode, oom_error
 
     def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self.rank == 1 and self.mode == "fail":
-            raise torch.OutOfMemoryError("emulated: CUDA out of memory while allocating the ODC segment")
+        if self.rank == 1 and self.mode == "oom":
+            if self.oom_error == "allocator":
+                raise torch.OutOfMemoryError("emulated: CUDA out of memory. Tried to allocate the ODC segment")
+            raise RuntimeError("emulated: CUDA error: out of memory")  # what a failed cuMemCreate raises
         if self.rank == 1 and self.mode == "hang":
             time.sleep(FOREVER)
         return super()._allocate_segment(nbytes, device)
 
     def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
-        if self.rank == 0:
+        if self.rank == 1 and self.mode == "fail":
+            raise RuntimeError("emulated: the rendezvous' socket failed")
+        if self.rank == 0 and self.mode == "fail":
             time.sleep(FOREVER)  # torch's rendezvous waits for rank 1 in C++, with no timeout
         return super()._exchange_segments(own, nbytes)
 
@@ -42,7 +48,8 @@ def stuck_setup_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
     out = Path(spec["dir"])
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     os.dup2(os.open(out / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
-    transport = StuckSetupTransport(rank, world_size, spec["mode"], timeout=spec["timeout"])
+    extra = {k: spec[k] for k in ("free_bytes", "oom_error") if k in spec}
+    transport = StuckSetupTransport(rank, world_size, spec["mode"], timeout=spec["timeout"], **extra)
     transport.register(
         {
             "p0": BufferSpec(numel=64, dtype=torch.float32),

@@ -111,14 +111,19 @@ class CpuSegmentsCudaTransport(CudaTransport):
 
     name = "cuda-on-cpu"
 
-    def __init__(self, rank: int, world_size: int, **kwargs: Any) -> None:
+    def __init__(self, rank: int, world_size: int, *, free_bytes: int = 2**62, **kwargs: Any) -> None:
         super().__init__(rank, world_size, device=torch.device("cpu"), **kwargs)
         self._shm: ShmTransport | None = None
+        self.free_bytes = free_bytes  # the stated free memory of each emulated GPU
 
     def _gather_facts(self, device: torch.device) -> list[DeviceFacts]:
         gpus = tuple(f"cpu-{r}" for r in range(self.world_size))
         yes = (True,) * self.world_size
-        return [DeviceFacts(host="cpu", uuid=g, visible=gpus, access=yes, atomics=yes, free_bytes=2**62) for g in gpus]
+        free = self.free_bytes
+        return [DeviceFacts(host="cpu", uuid=g, visible=gpus, access=yes, atomics=yes, free_bytes=free) for g in gpus]
+
+    def _free_bytes(self, device: torch.device) -> int:
+        return self.free_bytes
 
     def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)  # the shared-memory segments are made by `_exchange_segments`

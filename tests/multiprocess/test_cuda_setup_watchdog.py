@@ -1,6 +1,7 @@
 """The 'cuda' transport's set-up cannot hang: a rank that fails or stalls in symmetric memory's allocation or
-rendezvous (calls with no timeout) ends its blocked peers with a message naming it. Real 2-process gloo jobs on CPU,
-the transport's protocol over shared memory with one rank made to fail or hang there."""
+rendezvous (calls with no timeout) ends its blocked peers with a message naming it, and a rank out of GPU memory is a
+refusal on every rank. Real 2-process gloo jobs on CPU, the transport's protocol over shared memory with one rank made
+to fail, hang or run out of memory there."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from tests.helpers.cuda_setup import stuck_setup_worker
 pytestmark = pytest.mark.multiprocess
 
 
-def test_a_rank_failing_to_allocate_ends_its_peer_blocked_in_the_rendezvous(tmp_path):
+MiB = 2**20
+
+
+def test_a_rank_failing_in_the_rendezvous_ends_its_peer_blocked_there(tmp_path):
     # The timeout is far beyond the job's limit: only the failed rank's phase can end rank 0 in time.
     spec = {"dir": str(tmp_path), "mode": "fail", "timeout": 600.0}
     results = launch(stuck_setup_worker, 2, spec, timeout=120, allow_failures=True)
-    assert "emulated: CUDA out of memory" in results[1]  # rank 1 raised its own error
+    assert "emulated: the rendezvous' socket failed" in results[1]  # rank 1 raised its own error
     assert "exited with code 1" in results[0]
     message = (tmp_path / "rank0.stderr").read_text()
     assert "ODC 'cuda' transport on rank 0: rank 1 failed during the 'cuda' transport's set-up" in message
@@ -24,23 +28,36 @@ def test_a_rank_failing_to_allocate_ends_its_peer_blocked_in_the_rendezvous(tmp_
     assert shm_files_of(read_pids(tmp_path)) == []
 
 
-def test_a_stalled_set_up_ends_every_rank_after_the_timeout_naming_the_rank_behind(tmp_path):
+@pytest.mark.parametrize("oom_error", ["allocator", "driver"])
+def test_a_rank_out_of_memory_allocating_is_a_refusal_on_every_rank_naming_need_and_free(tmp_path, oom_error):
+    # Rank 1's allocation runs out of memory after the memory check passed (2 GiB stated free); rank 0 allocated and
+    # must not enter the rendezvous: both raise the same refusal, nobody exits, nothing waits for the timeout.
+    spec = {"dir": str(tmp_path), "mode": "oom", "oom_error": oom_error, "timeout": 600.0, "free_bytes": 2048 * MiB}
+    results = launch(stuck_setup_worker, 2, spec, timeout=120, allow_failures=True)
+    for rank, text in enumerate(results):
+        assert "exited with code" not in text, (rank, text)
+        assert "RuntimeError: the 'cuda' ODC transport cannot run: rank 1 need(s)" in text, (rank, text)
+        assert "but only 2048.0 MiB is free" in text and "its allocation ran out of GPU memory" in text
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_too_little_stated_free_memory_is_refused_on_every_rank_before_any_allocation(tmp_path):
+    # 1 MiB stated free: the memory check refuses from the gathered facts, before the control plane or any segment.
+    spec = {"dir": str(tmp_path), "mode": "oom", "timeout": 600.0, "free_bytes": MiB}
+    results = launch(stuck_setup_worker, 2, spec, timeout=120, allow_failures=True)
+    for text in results:
+        assert "the 'cuda' ODC transport cannot run: rank 0 need(s)" in text and "but only 1.0 MiB is free" in text
+        assert "set-up margin" in text and "emulated" not in text  # rank 1's allocation was never reached
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_a_stalled_allocation_ends_every_rank_after_the_timeout_naming_the_rank_behind(tmp_path):
     spec = {"dir": str(tmp_path), "mode": "hang", "timeout": 2.0}
     results = launch(stuck_setup_worker, 2, spec, timeout=120, allow_failures=True)
-    assert all("exited with code 1" in r for r in results)
-    messages = [(tmp_path / f"rank{rank}.stderr").read_text() for rank in range(2)]
-    timed_out = [
-        rank
-        for rank, message in enumerate(messages)
-        if f"ODC 'cuda' transport on rank {rank}: the set-up did not finish within 2s" in message
-    ]
-    # Whichever rank's watchdog fires first names rank 1 as furthest behind; the other either does the same or, if
-    # its peer already exited, names that peer as exited.
-    assert timed_out, messages
-    for rank, message in enumerate(messages):
-        assert "rank 1 allocating its segment" in message
-        if rank in timed_out:
-            assert "furthest behind: rank(s) [1]" in message
-        else:
-            assert f"rank {1 - rank} exited during the 'cuda' transport's set-up" in message
+    # Rank 0 allocated and waits for rank 1 on the host: it raises, naming rank 1.
+    assert "timed out after 2s waiting for rank(s) [1] to allocate their segments" in results[0]
+    # Rank 1 is blocked in the allocation (a call with no timeout): its watchdog ends the process.
+    assert "exited with code 1" in results[1]
+    message = (tmp_path / "rank1.stderr").read_text()
+    assert "ODC 'cuda' transport on rank 1" in message and "rank 1 allocating its segment" in message
     assert shm_files_of(read_pids(tmp_path)) == []

@@ -17,6 +17,7 @@ from odc_accelerate.transport._cuda_plan import (
     MAX_DEFAULT_STAGING_MIB,
     OVERLAP_ENV,
     SEGMENT_GRANULARITY,
+    SETUP_MARGIN_BYTES,
     STAGING_ENV,
     DeviceFacts,
     StagingPool,
@@ -245,14 +246,16 @@ def test_backend_hosts_determinism_and_local_problems_are_refused():
     assert device_refusal(no_gpu) == "rank 1: torch.cuda.is_available() is False"
 
 
-def test_memory_is_counted_before_allocation_and_shared_gpus_add_up():
+def test_memory_is_counted_before_allocation_with_a_set_up_margin_and_shared_gpus_add_up():
     plan = plan_segment({"g": BufferSpec(numel=100 * MiB, dtype=torch.bfloat16, accumulated=True)}, 64 * MiB)
-    need = plan.device_bytes
+    need = plan.device_bytes + SETUP_MARGIN_BYTES
     roomy = [_gpu(r, NODE[:2], r, free_bytes=need + MiB) for r in range(2)]
     assert memory_refusal(plan, roomy) is None
-    tight = [roomy[0], DeviceFacts(**{**roomy[1].__dict__, "free_bytes": need - 1})]
+    # The plan alone would fit; the set-up margin does not.
+    tight = [roomy[0], DeviceFacts(**{**roomy[1].__dict__, "free_bytes": plan.device_bytes + MiB})]
     reason = memory_refusal(plan, tight)
     assert reason.startswith("rank 1 need(s)") and f"{need / MiB:.1f} MiB" in reason and STAGING_ENV in reason
+    assert f"{(plan.device_bytes + MiB) / MiB:.1f} MiB is free" in reason and "set-up margin" in reason
     shared = [_gpu(r, ("GPU-a",), 0, allow_overlap=True, free_bytes=need + MiB) for r in range(2)]
     reason = memory_refusal(plan, shared)
     assert reason and "ranks [0, 1] (one GPU)" in reason and f"{2 * need / MiB:.1f} MiB" in reason
