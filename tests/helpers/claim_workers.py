@@ -47,8 +47,10 @@ def _counter(backend: str, transport: Any) -> Any:
 def exactly_once(rank: int, world_size: int, flag_dir: str) -> dict[str, Any]:
     """Per backend, several rounds on one counter; returns the indices this rank claimed in each round.
 
-    * ``race``: 600 indices, both ranks claiming at once (the counter under contention);
-    * ``slow``: 24 indices, rank 1 sleeping 40 ms per index and rank 0 1 ms (a much slower rank);
+    * ``race``: 600 indices, both ranks claiming at once (the counter under contention): after its first claim each
+      rank waits until its peer has claimed one too, so that both take part whatever the machine's load;
+    * ``slow``: 24 indices, rank 1 waiting after its first claim until rank 0 has found the counter exhausted (a much
+      slower rank, by construction: it claims at most one);
     * ``none``: 6 indices, rank 1 claims only after rank 0 has found the counter exhausted (a rank that claims none);
     * ``empty``: a round of 0 indices;
     * ``again``: the next round starts at 0 again (``race`` repeated).
@@ -63,15 +65,16 @@ def exactly_once(rank: int, world_size: int, flag_dir: str) -> dict[str, Any]:
             round_no += 1
             flag = Path(flag_dir) / f"{backend}-{case}.done"
             if case == "none" and rank == 1:
-                deadline = time.monotonic() + 30
-                while not flag.exists() and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                _wait_for(flag)
             mine = []
             for index in claim_indices(counter, round_no, count):
                 mine.append(index)
-                if case == "slow":
-                    time.sleep(0.04 if rank == 1 else 0.001)
+                if case == "slow" and rank == 1:
+                    _wait_for(flag)
                 elif case in ("race", "again"):
+                    if len(mine) == 1:
+                        (Path(flag_dir) / f"{backend}-{case}-rank{rank}.first").touch()
+                        _wait_for(Path(flag_dir) / f"{backend}-{case}-rank{1 - rank}.first")
                     time.sleep(2e-4)  # a little work per index, so that both ranks are claiming at once
             if rank == 0:
                 flag.touch()
@@ -80,6 +83,15 @@ def exactly_once(rank: int, world_size: int, flag_dir: str) -> dict[str, Any]:
         out[backend] = got
         transport.close()
     return out
+
+
+def _wait_for(path: Path, timeout: float = 60.0) -> None:
+    """Wait until ``path`` exists (a peer's signal); a peer that never sends it fails the test, naming the file."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {timeout} s")
+        time.sleep(0.005)
 
 
 def killed_after_claiming(rank: int, world_size: int, backend: str, record_dir: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,18 +54,41 @@ def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def run_claimed(engine: ODCEngine, model: Any, queue: list[torch.Tensor], scale: float, slow_s: float = 0.0) -> list:
+def run_claimed(
+    engine: ODCEngine,
+    model: Any,
+    queue: list[torch.Tensor],
+    scale: float,
+    drained: str | None = None,
+    slow: bool = False,
+) -> list:
     """One step of the dynamic plan on this rank: claim ``queue``'s microbatches one at a time and run each (its
-    summed token loss times ``scale``, backward), sleeping ``slow_s`` after each (a slower device). Returns the
-    claimed indices in the order run."""
+    summed token loss times ``scale``, backward). Returns the claimed indices in the order run.
+
+    ``drained``: a file this rank creates once it finds the queue empty. ``slow``: after each microbatch, wait until a
+    peer has created ``drained`` (a slower device, made so by construction rather than by a sleep's length, which a
+    loaded machine can outrun): a slow rank runs at most one microbatch per step, and its peers the rest.
+    """
     mine = []
     for i in engine.claim_microbatches(len(queue)):
         mine.append(i)
         loss, _ = token_loss_sum(model, queue[i])
         (loss * scale).backward()
-        if slow_s:
-            time.sleep(slow_s)
+        if slow:
+            _wait_for(drained, timeout=60.0)
+    if drained is not None:
+        Path(drained).touch()
     return mine
+
+
+def _wait_for(path: str | None, timeout: float) -> None:
+    if path is None:
+        raise ValueError("a slow rank needs the drained file to wait for")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no peer drained the queue ({path}) within {timeout} s")
+        time.sleep(0.005)
 
 
 def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -127,8 +151,9 @@ def train(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
             # The dynamic plan: the step's sequences in one queue (the same on every rank), claimed one at a time.
             queue = [ids for rank_mbs in step for ids in rank_mbs]
             with count_dist_calls() as calls:
-                slow_s = spec["slow_s"] if spec.get("slow_rank") == rank else 0.0
-                claimed.append(run_claimed(engine, model, queue, scale, slow_s))
+                drained = os.path.join(spec["drain_dir"], f"step{step_index}") if spec.get("drain_dir") else None
+                slow = spec.get("slow_rank") == rank
+                claimed.append(run_claimed(engine, model, queue, scale, drained, slow))
         with count_dist_calls() as more_calls:
             for i, ids in enumerate([] if spec.get("dynamic") else step[rank]):
                 if spec.get("no_sync"):

@@ -108,7 +108,8 @@ def train_hsdp(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
 def train_hsdp_dynamic(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """The dynamic plan on the HSDP mesh, once per memory policy of ``spec["policies"]`` (a fresh model each): every
     rank of both replicas claims from one queue per step (each step's sequences, one per microbatch); rank
-    ``spec["slow_rank"]`` sleeps ``spec["slow_s"]`` after each microbatch."""
+    ``spec["slow_rank"]`` runs at most one microbatch per step, waiting after it until a peer has drained the queue
+    (files in ``spec["drain_dir"]``, see `run_claimed`)."""
     replicas, shards = spec["mesh"]
     os.environ["ODC_HOST_ID"] = f"host{rank // shards}"
     cfg = ToyConfig(**spec.get("cfg", {}))
@@ -118,13 +119,13 @@ def train_hsdp_dynamic(rank: int, world_size: int, spec: dict[str, Any]) -> dict
         engine = ODCEngine(model, timeout=60.0, memory_policy=policy)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         claimed, calls, kept = [], [], []
-        for step in make_steps(spec["plan"], cfg.vocab, seed=1):
+        for step_index, step in enumerate(make_steps(spec["plan"], cfg.vocab, seed=1)):
             queue = [ids for rank_mbs in step for ids in rank_mbs]
             scale = loss_scale(sum(ids.shape[1] - 1 for ids in queue), world_size)
             kept.append(engine.memory_choices())
             with count_dist_calls() as in_microbatches:
-                slow_s = spec["slow_s"] if rank == spec["slow_rank"] else 0.0
-                claimed.append(run_claimed(engine, model, queue, scale, slow_s))
+                drained = os.path.join(spec["drain_dir"], f"{policy}-step{step_index}")
+                claimed.append(run_claimed(engine, model, queue, scale, drained, rank == spec["slow_rank"]))
             calls.append(dict(in_microbatches))
             engine.pre_optimizer_step()
             optim.step()

@@ -21,12 +21,13 @@ def test_every_index_claimed_exactly_once(tmp_path):
             assert sorted(r0 + r1) == list(range(count)), (backend, case, r0, r1)
             # each rank's claims come in increasing order (one counter, fetch-and-add)
             assert r0 == sorted(r0) and r1 == sorted(r1), (backend, case)
+        # the slow rank (waiting after its first claim until the counter is exhausted) took at most that one: the
+        # fast rank ran the rest without waiting for it
         slow = results[1][backend]["slow"]
-        # the slower rank (40x per index) takes far fewer: the fast one does not wait for it
-        assert len(slow) <= 6, (backend, slow)
+        assert len(slow) <= 1 and len(results[0][backend]["slow"]) >= 23, (backend, slow)
         assert results[1][backend]["none"] == [], backend  # a rank that claims none
         assert results[0][backend]["none"] == list(range(6)), backend
-        # both ranks took part in the races (claims interleave, not one rank per round)
+        # both ranks took part in the races (each waits after its first claim for its peer's first)
         assert results[0][backend]["race"] and results[1][backend]["race"], backend
 
 
@@ -46,10 +47,11 @@ def test_killed_rank_after_claiming_is_named(tmp_path, backend):
 STEPS = [[[12, 30, 7, 22], [9, 16, 25]], [[28, 5, 14], [20, 11, 8, 19]], [[6, 26, 13, 17], [24, 10, 15]]]
 
 
-def test_engine_dynamic_plan_matches_one_process_with_a_slower_rank():
+def test_engine_dynamic_plan_matches_one_process_with_a_slower_rank(tmp_path):
     from tests.helpers.engine_workers import reference, train
 
-    spec = dict(plan=STEPS, clip=0.5, mode="odc", dynamic=True, slow_rank=1, slow_s=0.3)
+    # rank 1 is slow by construction: after each microbatch it waits until rank 0 has drained the step's queue
+    spec = dict(plan=STEPS, clip=0.5, mode="odc", dynamic=True, slow_rank=1, drain_dir=str(tmp_path))
     results = launch(train, 2, spec, timeout=240)
     ref = reference(spec)
     for res in results:
@@ -59,8 +61,8 @@ def test_engine_dynamic_plan_matches_one_process_with_a_slower_rank():
         assert all(c == {} for c in res["counts"]), "claims and microbatches make no torch.distributed call"
     for step, (r0, r1) in enumerate(zip(results[0]["claimed"], results[1]["claimed"], strict=True)):
         assert sorted(r0 + r1) == list(range(7)), (step, r0, r1)
-    # rank 1 sleeps 0.3 s after each microbatch: rank 0 runs most of each step
-    assert sum(map(len, results[1]["claimed"])) < sum(map(len, results[0]["claimed"]))
+    # the slow rank ran at most one microbatch per step, its peer the rest: the queue went to the rank that was free
+    assert all(len(r1) <= 1 for r1 in results[1]["claimed"]), results[1]["claimed"]
     errors = results[0]["claim_errors"]
     assert len(errors) == 2 and "already called in this optimizer step" in errors[0]
     assert "call it before pre_optimizer_step()" in errors[1]

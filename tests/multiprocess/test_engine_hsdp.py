@@ -1,7 +1,5 @@
 """ODC on a 2-D (replicate, shard) mesh: 4 real gloo processes as 2 emulated hosts x 2 ranks."""
 
-import time
-
 import pytest
 
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
@@ -56,21 +54,20 @@ def test_hsdp_parity_collectives_refusal_and_checkpoint_resume(tmp_path):
         assert rel_diff(res["params_resumed"], ref) <= 1e-6, rank
 
 
-def test_hsdp_dynamic_plan_and_memory_policies_match_one_process():
-    # One queue per step for all 4 ranks of both replicas; rank 3 is much slower, so its peers take more. Under the
-    # default policy and with parameters and gradients kept through the step (reduced once, before the replicas'
-    # all-reduce).
-    spec = dict(mesh=(2, 2), plan=UNEQUAL, slow_rank=3, slow_s=0.3, policies=["neither", "both"])
+def test_hsdp_dynamic_plan_and_memory_policies_match_one_process(tmp_path):
+    # One queue per step for all 4 ranks of both replicas; rank 3 is slow by construction (after each microbatch it
+    # waits until a peer has drained the queue), so its peers take the rest. Under the default policy and with
+    # parameters and gradients kept through the step (reduced once, before the replicas' all-reduce).
+    spec = dict(mesh=(2, 2), plan=UNEQUAL, slow_rank=3, drain_dir=str(tmp_path), policies=["neither", "both"])
     results = launch(train_hsdp_dynamic, 4, spec, timeout=400)
     ref = reference(dict(plan=UNEQUAL))
-    total = sum(len(mbs) for step in UNEQUAL for mbs in step)
     for policy in spec["policies"]:
         runs = [res[policy] for res in results]
         for step, rank_mbs in enumerate(UNEQUAL):
             claimed = sorted(i for run in runs for i in run["claimed"][step])
             assert claimed == list(range(sum(len(mbs) for mbs in rank_mbs))), (policy, step)
-        # every microbatch was claimed by exactly one rank, and the slowed rank ran fewer than the average
-        assert sum(len(c) for c in runs[3]["claimed"]) < total / 4, (policy, [run["claimed"] for run in runs])
+        # every microbatch was claimed by exactly one rank (above); the slow rank ran at most one per step
+        assert all(len(c) <= 1 for c in runs[3]["claimed"]), (policy, [run["claimed"] for run in runs])
         for rank, run in enumerate(runs):
             assert all(kept == {g: policy for g in kept} for kept in run["kept"]), (policy, run["kept"])
             assert all(calls == {} for calls in run["calls"]), (policy, rank, run["calls"])  # no collective in claims
@@ -85,14 +82,13 @@ def test_hsdp_dynamic_plan_and_memory_policies_match_one_process():
 
 
 def test_hsdp_killed_rank_is_named_on_every_host(pid_dir):
-    spec = dict(mesh=(2, 2), plan=UNEQUAL, kill_at=(3, 1), pid_dir=str(pid_dir), timeout=200.0)
-    start = time.monotonic()
+    # The engine's waits may last far longer than the job (1000 s against the launch's 300 s): an ODCTimeoutError
+    # naming rank 3 on every survivor can then only come from noticing the dead rank, not from a wait running out.
+    spec = dict(mesh=(2, 2), plan=UNEQUAL, kill_at=(3, 1), pid_dir=str(pid_dir), timeout=1000.0)
     with pytest.raises(LaunchError) as info:
         launch(train_hsdp_kill, 4, spec, timeout=300)
-    elapsed = time.monotonic() - start
     failures = info.value.failures
     assert "without reporting" in failures[3]  # rank 3 really died
     for rank in (0, 1, 2):
         assert "ODCTimeoutError" in failures[rank] and "global rank(s) [3]" in failures[rank], (rank, failures[rank])
-    assert elapsed < 150, "a dead rank must be noticed long before the timeout"
     assert shm_files_of(read_pids(pid_dir)) == []
