@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.calibration.load import CalibrationError
-from benchmarks.sim import hsdp
+from benchmarks.sim import crossover, hsdp
 from benchmarks.sim.results import E2E_SFT_RESULTS, ENGINE_RESULTS, TRANSPORT_RESULTS
 from benchmarks.sim.scale import MODELS, run_scale
 from benchmarks.sim.simulator import H100
@@ -19,6 +19,8 @@ DESCRIPTIONS = {
     "Qwen2.5 1.5B / 7B, H100-like figures (assumed), on the same long-tailed steps.",
     "hsdp": "Several nodes: ODC-HSDP vs FSDP2-HSDP vs full sharding (FSDP2, and ODC as the NVSHMEM route would run "
     "it), 16-1024 GPUs, 8 per node, H100-like figures (assumed); and which models fit HSDP in 80 GB.",
+    "accumulate": "One node of 8 H100s, SFT and DPO at 1.5B / 7B: the accumulate bandwidth at which ODC overtakes "
+    "FSDP2 on NCCL, from the compute and read rate measured on one H100 and a sweep of accumulate bandwidths.",
     "validate": "Predict the stored engine benchmark's 2-rank CPU arms (python -m benchmarks.engine) and print the "
     "errors.",
     "validate-e2e": "Replay the stored end-to-end benchmark's steps (python -m benchmarks.e2e sft) and print each "
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "hsdp":
         hsdp.add_arguments(p)
         run = hsdp.run_hsdp
+    elif cmd == "accumulate":
+        crossover.add_arguments(p)
+        run = crossover.run_crossover
     elif cmd == "validate-e2e":
         p.add_argument(
             "--e2e-json",

@@ -157,6 +157,8 @@ class Hardware:
         p2p_intra_bw (`float`, *optional*): one-sided read / accumulate bandwidth inside a node; defaults to
             ``intra_bw``.
         p2p_inter_bw (`float`, *optional*): one-sided bandwidth across nodes; defaults to ``inter_bw``.
+        p2p_acc_intra_bw (`float`, *optional*): one-sided accumulate bandwidth inside a node, bytes of gradient
+            source per second (an atomic add is slower than a read); defaults to ``p2p_intra_bw``.
         p2p_lat (`float`, *optional*): fixed cost of one one-sided gather or scatter-accumulate (all peers, issued
             together); defaults to ``inter_lat`` across nodes, ``intra_lat`` inside one.
         barrier_lat (`float`, *optional*, defaults to 0): one step barrier (ODC pays two per step).
@@ -174,6 +176,7 @@ class Hardware:
     inter_lat: float = 0.0
     p2p_intra_bw: float | None = None
     p2p_inter_bw: float | None = None
+    p2p_acc_intra_bw: float | None = None
     p2p_lat: float | None = None
     barrier_lat: float = 0.0
     overlap: bool = True
@@ -309,6 +312,7 @@ def simulate(
     system: str,
     *,
     accumulate_locally: bool = False,
+    reference_forward: bool = False,
 ) -> StepResult:
     """Predict one optimizer step of ``plan`` under ``system`` (``"fsdp2"`` or ``"odc"``).
 
@@ -322,6 +326,9 @@ def simulate(
             Gradients stay local (unsharded) until a rank's last microbatch, whose backward alone reduce-scatters
             (FSDP2) or scatter-adds (ODC): the Trainer's gradient accumulation (``no_sync``). With `False` every
             microbatch's backward does (accelerate's ``sync_each_batch``, the ODC paper's setting).
+        reference_forward (`bool`, *optional*, defaults to `False`):
+            DPO: a frozen reference model of the same shape, sharded the same way, runs one more forward per
+            microbatch (its own all-gathers or reads, no backward, no gradient).
     """
     if system not in ("fsdp2", "odc"):
         raise ValueError(f"Unknown system {system!r}: use 'fsdp2' or 'odc'.")
@@ -329,9 +336,10 @@ def simulate(
     tok, sq, present = plan_arrays(plan, lengths)
     comp = _per_group_compute(tok, sq, model, hw)  # [G, W, K]
     _, _, params = model.group_costs()
-    busy = comp.sum(axis=(0, 2))
-    limit = float(busy.mean())
     fwd, bwd = comp / 3.0, comp * (2.0 / 3.0)  # backward costs twice the forward for every matmul
+    passes = 2 if reference_forward else 1  # forward passes per microbatch: the policy's (and the reference's)
+    busy = comp.sum(axis=(0, 2)) + (passes - 1) * fwd.sum(axis=(0, 2))
+    limit = float(busy.mean())
     fixed = hw.fixed_per_group
     if system == "fsdp2":
         ag = collective_time(params * model.param_bytes, world, hw) + fixed
@@ -344,17 +352,18 @@ def simulate(
         bwd_t = _pass_time(slot_bwd, ag + rs, hw.overlap)
         if accumulate_locally:
             bwd_t = np.where(np.arange(bwd_t.size) == n_slots - 1, bwd_t, _pass_time(slot_bwd, ag, hw.overlap))
-        per_slot = _pass_time(slot_fwd, ag, hw.overlap) + bwd_t
+        per_slot = passes * _pass_time(slot_fwd, ag, hw.overlap) + bwd_t
         step = float(per_slot[:n_slots].sum())
         return StepResult(step, busy, step - busy, float(tok.sum()), limit)
     rd = one_sided_time(params * model.param_bytes, world, hw) + fixed
-    acc = one_sided_time(params * model.grad_bytes, world, hw) + fixed
+    acc_hw = hw if hw.p2p_acc_intra_bw is None else hw.with_(p2p_intra_bw=hw.p2p_acc_intra_bw)
+    acc = one_sided_time(params * model.grad_bytes, world, acc_hw) + fixed
     bwd_t = _pass_time(bwd, rd + acc, hw.overlap)  # [W, K]
     if accumulate_locally:
         # a rank's microbatches are slots 0 .. count-1: only the last one adds into the owners' accumulators
         last = np.arange(present.shape[1])[None, :] == present.sum(axis=1, keepdims=True) - 1
         bwd_t = np.where(last, bwd_t, _pass_time(bwd, rd, hw.overlap))
-    per_mb = _pass_time(fwd, rd, hw.overlap) + bwd_t
+    per_mb = passes * _pass_time(fwd, rd, hw.overlap) + bwd_t
     per_rank = np.where(present, per_mb, 0.0).sum(axis=1)
     step = float(per_rank.max()) + 2 * hw.barrier_lat  # barrier before the optimizer and after publishing
     return StepResult(step, busy, step - busy, float(tok.sum()), limit)
