@@ -56,3 +56,19 @@ def test_two_processes_adding_into_one_shared_tensor_give_the_exact_sum():
         if os.path.exists(path):
             os.unlink(path)
     assert not os.path.exists(path)
+
+
+def test_the_accumulate_paths_benchmark_runs_tiny_on_cpu():
+    from tests.helpers.accumulate_bench import PATHS, measure
+
+    out = measure("cpu", sizes_mib=[1 / 64, 1 / 32], iters=2, sm_shares=[0.5, 1.0], timeout=240)
+    assert out["checks"] and all(out["checks"].values()), out["checks"]
+    for rank in out["ranks"]:
+        assert [(row["mib"], row["src_dtype"]) for row in rank["sizes"]] == [
+            (m, d) for m in (1 / 64, 1 / 32) for d in ("float32", "bfloat16")
+        ]
+        assert all(set(row["GBps"]) == set(PATHS) and min(row["GBps"].values()) > 0 for row in rank["sizes"])
+        assert [(g["src_dtype"], g["sm_share"]) for g in rank["grid"]] == [
+            (d, s) for d in ("float32", "bfloat16") for s in (0.5, 1.0)
+        ]
+    assert len(out["ratios_largest_size"]) == 4  # 2 ranks x 2 source dtypes
