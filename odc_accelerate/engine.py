@@ -288,15 +288,16 @@ class ODCEngine:
 
         specs: dict[str, BufferSpec] = {}
         for index, (module, group) in enumerate(entries):
-            gather = compat.all_gather_input(group)
+            # From FSDP2's metadata: nothing is allocated before the transport has checked its memory.
+            gather_numel, gather_dtype = compat.all_gather_input_layout(group)
             rdtype = compat.reduce_dtype(group)
             g = _Group(
                 index=index,
                 fqn=compat.group_fqn(group),
                 group=group,
                 module=module,
-                gather_numel=gather.numel(),
-                gather_dtype=gather.dtype,
+                gather_numel=gather_numel,
+                gather_dtype=gather_dtype,
                 reduce_numel=compat.reduce_scatter_numel(group),
                 reduce_dtype=rdtype,
                 saved_comms=compat.get_comms(group),
@@ -597,7 +598,7 @@ class ODCEngine:
             raise RuntimeError("post_optimizer_step() called without pre_optimizer_step() before it")
         start = time.perf_counter()
         for g in self._groups:
-            self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
+            compat.copy_all_gather_input(g.group, self._buffers[f"p{g.index}"])
         self.stats.publish_s += time.perf_counter() - start
         self._barrier()  # nobody reads a shard before its owner has finished writing it
         if self.steps or self.stats.gathers or self.stats.scatters:
@@ -692,7 +693,7 @@ class ODCEngine:
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
         self._drop_kept_params()  # gathered before the change: stale
         for g in self._groups:
-            self._buffers[f"p{g.index}"].copy_(compat.all_gather_input(g.group))
+            compat.copy_all_gather_input(g.group, self._buffers[f"p{g.index}"])
         self._barrier(count_wait=False)
 
     # ------------------------------------------------------------------ tear-down

@@ -49,6 +49,10 @@ AllGather = _import(f"{_FSDP}._fsdp_api", "AllGather")
 ReduceScatter = _import(f"{_FSDP}._fsdp_api", "ReduceScatter")
 HSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "HSDPMeshInfo")
 DDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
+# A per-parameter shard placement (``fully_shard(shard_placement_fn=...)`` returns these; the tests build per-param
+# meshes with them).
+FSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
+ShardPlacementResult = _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")
 ShardedState = _import(f"{_FSDP}._fsdp_param", "ShardedState")
 _FSDPParam = _import(f"{_FSDP}._fsdp_param", "FSDPParam")
 CPUOffloadPolicy = _import("torch.distributed.fsdp", "CPUOffloadPolicy")
@@ -422,21 +426,66 @@ def reduce_scatter_numel(group: Any) -> int:
     return sum(p.padded_sharded_param_size.numel() for p in trainable_params(group))
 
 
-def all_gather_input(group: Any) -> torch.Tensor:
-    """This rank's all-gather input for ``group``, flat, exactly as FSDP2 copies it in.
-
-    Mixed-dtype groups are sent as bytes (uint8), as ``foreach_all_gather`` does.
-    """
+def _check_sharded(group: Any) -> None:
     for p in group.fsdp_params:
         if p.sharded_state != ShardedState.SHARDED:
             raise RuntimeError(
                 f"ODC publishes shards after the optimizer step, but {p._param_fqn} is {p.sharded_state}; "
                 "keep the default reshard_after_backward=True"
             )
+
+
+def all_gather_input(group: Any) -> torch.Tensor:
+    """This rank's all-gather input for ``group``, flat, exactly as FSDP2 copies it in.
+
+    Mixed-dtype groups are sent as bytes (uint8), as ``foreach_all_gather`` does.
+    """
+    _check_sharded(group)
     inputs = _get_param_all_gather_inputs(fsdp_params=group.fsdp_params)
     _, _, dtype = _get_all_gather_input_metadatas(param_all_gather_inputs=inputs)
     flat = [(t.view(torch.uint8) if dtype == torch.uint8 else t).reshape(-1) for ts in inputs for t in ts]
     return torch.cat(flat)
+
+
+def _has_extension(p: Any) -> bool:
+    """A parameter whose all-gather inputs a tensor subclass makes (``fsdp_pre_all_gather``, e.g. float8)."""
+    return hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def all_gather_input_layout(group: Any) -> tuple[int, torch.dtype]:
+    """(elements, dtype) of `all_gather_input` for ``group``, read from FSDP2's metadata without building it: each
+    parameter sends its padded shard in its compute dtype, and a group of several dtypes is sent as bytes.
+
+    Parameters with an all-gather extension (``fsdp_pre_all_gather``) choose their own inputs: the input is built.
+    """
+    _check_sharded(group)
+    params = group.fsdp_params
+    if any(_has_extension(p) for p in params):
+        built = all_gather_input(group)
+        return built.numel(), built.dtype
+    sizes = [(p.padded_sharded_param_size.numel(), p.param_dtype or p.orig_dtype) for p in params]
+    dtypes = {dtype for _, dtype in sizes}
+    if len(dtypes) == 1:
+        return sum(n for n, _ in sizes), dtypes.pop()
+    return sum(n * dtype.itemsize for n, dtype in sizes), torch.uint8
+
+
+def copy_all_gather_input(group: Any, out: torch.Tensor) -> None:
+    """Write `all_gather_input` for ``group`` into ``out`` one parameter at a time: at most one parameter's cast
+    copy exists at once, rather than the whole group's (what keeps the engine's publish within its memory margin)."""
+    _check_sharded(group)
+    flat_out = out.view(torch.uint8) if out.dtype == torch.uint8 else out
+    offset = 0
+    for p in group.fsdp_params:
+        for t in _get_param_all_gather_inputs(fsdp_params=[p])[0]:
+            flat = (t.view(torch.uint8) if out.dtype == torch.uint8 else t).reshape(-1)
+            flat_out[offset : offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
+    if offset != out.numel():
+        raise RuntimeError(
+            f"FSDP2's all-gather input of {group_fqn(group)} has {offset} elements, but ODC planned {out.numel()}; "
+            "the parameters changed since the engine was built"
+        )
 
 
 def postdivide_factor(group: Any) -> float | None:
