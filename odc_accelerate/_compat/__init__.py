@@ -1,9 +1,8 @@
 """The shared scaffold of the compat modules: one checked place per library for the internals odc_accelerate uses.
 
 Every private internal of torch, accelerate, transformers and TRL that odc_accelerate reads, calls, overrides or
-patches goes through one module of this package (`fsdp` for torch, `accelerate`, `transformers`, `trl`), and each of
-those modules uses the helpers below, so that they all fail the same way (`datasets` holds the one `datasets`
-internal read, a speed-up with a public fallback that needs no check):
+patches goes through one module of this package (`fsdp` for torch, `accelerate`, `transformers`, `trl`, `datasets`),
+and each of those modules uses the helpers below, so that they all fail the same way:
 
 * `TESTED` holds, per library, the versions odc_accelerate was tested with; every message derives its version text
   from it. `untested_warning` says when the installed version is not among them, and `warn_if_untested` logs that
@@ -59,6 +58,7 @@ TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "accelerate": ((1, 14), (1, 15)),
     "transformers": ((5, 17), (5, 23), (5, 24)),
     "trl": ((1, 15), (1, 16)),
+    "datasets": ((5, 2),),
 }
 
 # How messages spell a library where it differs from its import name.

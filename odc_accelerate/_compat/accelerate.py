@@ -20,11 +20,17 @@ serve four things:
   PEFT model's LM head with its final norm, as accelerate does for plain models (otherwise TRL's fused LM head
   all-gathers it per microbatch).
 
+The command line (``odc-accelerate launch`` / ``config``) reads, without patching, accelerate's ``accelerate launch``
+parser (:func:`launch_parser`: where the training script and its arguments start, ``--module``, ``--no_python``) and
+its config-file helpers (:func:`default_config_file`, :func:`load_config_file`); :func:`check_launch` verifies them at
+the command's start-up.
+
 The tested accelerate versions are ``TESTED["accelerate"]`` in :mod:`odc_accelerate._compat`.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import os
@@ -33,11 +39,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..validation import str_to_bool
-from . import check_signature, is_patched, patch_attribute, require, restore_attribute, warn_if_untested
+from . import (
+    CompatError,
+    check_signature,
+    is_patched,
+    missing_message,
+    patch_attribute,
+    require,
+    restore_attribute,
+    warn_if_untested,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "uninstall"]
+__all__ = ["check_launch", "default_config_file", "install", "launch_parser", "load_config_file", "uninstall"]
 
 _LIBRARY = "accelerate"
 
@@ -57,6 +72,65 @@ _CALLBACKS = _Callbacks()
 
 def _require(obj: Any, attr: str, where: str) -> Any:
     return require(obj, attr, library=_LIBRARY, where=where)
+
+
+# What the launcher reads from a parse by `launch_parser`: destination -> what it holds.
+_LAUNCH_DESTS = {
+    "training_script": "the script (or module) to run",
+    "training_script_args": "the script's arguments (argparse.REMAINDER)",
+    "module": "--module",
+    "no_python": "--no_python",
+    "config_file": "--config_file",
+}
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """accelerate's ``accelerate launch`` parser (``accelerate.commands.launch.launch_command_parser``).
+
+    Raises:
+        CompatError: the function is missing, or its parser lacks a destination the launcher reads.
+    """
+    from accelerate.commands import launch as launch_mod
+
+    parser = _require(launch_mod, "launch_command_parser", "accelerate.commands.launch")()
+    dests = {action.dest for action in parser._actions}
+    for dest, what in _LAUNCH_DESTS.items():
+        if dest not in dests:
+            raise CompatError(
+                missing_message(
+                    f"accelerate.commands.launch.launch_command_parser().{dest}",
+                    library=_LIBRARY,
+                    advice=f"The launcher reads {what} from it.",
+                )
+            )
+    return parser
+
+
+def default_config_file() -> str:
+    """The path of accelerate's default config file (``accelerate config`` writes it, ``accelerate launch`` reads it
+    without ``--config_file``), as accelerate computes it (``HF_HOME`` / ``XDG_CACHE_HOME``)."""
+    from accelerate.commands import config as config_mod
+
+    return str(_require(config_mod, "default_config_file", "accelerate.commands.config"))
+
+
+def load_config_file(path: str) -> Any:
+    """Load (and so check) an accelerate config file as ``accelerate launch`` does."""
+    from accelerate.commands import config as config_mod
+
+    return _require(config_mod, "load_config_from_file", "accelerate.commands.config")(config_file=path)
+
+
+def check_launch() -> None:
+    """Raise `~odc_accelerate._compat.CompatError` if an accelerate command-line internal the launcher reads is
+    missing or changed shape (run at the start of ``odc-accelerate launch`` and ``config``)."""
+    from accelerate.commands import config as config_mod
+
+    warn_if_untested(_LIBRARY, "The launcher reads accelerate's launch parser, which may differ there.")
+    launch_parser()
+    default_config_file()
+    load = _require(config_mod, "load_config_from_file", "accelerate.commands.config")
+    check_signature(load, ("config_file",), library=_LIBRARY, where="accelerate.commands.config.load_config_from_file")
 
 
 def _env_true(name: str) -> bool:

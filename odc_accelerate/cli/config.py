@@ -142,8 +142,8 @@ def write_config(config: dict[str, Any], path: str, force: bool = False) -> None
         FileExistsError: ``path`` exists and ``force`` is not set (the file is left as it was).
     """
     import yaml
-    from accelerate.commands.config import load_config_from_file
 
+    from .._compat.accelerate import load_config_file
     from .launch import odc_env_from_config
 
     text = (
@@ -159,7 +159,7 @@ def write_config(config: dict[str, Any], path: str, force: bool = False) -> None
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         odc_env_from_config(tmp)
-        load_config_from_file(tmp)
+        load_config_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -175,20 +175,24 @@ def _exists_message(path: str) -> str:
 
 def main(argv: Sequence[str], ask: Callable[[str], str] = input) -> int:
     """``odc-accelerate config ARGV``; ``ask`` reads one answer (``input`` by default)."""
+    from .._compat import CompatError
+    from .._compat.accelerate import check_launch, default_config_file
     from ..planning import PLANS
     from ..transport import TRANSPORTS
 
     opts = make_parser().parse_args(list(argv))
+    try:
+        check_launch()  # accelerate's config-file helpers, read below
+    except CompatError as err:
+        print(f"odc-accelerate config: {err}", file=sys.stderr)
+        return 2
 
     def setting(value: Any, question: str, default: Any, parse: Callable[[str], Any]) -> Any:
         if value is not None:
             return parse(str(value))
         return default if opts.default else _ask(question, default, parse, ask)
 
-    if opts.config_file:
-        path = opts.config_file
-    else:
-        from accelerate.commands.config import default_config_file as path
+    path = opts.config_file or default_config_file()
     # Refuse before asking anything: an existing file (accelerate's default config above all) is the user's.
     if os.path.exists(path) and not opts.force:
         print(f"odc-accelerate config: {_exists_message(path)}", file=sys.stderr)

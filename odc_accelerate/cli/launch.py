@@ -70,9 +70,10 @@ def config_file_of(args: Sequence[str]) -> str | None:
             return args[i + 1]
         if a.startswith("--config_file="):
             return a.split("=", 1)[1]
-    from accelerate.commands.config import default_config_file
+    from .._compat.accelerate import default_config_file
 
-    return default_config_file if os.path.isfile(default_config_file) else None
+    path = default_config_file()
+    return path if os.path.isfile(path) else None
 
 
 def odc_env_from_config(path: str) -> dict[str, str]:
@@ -107,10 +108,10 @@ def split_launch_args(args: Sequence[str]) -> tuple[list[str], str, list[str], b
         ``(launch_args, script, script_args, module, no_python)``: the arguments before the training script, the
         script (a module name with ``--module``), its arguments, and accelerate's ``--module`` / ``--no_python``.
     """
-    from accelerate.commands.launch import launch_command_parser
+    from .._compat.accelerate import launch_parser
 
     args = list(args)
-    parsed = launch_command_parser().parse_args(args)
+    parsed = launch_parser().parse_args(args)
     script_args = list(parsed.training_script_args)
     at = len(args) - len(script_args) - 1
     if at < 0 or args[at] != parsed.training_script:  # pragma: no cover - argparse keeps REMAINDER at the end
@@ -183,11 +184,17 @@ def main(argv: Sequence[str]) -> int:
     if accelerate_missing():
         print(f"odc-accelerate: {ACCELERATE_MISSING}", file=sys.stderr)
         return 2
-    if not argv or argv[0] in ("-h", "--help"):
-        from accelerate.commands.launch import launch_command_parser
+    from .._compat import CompatError
+    from .._compat.accelerate import check_launch, launch_parser
 
+    try:
+        check_launch()  # the accelerate internals read below, checked before any argument is
+    except CompatError as err:
+        print(f"odc-accelerate: {err}", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print(HELP + "\n")
-        launch_command_parser().print_help()
+        launch_parser().print_help()
         return 0
     try:
         return launch(argv)

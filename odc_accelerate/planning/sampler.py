@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from .._compat import datasets as dcompat
 from .._compat.datasets import arrow_column
 from ..validation import check_positive_int
 from .cost import CostSpec, QuadraticCost, check_costs, resolve_cost
@@ -64,7 +65,7 @@ def dataset_lengths(
                 "Cannot tell the length of a sample: pass `length_column=` (a column of lengths or of token ids) or "
                 f"`length_fn=` (row -> length). Columns: {columns or 'unknown'}."
             )
-    fingerprint = getattr(dataset, "_fingerprint", None)
+    fingerprint = dcompat.fingerprint(dataset)
     how = ("column", length_column) if length_column is not None else ("fn", length_fn)
     key = (fingerprint, rows, how) if fingerprint is not None else None
     if key is not None and key in _LENGTH_CACHE:

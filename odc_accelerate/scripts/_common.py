@@ -108,12 +108,12 @@ def offline_models(training_args: Any, model_args: Any, copies: int = 1) -> tupl
 
     tokenizer = load_offline_tokenizer()
     config = tiny_qwen2_config()
-    config._attn_implementation = model_args.attn_implementation or "sdpa"
+    attn = model_args.attn_implementation or "sdpa"
     dtype = getattr(torch, model_args.dtype if model_args.dtype not in (None, "auto") else "float32")
     models = []
     for _ in range(copies):
         set_seed(training_args.seed)
-        models.append(AutoModelForCausalLM.from_config(config, dtype=dtype))
+        models.append(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
     return models, tokenizer
 
 

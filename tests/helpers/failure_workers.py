@@ -133,8 +133,9 @@ def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:
     """One fully_shard call whose params land on two process groups (per-param mesh) -> 2 param groups."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
+
+    from odc_accelerate._compat.fsdp import FSDPMeshInfo, ShardPlacementResult
 
     model = build_model(cfg)
     other = DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu")

@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_offline_tokenizer()
     set_seed(0)
     config = tiny_qwen2_config(hidden_size=32)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
     from accelerate import PartialState

@@ -29,9 +29,8 @@ def _model(seed: int) -> AutoModelForCausalLM:
     from odc_accelerate.data import tiny_qwen2_config
 
     config = tiny_qwen2_config()
-    config._attn_implementation = "sdpa"
     set_seed(seed)  # as the examples: every model starts from the weights of this seed
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
 def _params(model) -> dict[str, torch.Tensor]:

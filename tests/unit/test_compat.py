@@ -463,3 +463,77 @@ def test_examples_end_training_falls_back_before_transformers_5_18():
     end_training(types.SimpleNamespace(accelerator=accelerator))  # transformers < 5.18: no Trainer.end
     end_training(types.SimpleNamespace(accelerator=accelerator, end=lambda: calls.append("trainer.end")))
     assert calls == ["accelerator.end_training", "trainer.end"]
+
+
+# ------------------------------------------------------------------------------- internals outside the compat modules
+# A private name of a library, as code outside `_compat` would spell it: (pattern, library).
+_PRIVATE_SPELLINGS = [
+    (r"\._fingerprint\b", "datasets"),
+    (r"\._attn_implementation\b", "transformers"),
+    (r"launch_command_parser|accelerate\.commands\.config import", "accelerate"),
+    (r"fsdp\._fully_shard|_fsdp_common|_fsdp_param\b|_fsdp_collectives", "torch"),
+]
+
+
+def test_no_private_internal_is_read_outside_the_compat_modules():
+    """The package and the test helpers reach these internals only through `odc_accelerate._compat`."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [p for p in (root / "odc_accelerate").rglob("*.py") if "_compat" not in p.parts]
+    files += sorted((root / "tests" / "helpers").glob("*.py"))
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()} ({library})"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for pattern, library in _PRIVATE_SPELLINGS
+        if re.search(pattern, line) and not line.lstrip().startswith("#")
+    ]
+    assert found == []
+
+
+def test_datasets_fingerprint_is_checked_at_start_up(monkeypatch):
+    from datasets import Dataset
+
+    from odc_accelerate._compat import datasets as dcompat
+
+    dcompat.check()  # the installed datasets has it
+    assert dcompat.fingerprint(Dataset.from_dict({"x": [1]})) == Dataset.from_dict({"x": [1]})._fingerprint
+    assert dcompat.fingerprint(object()) is None
+    monkeypatch.setattr(dcompat, "fingerprint", lambda dataset: None)
+    with pytest.raises(CompatError, match=r"datasets internal `datasets\.Dataset\._fingerprint"):
+        dcompat.check()
+
+
+def test_accelerate_launch_parser_is_checked_at_start_up(monkeypatch, capsys):
+    import argparse
+
+    import accelerate.commands.launch as launch_mod
+
+    from odc_accelerate._compat import accelerate as acompat
+    from odc_accelerate.cli.main import main
+
+    acompat.check_launch()  # the installed accelerate has every destination the launcher reads
+    parsed = acompat.launch_parser().parse_args(["--module", "pkg.train", "--lr", "1"])
+    assert (parsed.training_script, parsed.training_script_args, parsed.module) == ("pkg.train", ["--lr", "1"], True)
+
+    def renamed():
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--config_file")
+        parser.add_argument("--module", action="store_true")
+        parser.add_argument("--no_python", action="store_true")
+        parser.add_argument("script")  # `training_script` renamed
+        parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+        return parser
+
+    monkeypatch.setattr(launch_mod, "launch_command_parser", renamed)
+    with pytest.raises(
+        CompatError, match=r"`accelerate\.commands\.launch\.launch_command_parser\(\)\.training_script`"
+    ):
+        acompat.check_launch()
+    # both commands stop at start-up with the message, before reading any argument
+    assert main(["launch", "train.py"]) == 2
+    assert "launch_command_parser().training_script`" in capsys.readouterr().err
+    assert main(["config", "--cpu", "--default", "--config_file", "unused.yaml"]) == 2
+    assert "launch_command_parser().training_script`" in capsys.readouterr().err

@@ -31,9 +31,8 @@ def _tiny_model(seed=0, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     config = tiny_qwen2_config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
 
 
 def _generation_config(tokenizer, max_new_tokens, do_sample=True):

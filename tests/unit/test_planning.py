@@ -272,13 +272,21 @@ def test_flops_cost_matches_torch_flop_counter(arch):
             num_key_value_heads=2,
             head_dim=24,
             vocab_size=128,
+            attn_implementation="eager",
         )
         model_cls = LlamaForCausalLM
     else:
-        config = GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=100, n_positions=128, bos_token_id=0)
+        config = GPT2Config(
+            n_embd=48,
+            n_layer=2,
+            n_head=4,
+            vocab_size=100,
+            n_positions=128,
+            bos_token_id=0,
+            attn_implementation="eager",
+        )
         config.eos_token_id = 0
         model_cls = GPT2LMHeadModel
-    config._attn_implementation = "eager"
     model = model_cls(config)
     lengths = np.array([16, 32, 64])
     counted = np.array([_flop_counted(model, config.vocab_size, int(n)) for n in lengths], dtype=np.float64)

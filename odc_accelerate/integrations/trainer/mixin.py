@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._compat import datasets as dcompat
 from ..._compat import transformers as tcompat
 from ..accelerate import enable
 from .callback import ODCCallback
@@ -71,6 +72,7 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         enable()
         tcompat.check()
+        dcompat.check()
         tcompat.passthrough_skip_first_batches()
         self._odc_sampler = None
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)

@@ -140,9 +140,11 @@ def _shared_on_disk(dataset: Any, args: Any, name: str) -> Any:
     from accelerate import PartialState
     from datasets import Dataset, load_from_disk
 
+    from ..._compat import datasets as dcompat
+
     if not isinstance(dataset, Dataset) or dataset.cache_files or int(getattr(args, "world_size", 1)) <= 1:
         return dataset
-    path = os.path.join(args.output_dir, ".odc_datasets", f"{name}-{dataset._fingerprint}")
+    path = os.path.join(args.output_dir, ".odc_datasets", f"{name}-{dcompat.fingerprint(dataset)}")
     state = PartialState()
     with state.main_process_first():
         if state.is_main_process and not os.path.isdir(path):
