@@ -53,10 +53,6 @@ DDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
 # meshes with them).
 FSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
 ShardPlacementResult = _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")
-# A per-parameter shard placement (``fully_shard(shard_placement_fn=...)`` returns these; the tests build per-param
-# meshes with them).
-FSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
-ShardPlacementResult = _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")
 ShardedState = _import(f"{_FSDP}._fsdp_param", "ShardedState")
 _FSDPParam = _import(f"{_FSDP}._fsdp_param", "FSDPParam")
 CPUOffloadPolicy = _import("torch.distributed.fsdp", "CPUOffloadPolicy")
