@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -95,7 +96,12 @@ def _kernel(interpret: bool) -> Any:
 def _interpreting() -> bool:
     """Triton's own switch for its interpreter (``TRITON_INTERPRET=1``)."""
     triton, _ = _triton()
-    return triton is not None and bool(triton.knobs.runtime.interpret)
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # a Triton older than its knobs module reads the variable itself
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(knobs.runtime.interpret)
 
 
 def kernel_available(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[bool, str]:

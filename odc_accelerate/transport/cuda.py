@@ -192,6 +192,8 @@ class CudaTransport(Transport):
             them narrow and save memory.
         accumulate_sm_share (`float`, *optional*, defaults to `._kernels.DEFAULT_SM_SHARE`): share of the GPU's SMs
             the accumulate kernel's grid may cover; the rest are left to the backward pass it runs beside.
+        accumulate_kernel (`bool`, *optional*, defaults to `True`): add with the accumulate kernel where it can run;
+            `False` keeps the ``index_add_`` fallback (to compare the two, or to step around a kernel problem).
 
     Buffers registered with ``accumulated=True`` come back in the accumulator dtype, which may be wider than
     registered; the engine's fold divides in that dtype and then casts to the parameters' dtype.
@@ -210,11 +212,13 @@ class CudaTransport(Transport):
         staging_mib: float | None = None,
         accumulate_dtype: torch.dtype | None = None,
         accumulate_sm_share: float = DEFAULT_SM_SHARE,
+        accumulate_kernel: bool = True,
     ) -> None:
         super().__init__(rank, world_size, timeout)
         if not 0 < accumulate_sm_share <= 1:
             raise ValueError(f"accumulate_sm_share must be in (0, 1], got {accumulate_sm_share}")
         self._sm_share = accumulate_sm_share
+        self._use_kernel = accumulate_kernel
         self._programs: int | None = None  # the accumulate kernel's grid cap, set by `register`
         #: how gradients are added (`KERNEL_PATH` or `FALLBACK_PATH`; None before ``register`` or without
         #: accumulators), and why that path
@@ -273,7 +277,10 @@ class CudaTransport(Transport):
         pad = compat.symmetric_signal_pad_bytes()
         plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad, staged=False)
         if plan.accumulated:
-            self.accumulate_path, self.accumulate_reason = choose_accumulate_path(device, plan.cast_dtype)
+            if self._use_kernel:
+                self.accumulate_path, self.accumulate_reason = choose_accumulate_path(device, plan.cast_dtype)
+            else:
+                self.accumulate_path, self.accumulate_reason = FALLBACK_PATH, "accumulate_kernel=False"
             if self.accumulate_path == KERNEL_PATH:
                 self._programs = max_programs(device, self._sm_share)
             else:  # the fallback adds through the staging pool: plan it

@@ -178,3 +178,31 @@ def measure(
             x["kernel_over_add"] >= 0.6 for x in ratios
         )
     return {"ranks": ranks, "ratios_largest_size": ratios, "checks": checks}
+
+
+def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The 'cuda' transport's protocol on CPU (`gpu_check.CpuSegmentsCudaTransport`) with the kernel or with the
+    ``index_add_`` fallback: its path, memory report, and every rank's bf16 slices summed into each owner's fp32
+    accumulator."""
+    from odc_accelerate.transport import BufferSpec
+
+    from .gpu_check import CpuSegmentsCudaTransport
+
+    numel = spec["numel"]
+    transport = CpuSegmentsCudaTransport(rank, world_size, timeout=60.0, accumulate_kernel=spec["kernel"])
+    own = transport.register({"g": BufferSpec(numel=numel, dtype=torch.bfloat16, accumulated=True)})
+    for owner in range(world_size):
+        transport.accumulate(owner, "g", _source(numel + 97 * rank, torch.bfloat16, torch.device("cpu"))[:numel])
+    transport.barrier()
+    expected = sum(
+        _source(numel + 97 * r, torch.bfloat16, torch.device("cpu"))[:numel].double() for r in range(world_size)
+    )
+    out = {
+        "path": transport.accumulate_path,
+        "report": transport.memory_report(),
+        "exact": bool(torch.equal(own["g"].double(), expected)),
+    }
+    transport.barrier()
+    del own
+    transport.close()
+    return out

@@ -72,3 +72,17 @@ def test_the_accumulate_paths_benchmark_runs_tiny_on_cpu():
             (d, s) for d in ("float32", "bfloat16") for s in (0.5, 1.0)
         ]
     assert len(out["ratios_largest_size"]) == 4  # 2 ranks x 2 source dtypes
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "index_add_"])
+def test_the_cuda_transport_protocol_accumulates_exactly_on_either_path(kernel):
+    # The 'cuda' transport's protocol over shared memory: the kernel (Triton's interpreter) stages nothing; the
+    # index_add_ fallback (accumulate_kernel=False) reports its staging pool.
+    from odc_accelerate.testing import launch
+    from tests.helpers.accumulate_bench import transport_paths_worker
+
+    ranks = launch(transport_paths_worker, 2, {"numel": 5000, "kernel": kernel}, env={"TRITON_INTERPRET": "1"})
+    assert all(r["exact"] for r in ranks)
+    assert {r["path"] for r in ranks} == {"kernel" if kernel else "index_add_"}
+    staging = [r["report"]["staging"] for r in ranks]
+    assert staging == [0, 0] if kernel else all(s >= 5000 * 8 for s in staging)  # int32 index + fp32 cast chunk
