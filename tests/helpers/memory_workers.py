@@ -86,10 +86,15 @@ def _train_one(rank: int, world_size: int, spec: dict[str, Any], policy: str | N
 
 
 def train_policies(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """`_train_one` for each of ``spec["policies"]`` in turn, in one job ("fsdp2-keep": plain FSDP2 keeping both)."""
+    """`_train_one` for each of ``spec["policies"]`` in turn, in one job ("fsdp2-keep": plain FSDP2 keeping both).
+
+    A policy given as a list holds one policy per rank (rank ``r`` runs ``policy[r]``; ODC lets ranks choose
+    differently in the same step); its results are keyed by the policies joined with ``"|"``."""
     results = {}
     for policy in spec["policies"]:
-        results[policy] = _train_one(rank, world_size, spec, None if policy == "fsdp2-keep" else policy)
+        key = "|".join(policy) if isinstance(policy, list) else policy
+        mine = policy[rank] if isinstance(policy, list) else policy
+        results[key] = _train_one(rank, world_size, spec, None if mine == "fsdp2-keep" else mine)
         dist.barrier()
     return results
 

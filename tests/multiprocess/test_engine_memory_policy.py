@@ -67,6 +67,31 @@ def test_every_policy_trains_like_one_process_and_keeps_what_it_says():
     assert sum(results[1]["neither"]["scatters"]) > sum(results[1]["grads"]["scatters"])
 
 
+def test_ranks_choosing_differently_in_the_same_step_train_like_one_process():
+    # Rank 0 keeps its gradients through every step (one scatter-add per group, at the boundary) while rank 1
+    # scatter-adds after every microbatch; and rank 0 keeps its parameters gathered while rank 1 gathers per
+    # microbatch. Plain FSDP2 cannot do either: its collectives need every rank to make the same choice.
+    policies = [["grads", "neither"], ["params", "both"]]
+    spec = dict(plan=PLAN, cfg=dict(gated=True, layers=2), policies=policies)
+    results = launch(train_policies, 2, spec, timeout=300)
+    ref = reference(dict(spec, clip=0.5))
+    for policy in policies:
+        key = "|".join(policy)
+        runs = [results[rank][key] for rank in (0, 1)]
+        err = rel_diff(runs[0]["params"], ref)
+        assert err <= 1e-5, (key, err)
+        assert rel_diff(runs[1]["params"], runs[0]["params"]) == 0.0, key
+        for rank, run in enumerate(runs):
+            assert all(c == {} for c in run["counts"]), (key, rank, run["counts"])  # no collective in a step
+            for step, choice in enumerate(run["choices"]):
+                assert set(choice.values()) == {policy[rank]}, (key, rank, step, choice)
+                gathers, scatters = expected_counts(choice, len(PLAN[step][rank]))
+                assert (run["gathers"][step], run["scatters"][step]) == (gathers, scatters), (key, rank, step)
+        # the ranks really differed: in step 2 (1 vs 3 microbatches) rank 1 scatter-added per microbatch
+        if policy == ["grads", "neither"]:
+            assert runs[0]["scatters"][1] == GROUPS and runs[1]["scatters"][1] == 3 * GROUPS, key
+
+
 def test_bf16_every_policy_bit_identical_to_fsdp2_keeping_params_and_grads():
     # Plain FSDP2 with reshard_after_forward/backward off and gradient sync on the last microbatch only (its own way
     # of keeping both) against ODC under every fixed policy: same bf16 model and microbatches. The counts are unequal
