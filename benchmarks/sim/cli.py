@@ -1,4 +1,4 @@
-"""Command line of the simulator: ``python -m benchmarks.sim [scale|validate|validate-e2e] [args]``."""
+"""Command line of the simulator: ``python -m benchmarks.sim [scale|hsdp|accumulate|validate|validate-e2e] [args]``."""
 
 from __future__ import annotations
 
