@@ -111,7 +111,8 @@ def _steps(workload: str, model: ModelSpec, rng: np.random.Generator, steps: int
             costs, tokens = 2 * cost(lengths), 2 * lengths
         plans = {name: plan_from_costs(costs, tokens, WORLD, budget, plan=name) for name in ("lockstep", "free")}
         if workload == "dpo":
-            plans = {k: [[[r for i in mb for r in (2 * i, 2 * i + 1)] for mb in rank] for rank in p] for k, p in plans.items()}  # fmt: skip
+            rows = lambda plan: [[[r for i in mb for r in (2 * i, 2 * i + 1)] for mb in rank] for rank in plan]  # noqa: E731
+            plans = {name: rows(plan) for name, plan in plans.items()}
             lengths = np.repeat(lengths, 2)
         out.append({"lengths": lengths, "plans": plans})
     return out
@@ -235,7 +236,12 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     styles = {"every microbatch": "-", "kept for the step": "--"}
-    colors = {("1.5b", "sft"): "tab:blue", ("1.5b", "dpo"): "tab:cyan", ("7b", "sft"): "tab:red", ("7b", "dpo"): "tab:orange"}  # fmt: skip
+    colors = {
+        ("1.5b", "sft"): "tab:blue",
+        ("1.5b", "dpo"): "tab:cyan",
+        ("7b", "sft"): "tab:red",
+        ("7b", "dpo"): "tab:orange",
+    }
     for ax, overlap in zip(axes, (True, False), strict=True):
         for c in (c for c in result["cases"] if c["overlap"] == overlap):
             sweep = sorted(float(g) for g in c["odc_step_s"])
