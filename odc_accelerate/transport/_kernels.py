@@ -30,7 +30,8 @@ import torch
 BLOCK = 2048
 #: warps per program
 NUM_WARPS = 4
-#: share of the GPU's SMs the grid may cover (one program per SM at most); a setting of `accumulate_`
+#: share of the GPU's SMs the grid may cover, the default of `max_programs` and of the transport's
+#: ``accumulate_sm_share``; provisional until the GPU check's speed case, which sweeps it, has run on a GPU
 DEFAULT_SM_SHARE = 0.25
 #: programs under Triton's interpreter (CPU tensors): more than one, so that the grid-stride loop is exercised
 INTERPRETER_PROGRAMS = 3
