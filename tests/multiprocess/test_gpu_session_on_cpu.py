@@ -1,0 +1,60 @@
+"""The GPU procedure is tested code: its one command's CPU dry run, ``bash scripts/gpu_session.sh OUT --device cpu``,
+runs every case that exists on CPU (the engine's parity, the SFT Trainer against TRL's in one process, GRPO) and
+leaves what a GPU machine sends back: at most 8 files (an archive and the summary), the table printed last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ODC_")}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    return env
+
+
+def _session(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_session.sh"), str(out), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+
+
+def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_two_files(tmp_path):
+    out = tmp_path / "out"
+    proc = _session(out, "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["session.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text()
+    # The table is what the command prints last, and its form: a header, then one row per case, all passed.
+    assert proc.stdout.endswith(summary)
+    lines = summary.splitlines()
+    assert lines[0].startswith("GPU session (cpu), ") and lines[1].split() == ["case", "status", "checks", "s"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {"check:parity", "trainer:sft_fp32", "trainer:grpo"}
+    for row in rows.values():
+        passed, total = map(int, row[2].split("/"))
+        assert row[1] == "pass" and passed == total > 0, row
+    with tarfile.open(out / "session.tar.gz") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert "session/env.txt" in names and "session/summary.txt" in names
+    unpacked = tmp_path / "unpacked" / "session"
+    sft = json.loads((unpacked / "trainer_sft_fp32" / "results.json").read_text())["sft_fp32"]
+    # ODC on 2 ranks with unequal microbatches against TRL's trainer in one process, through the shared-GPU switch
+    assert sft["loss_max_rel"] <= 1e-4 and sft["params_max_rel"] <= 1e-4
+    assert sft["transports"] == ["ShmTransport", "ShmTransport"]
+    grpo = json.loads((unpacked / "trainer_grpo" / "results.json").read_text())["grpo"]
+    assert all(grpo["checks"].values()) and len(grpo["loss"]) == 3
+
+
+def test_gpu_session_refuses_an_unknown_case_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    proc = _session(out, "--cases", "check:parity,chek:memory")
+    assert proc.returncode == 2 and "unknown case 'chek:memory'" in proc.stderr
+    assert not out.exists()
