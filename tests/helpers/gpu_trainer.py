@@ -134,6 +134,12 @@ def _losses(out: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
+def _peak_memory_per_step(out: Path) -> list[float | None]:
+    """The largest rank's peak memory (MiB) logged at each step: torch's allocator peak on a GPU, RSS on CPU."""
+    state = json.loads((out / "trainer_state.json").read_text())
+    return [h.get("odc/peak_mem_mb_max") for h in state["log_history"] if "loss" in h]
+
+
 def _max_rel(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return math.inf
@@ -184,6 +190,7 @@ def case_parity(trainer: str, device: str, precision: str, work: Path, logs: lis
     checks["one FSDP2 mesh for every fully_shard call"] = all(r.get("fsdp_meshes") == 1 for r in reports)
     losses, ref_losses = _losses(odc_out), _losses(ref_out)
     result["loss"], result["reference_loss"] = losses, ref_losses
+    result["peak_mem_mb_per_step"] = _peak_memory_per_step(odc_out)
     loss_rel = max(
         (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses, strict=False)), default=math.inf
     )
@@ -213,6 +220,7 @@ def case_grpo(device: str, work: Path, logs: list[str], timeout: float) -> dict:
     reports, losses = _reports(out), _losses(out)
     transport = "CudaTransport" if device == "cuda" else "ShmTransport"
     result["loss"], result["transports"] = losses, [r.get("transport") for r in reports]
+    result["peak_mem_mb_per_step"] = _peak_memory_per_step(out)
     checks[f"both ranks used the {transport} transport"] = len(reports) == 2 and all(
         r.get("transport") == transport for r in reports
     )
@@ -257,7 +265,8 @@ def _main(args: argparse.Namespace, cases: list[str], out: Path, work: Path) -> 
     lines = [f"device {args.device}"]
     for c in cases:
         r = results[c]
-        figures = {k: r[k] for k in ("loss_max_rel", "params_max_rel", "odc_wall_s", "wall_s") if k in r}
+        keys = ("loss_max_rel", "params_max_rel", "odc_wall_s", "wall_s", "peak_mem_mb_per_step")
+        figures = {k: r[k] for k in keys if k in r}
         lines.append(f"{c}: {figures}")
         lines += [f"  [{'ok' if ok else 'FAIL'}] {k}" for k, ok in r["checks"].items()]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")

@@ -49,6 +49,8 @@ def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_two_files(tm
     # ODC on 2 ranks with unequal microbatches against TRL's trainer in one process, through the shared-GPU switch
     assert sft["loss_max_rel"] <= 1e-4 and sft["params_max_rel"] <= 1e-4
     assert sft["transports"] == ["ShmTransport", "ShmTransport"]
+    # peak memory logged per step (on CPU the resident set; on a GPU torch's allocator peak)
+    assert len(sft["peak_mem_mb_per_step"]) == 2 and all(m > 0 for m in sft["peak_mem_mb_per_step"])
     grpo = json.loads((unpacked / "trainer_grpo" / "results.json").read_text())["grpo"]
     assert all(grpo["checks"].values()) and len(grpo["loss"]) == 3
 
