@@ -35,6 +35,7 @@ from . import hsdp, memory, model_check, process_exit
 from ._compat import fsdp as compat
 from ._compat import warn_if_untested
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
+from .transport.base import is_out_of_memory
 from .transport.claims import claim_counter, claim_indices
 
 logger = logging.getLogger(__name__)
@@ -354,9 +355,13 @@ class ODCEngine:
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0
-        except BaseException:
+        except BaseException as err:
             self._state = EngineState.BROKEN
+            held = self.transport.memory_report().get("total", 0) if self.transport is not None else 0
+            # Closing tells the peers waiting for this rank in a barrier that it will not come.
             self.close()
+            if is_out_of_memory(err):
+                raise RuntimeError(self._out_of_memory_text(held)) from err
             raise
         process_exit.watch(self)
         logger.info(
@@ -371,6 +376,20 @@ class ODCEngine:
             else "",
             self.memory_policy,
             self.memory_summary(),
+        )
+
+    def _out_of_memory_text(self, held: int) -> str:
+        """The refusal for a CUDA out-of-memory error in the engine's own set-up (after the transport's check)."""
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = f"{torch.cuda.mem_get_info(self._device)[0] / 2**20:.1f} MiB is free now that it is released"
+        else:
+            free = "the device's free memory is unknown"
+        return (
+            f"ODC's set-up ran out of GPU memory on rank {self.rank}: its transport needs {held / 2**20:.1f} MiB per "
+            f"rank plus room to publish the first shards (one parameter's copy at a time), and {free}. Free memory "
+            "before creating the engine (load the model after it, a smaller batch), accumulate in bf16, or shard over "
+            "more GPUs."
         )
 
     # ------------------------------------------------------------------ hooks

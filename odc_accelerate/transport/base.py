@@ -45,6 +45,16 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a CUDA out-of-memory error: torch's allocator raises `torch.OutOfMemoryError`, while a
+    failed driver allocation (symmetric memory's ``cuMemCreate``) surfaces as a runtime error saying "CUDA error: out
+    of memory". ODC's own refusals ("ran out of GPU memory") are not."""
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and ("cuda error: out of memory" in text or "cuda out of memory" in text)
+    )
+
+
 class ODCTimeoutError(RuntimeError):
     """A peer did not arrive within the timeout, or died; the current optimizer step is lost.
 

@@ -59,7 +59,7 @@ from ._cuda_plan import (
     staging_bytes_setting,
 )
 from ._kernels import DEFAULT_SM_SHARE, accumulate_, kernel_available, max_programs
-from .base import BufferSpec, Transport, host_id
+from .base import BufferSpec, Transport, host_id, is_out_of_memory
 from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,6 @@ def choose_accumulate_path(device: torch.device, dtype: torch.dtype) -> tuple[st
                 why,
             )
     return path, why
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is a CUDA out-of-memory error: torch's allocator raises `torch.OutOfMemoryError`, while a
-    failed driver allocation (symmetric memory's ``cuMemCreate``) surfaces as a runtime error naming it."""
-    return isinstance(err, torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
-    )
 
 
 def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
@@ -399,7 +391,7 @@ class CudaTransport(Transport):
             if failed or dead:
                 raise RuntimeError(
                     f"the 'cuda' ODC transport's set-up stopped on rank {self.rank}: rank(s) {sorted({*failed, *dead})} "
-                    "failed or exited while allocating (see their own error)"
+                    "failed or exited during set-up (see their own error)"
                 )
             if time.monotonic() >= deadline:
                 behind = [r for r, p in enumerate(phases) if p < watchdog.ALLOCATED]

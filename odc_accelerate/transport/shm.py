@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "odc_"
 _ALIGN = 64
-_HEADER_BYTES = 64  # int64 x 8: [0] barrier, [1] pid, [2] start time, [3] set-up flag, [4] claims, rest reserved
+_HEADER_BYTES = 64  # int64 x 8: [0] barrier, [1] pid, [2] start time, [3] set-up flag, [4] claims, [5] closed, rest
 _BARRIER, _SETUP = 0, 3  # header slots that peers poll
+_CLOSED = 5  # 1 once the rank closed its transport: a peer waiting for it in a barrier stops at once
 _CLAIM = 4  # rank 0's claim word: ``round << 32 | next index`` (one aligned 8-byte store)
 _CLAIM_LOCK_BYTE = 1 << 30  # the byte of rank 0's lock file that guards the claim word (buffers use 0, 1, 2, ...)
 _NAME_RE = re.compile(r"^odc_(?P<job>[0-9a-f]+)_r(?P<rank>\d+)_p(?P<pid>\d+)\.(?:seg|lock)$")
@@ -344,6 +345,16 @@ class ShmTransport(Transport):
                 return
             now = time.monotonic()
             if now >= next_liveness:
+                # A peer that closed its transport before arriving (it stopped with an error, e.g. a refusal during
+                # the engine's set-up) will not come: say so now rather than at the timeout.
+                closed = [p for p in missing if int(self._headers[p][_CLOSED])]
+                if closed:
+                    pids = ", ".join(f"rank {p} (pid {self._peer_ids[p][0]})" for p in closed)
+                    raise ODCTimeoutError(
+                        f"ODC barrier on rank {self.rank}: {pids} closed its transport before reaching {what} (it "
+                        f"stopped with an error: see its own){consequence}",
+                        closed,
+                    )
                 dead = [p for p in missing if not _pid_matches(*self._peer_ids[p])]
                 if dead:
                     # Only a peer that died during set-up can still have names (after it every name is unlinked).
@@ -382,6 +393,8 @@ class ShmTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        if self._headers:
+            self._headers[self.rank][_CLOSED] = 1
         for fd in self._lock_fds:
             try:
                 os.close(fd)

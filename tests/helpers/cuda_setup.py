@@ -37,6 +37,10 @@ class StuckSetupTransport(CpuSegmentsCudaTransport):
 
     def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
         if self.rank == 1 and self.mode == "fail":
+            from odc_accelerate.transport._setup_watchdog import RENDEZVOUS
+
+            while self._phase_of(0) < RENDEZVOUS:  # fail once rank 0 is blocked in the rendezvous
+                time.sleep(0.01)
             raise RuntimeError("emulated: the rendezvous' socket failed")
         if self.rank == 0 and self.mode == "fail":
             time.sleep(FOREVER)  # torch's rendezvous waits for rank 1 in C++, with no timeout
@@ -58,3 +62,27 @@ def stuck_setup_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
     )
     transport.close()
     return "registered"
+
+
+def engine_publish_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
+    """Build an engine over the emulated 'cuda' transport where rank 1 runs out of GPU memory while it publishes its
+    first shards (after the transport's memory check passed); return this rank's error text."""
+    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate.engine import ODCEngine
+    from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+
+    out = Path(spec["dir"])
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    model = shard_model(build_model(ToyConfig(), seed=0))
+    if rank == 1:
+
+        def out_of_memory(group: Any, buffer: torch.Tensor) -> None:
+            raise torch.OutOfMemoryError("emulated: CUDA out of memory. Tried to allocate a parameter's cast copy")
+
+        fsdp_compat.copy_all_gather_input = out_of_memory
+    transport = CpuSegmentsCudaTransport(rank, world_size, timeout=spec["timeout"])
+    try:
+        ODCEngine(model, transport=transport, timeout=spec["timeout"])
+    except Exception as err:  # the refusal under test
+        return f"{type(err).__name__}: {err}"
+    return ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from odc_accelerate.testing import launch, read_pids, shm_files_of
-from tests.helpers.cuda_setup import stuck_setup_worker
+from tests.helpers.cuda_setup import engine_publish_oom_worker, stuck_setup_worker
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,4 +60,16 @@ def test_a_stalled_allocation_ends_every_rank_after_the_timeout_naming_the_rank_
     assert "exited with code 1" in results[1]
     message = (tmp_path / "rank1.stderr").read_text()
     assert "ODC 'cuda' transport on rank 1" in message and "rank 1 allocating its segment" in message
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_out_of_memory_in_the_engines_set_up_is_a_refusal_and_its_peer_stops_at_once(tmp_path):
+    # Rank 1 runs out of memory publishing its first shards, after the transport was set up. The timeouts are far
+    # beyond the job's limit: rank 0, waiting for rank 1 in the publish barrier, must stop because rank 1 closed.
+    spec = {"dir": str(tmp_path), "timeout": 600.0}
+    results = launch(engine_publish_oom_worker, 2, spec, timeout=120)
+    assert results[1].startswith("RuntimeError: ODC's set-up ran out of GPU memory on rank 1: its transport needs")
+    assert "MiB per rank" in results[1] and "shard over more GPUs" in results[1]
+    assert "ODC barrier on rank 0: rank 1 (pid" in results[0], results[0]
+    assert "closed its transport before reaching barrier #" in results[0], results[0]
     assert shm_files_of(read_pids(tmp_path)) == []
