@@ -21,6 +21,10 @@ builds (any `ODCTrainerMixin` subclass) gets:
   whole run: after each microbatch's forward and backward (each block the step timer times as compute) it sleeps
   ``F - 1`` times the block's measured time, inside the block (a slower device, for the benchmark's slowed condition);
 
+with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``, one per rank), rank ``r`` reads
+``SIZE<r>`` as both its free and its total memory wherever the memory policy's ``auto`` asks
+(`odc_accelerate.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
+
 with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let 2 ranks share one GPU over gloo (`shared_gpu.py`: the
 barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), applied before
 the script runs;
@@ -90,6 +94,8 @@ class RunReport:
             "replicate_buckets": getattr(engine, "replicate_buckets", None),
             # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
             "engine_last_step": dataclasses.asdict(stats) if stats is not None else None,
+            # what this rank's memory policy keeps through a step, per param group FQN
+            "memory_choices": engine.memory_choices() if engine is not None else None,
             "odc_config": {**trainer.odc_config.options(), "source": trainer.odc_config.source},
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "microbatch_dist_calls": self.microbatch_dist_calls,
@@ -272,6 +278,20 @@ class _CountedMethod:
         self.owner.training_step = self.original
 
 
+def fixed_free_memory(sizes: str) -> None:
+    """Make this rank (``RANK``) read its entry of ``sizes`` (``"1TiB,2MiB"``) as its free and total memory."""
+    from odc_accelerate import memory
+
+    budgets = []
+    for size in sizes.split(","):
+        amount, fraction = memory.parse_headroom(size)
+        if fraction:
+            raise ValueError(f"ODC_TEST_FREE_MEMORY takes sizes, not percentages: {sizes!r}")
+        budgets.append(int(amount))
+    mine = budgets[int(os.environ.get("RANK", "0"))]
+    memory.free_and_total = lambda device: (mine, mine)  # the engine reads it through the module
+
+
 def _write_rss(directory: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -291,6 +311,8 @@ def main() -> None:
 
         if shared_gpu.enabled():
             shared_gpu.enable()
+        if os.environ.get("ODC_TEST_FREE_MEMORY"):
+            fixed_free_memory(os.environ["ODC_TEST_FREE_MEMORY"])
         instrument_trainers()
         runpy.run_path(script, run_name="__main__")
     finally:

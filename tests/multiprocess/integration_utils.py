@@ -51,6 +51,19 @@ def trl_reference(trainer: str, samples_per_step: int, *args: str, output_dir: P
     return run([*cmd, "--output_dir", output_dir])
 
 
+# The SFT parity runs' arguments (2 steps of SGD with momentum, fp32): ODC runs take them with
+# ``--odc_samples_per_step SFT_SAMPLES_PER_STEP``; `sft_reference` (conftest.py) is TRL's trainer in one process on them.
+SFT_PARITY = [
+    "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--max_length", "128",
+    "--odc_max_tokens_per_microbatch", "128",
+    # SGD with momentum has an optimizer state: torch loads a FULL_STATE_DICT optimizer checkpoint only when the
+    # optimizer has one (plain SGD fails with "Expected device to be set"), and the resume test reads it back
+    "--optim", "sgd", "--optim_args", "momentum=0.9", "--learning_rate", "0.5",
+    "--seed", "0", "--dataloader_pin_memory", "false",
+]  # fmt: skip
+SFT_SAMPLES_PER_STEP = 5
+
+
 def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):
     head = (
         [sys.executable, "-m", "accelerate.commands.launch"]

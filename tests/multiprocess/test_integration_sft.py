@@ -6,13 +6,15 @@ One module-scoped set of runs serves several assertions:
   torch.distributed calls during microbatches; saves a checkpoint each step; ``--odc_memory_policy grads``: gradients
   stay unsharded until the step boundary (one scatter-add per param group and step, as the Trainer accumulates).
 * ``single``: TRL's own ``SFTTrainer`` in one process, accumulating the same 5 samples per optimizer step
-  (`tests/helpers/trl_reference.py`): the reference for exact loss normalisation.
+  (`tests/helpers/trl_reference.py`, the session's ``sft_reference``): the reference for exact loss normalisation.
 * ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
   file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
 * ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint,
   with accelerate's ``sync_each_batch`` and the default memory policy (``neither``: a scatter-add per microbatch).
 * ``odc_padding_free``: ``odc`` with ``--padding_free true`` and a larger token budget, so that several truncated
   samples share one packed microbatch row (TRL alone refuses padding_free with max_length); its steps are traced.
+* ``odc_auto``: ``odc`` with ``--odc_memory_policy auto`` and ranks whose memory differs by construction
+  (``ODC_TEST_FREE_MEMORY``, read by `run_example.py`): rank 0 keeps everything, rank 1 only the decoder layers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from integration_utils import (
     CONFIGS,
     RUN_EXAMPLE,
+    SFT_PARITY,
+    SFT_SAMPLES_PER_STEP,
     TRAIN,
     accelerate_launch,
     assert_saved_model_is_the_trained_one,
@@ -37,42 +41,22 @@ from integration_utils import (
     reports,
     run,
     shm_leftovers,
-    trl_reference,
 )
 
-COMMON = [
-    "--max_steps",
-    "2",
-    "--logging_steps",
-    "1",
-    "--report_to",
-    "none",
-    "--max_length",
-    "128",
-    "--odc_max_tokens_per_microbatch",
-    "128",
-    "--optim",
-    "sgd",
-    # SGD with momentum has an optimizer state: torch loads a FULL_STATE_DICT optimizer checkpoint only when the
-    # optimizer has one (plain SGD fails with "Expected device to be set"), and the resume test reads it back
-    "--optim_args",
-    "momentum=0.9",
-    "--learning_rate",
-    "0.5",
-    "--seed",
-    "0",
-    "--dataloader_pin_memory",
-    "false",
-]
-UNEQUAL = ["--odc_samples_per_step", "5"]  # the TRL reference accumulates the same 5 samples per step
+COMMON = SFT_PARITY
+UNEQUAL = ["--odc_samples_per_step", str(SFT_SAMPLES_PER_STEP)]  # as the TRL reference (sft_reference)
 DUMP = {"ODC_DUMP_PARAMS": "1"}
+# Free (and total) memory per rank for memory_policy=auto; the default headroom (30%) leaves a budget of 70%. Rank 0:
+# room for everything. Rank 1: ~1.4 MiB, room for both decoder layers' params and grads (2 x 2 x 0.24 MiB unsharded,
+# fp32) but not for the embedding or the lm_head (37 MiB each).
+AUTO_FREE_MEMORY = "1TiB,2MiB"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, sft_reference):
     root = tmp_path_factory.mktemp("sft")
     shm_before = shm_leftovers()
-    names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free")
+    names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free", "odc_auto")
     out = {name: root / name for name in names}
     procs = {}
     procs["odc"] = accelerate_launch(
@@ -94,7 +78,7 @@ def runs(tmp_path_factory):
         ODC_TRACE_DIR=str(out["odc"] / "trace"),
         **DUMP,
     )
-    procs["single"] = trl_reference("sft", 5, *COMMON, "--save_strategy", "no", output_dir=out["single"])
+    procs["single"], out["single"] = sft_reference
     procs["odc_padding_free"] = accelerate_launch(
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
@@ -111,6 +95,23 @@ def runs(tmp_path_factory):
         "--output_dir",
         out["odc_padding_free"],
         ODC_TRACE_DIR=str(out["odc_padding_free"] / "trace"),
+        **DUMP,
+    )
+    procs["odc_auto"] = accelerate_launch(
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        "--odc_memory_policy",
+        "auto",
+        *COMMON,
+        *UNEQUAL,
+        "--save_strategy",
+        "no",
+        "--output_dir",
+        out["odc_auto"],
+        ODC_TEST_FREE_MEMORY=AUTO_FREE_MEMORY,
+        ODC_TRACE_DIR=str(out["odc_auto"] / "trace"),
         **DUMP,
     )
     lockstep = [*COMMON, "--per_device_train_batch_size", "2", "--save_strategy", "no"]
@@ -228,6 +229,39 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
     a, b, init = final_params(odc), final_params(single), torch.load(single / "initial_params.pt")
     assert torch.load(odc / "initial_params.pt").keys() == init.keys()
     assert max_rel(torch.load(odc / "initial_params.pt"), init) == 0.0  # the same model to start from
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    assert max_rel(a, b) <= 1e-4
+
+
+def test_auto_policy_choosing_differently_per_rank_matches_single_process(runs):
+    # memory_policy=auto on ranks with different free memory: each rank keeps what fits its own budget, in the same
+    # steps, and the run still trains as TRL's trainer in one process on the same 5 samples per step.
+    check_ok(runs["procs"]["odc_auto"])
+    check_ok(runs["procs"]["single"])
+    out, single = runs["out"]["odc_auto"], runs["out"]["single"]
+    ranks = reports(out, "odc_run_rank")
+    assert [r["odc_config"]["memory_policy"] for r in ranks] == ["auto", "auto"]
+    choices = [r["memory_choices"] for r in ranks]
+    assert choices[0].keys() == choices[1].keys() and len(choices[0]) > 2
+    layers = {fqn for fqn in choices[0] if ".layers." in f".{fqn}."}
+    assert len(layers) == 2, choices
+    assert set(choices[0].values()) == {"both"}, choices
+    assert {fqn: c for fqn, c in choices[1].items() if c != "neither"} == dict.fromkeys(layers, "both"), choices
+    # the choices took effect in the last step: a rank reduces a kept gradient once, the others after each microbatch
+    microbatches = _last_step_microbatches(out)
+    assert microbatches[1] > 1, microbatches
+    for r, kept in zip(ranks, (len(choices[0]), len(layers)), strict=True):
+        last = r["engine_last_step"]
+        groups = r["engine_param_groups"]
+        assert (last["kept_params"], last["kept_grads"]) == (kept, kept), last
+        assert last["scatters"] == kept + (groups - kept) * microbatches[r["rank"]], (last, microbatches)
+    for a, b in zip(logged_steps(out), logged_steps(single), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
+        assert a["num_tokens"] == b["num_tokens"]
+    a, b, init = final_params(out), final_params(single), torch.load(single / "initial_params.pt")
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
     assert update > 0 and diff / update <= 1e-4, (diff, update)
