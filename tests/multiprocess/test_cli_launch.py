@@ -3,7 +3,9 @@
 * ``odc-accelerate sft`` with no model and no dataset trains the offline default on the ``odc_cpu`` preset, with ODC.
 * TRL's own, unmodified ``trl/scripts/sft.py`` (from the installed trl) trains WITH ODC under ``odc-accelerate launch
   --config_file`` a file written by ``odc-accelerate config --cpu --default``, on a local model folder and a local
-  JSON-lines dataset; an ``odc*`` key of its ``--config`` recipe reaches the ODC trainer.
+  JSON-lines dataset (the offline default model and SFT data); the ``odc*`` keys of its ``--config`` recipe reach the
+  ODC trainer (5 samples per step, so the ranks run unequal microbatch counts), and it trains as TRL's own
+  ``SFTTrainer`` in one process on the same samples per step (the session's ``sft_reference``, fp32).
 * A script whose trainer is a plain ``transformers.Trainer`` subclass stops before training under the same config.
 """
 
@@ -15,7 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
-from integration_utils import base_env, check_ok, run, shm_leftovers
+from integration_utils import (
+    SFT_PARITY,
+    SFT_SAMPLES_PER_STEP,
+    base_env,
+    check_ok,
+    logged_steps,
+    max_rel,
+    run,
+    shm_leftovers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "odc_accelerate.cli"]
@@ -104,17 +115,18 @@ def _offline_initial_weights() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, sft_reference):
     import trl
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_texts
+    from odc_accelerate.data import load_offline_tokenizer, offline_sft_dataset
 
     root = tmp_path_factory.mktemp("cli")
     durations: dict[str, float] = {}
     shm_before = shm_leftovers()
     env = {"HF_DATASETS_CACHE": str(root / "hf_datasets"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
-    # local assets for TRL's script: a model folder with its tokenizer and a JSON-lines dataset
+    # local assets for TRL's script: a model folder with its tokenizer and a JSON-lines dataset, the offline default
+    # model and SFT data that the one-process reference trains on
     initial = _offline_initial_weights()
     model_dir, data_dir = root / "model", root / "data"
     import torch
@@ -128,7 +140,7 @@ def runs(tmp_path_factory):
     load_offline_tokenizer().save_pretrained(model_dir)
     data_dir.mkdir()
     with open(data_dir / "train.jsonl", "w") as f:
-        for text in offline_texts()[:64]:
+        for text in offline_sft_dataset()["text"]:
             f.write(json.dumps({"text": text}) + "\n")
 
     cfg = root / "odc.yaml"
@@ -143,7 +155,9 @@ def runs(tmp_path_factory):
         **env,
     )
     recipe = root / "recipe.yaml"
-    recipe.write_text(f"odc_trace_dir: {root / 'trace'}\nper_device_train_batch_size: 2\n")
+    recipe.write_text(
+        f"odc_trace_dir: {root / 'trace'}\nodc_samples_per_step: {SFT_SAMPLES_PER_STEP}\nper_device_train_batch_size: 2\n"
+    )
     trl_sft = Path(trl.__file__).parent / "scripts" / "sft.py"
     procs["trl_sft"] = _timed(
         durations,
@@ -162,7 +176,7 @@ def runs(tmp_path_factory):
             model_dir,
             "--dataset_name",
             data_dir,
-            *SMALL,
+            *SFT_PARITY,
             "--output_dir",
             out["trl_sft"],
         ],
@@ -180,6 +194,7 @@ def runs(tmp_path_factory):
     return {
         "procs": procs,
         "out": out,
+        "reference": sft_reference,
         "root": root,
         "cfg": cfg,
         "initial": initial,
@@ -197,7 +212,10 @@ def test_sft_command_trains_the_offline_default_with_odc(runs):
     _assert_loads_trained(out, runs["initial"])
 
 
-def test_trls_own_sft_script_trains_with_odc_under_launch(runs):
+def test_trls_own_sft_script_trains_with_odc_under_launch_as_trl_in_one_process(runs):
+    import torch
+    from safetensors.torch import load_file
+
     proc = runs["procs"]["config"]
     check_ok(proc)
     assert f"wrote {runs['cfg']}" in proc.stdout
@@ -216,7 +234,27 @@ def test_trls_own_sft_script_trains_with_odc_under_launch(runs):
     for i, step in enumerate(steps):
         assert step["odc/microbatches_min"] == min(t[i] for t in traced) >= 1, (step, traced)
         assert step["odc/microbatches_max"] == max(t[i] for t in traced), (step, traced)
+    # the recipe's odc_samples_per_step too: 5 samples per step, so the ranks ran unequal counts
+    assert any(step["odc/microbatches_min"] != step["odc/microbatches_max"] for step in steps), steps
     _assert_loads_trained(out, runs["initial"])
+
+    # Parity: TRL's SFTTrainer in one process, from the same weights, on the same 5 samples per optimizer step.
+    reference, ref_out = runs["reference"]
+    check_ok(reference)
+    init = torch.load(ref_out / "initial_params.pt")
+    assert max_rel(runs["initial"], init) == 0.0  # the model folder holds the reference's starting weights
+    for a, b in zip(logged_steps(out / "checkpoint-2"), logged_steps(ref_out), strict=True):
+        # the exact per-token mean over the global batch, and the tokens of every rank
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
+        assert a["num_tokens"] == b["num_tokens"]
+    # the full weights TRL's script saved, against the reference's: equal up to fp32 summation order, a tiny fraction
+    # of the update itself
+    trained, expected = load_file(out / "model.safetensors"), torch.load(ref_out / "final_params.pt")
+    diff = sum(float((trained[k] - expected[k]).norm() ** 2) for k in expected) ** 0.5
+    update = sum(float((expected[k] - init[k]).norm() ** 2) for k in expected) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    assert max_rel(trained, expected) <= 1e-4
 
 
 def test_a_plain_trainer_subclass_stops_before_training(runs):
