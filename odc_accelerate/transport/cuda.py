@@ -1,7 +1,8 @@
 """CUDA transport for the GPUs of one node: torch symmetric memory for data, shared memory for control.
 
-**Not yet run on a GPU**: written against torch's sources; its host-side logic (:mod:`._cuda_plan`) is unit-tested on
-CPU, and ``scripts/gpu_check.sh`` checks it on a GPU.
+Ran once on one H100 (engine parity with one process; ``docs/gpu.md``); what changed since, the accumulate kernel
+among it, has not run on a GPU. Its host-side logic (:mod:`._cuda_plan`) is unit-tested on CPU, its protocol runs the
+engine on CPU over shared memory, and ``scripts/gpu_session.sh`` checks it on a GPU.
 
 Data plane. Every rank allocates one segment with torch's symmetric memory (through
 :mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every peer's segment
@@ -170,7 +171,7 @@ def gather_device_facts(
 class CudaTransport(Transport):
     """One-sided reads and atomic accumulates between the GPUs of one node through torch symmetric memory.
 
-    **Not yet run on a GPU** (its host-side logic is unit-tested on CPU; ``scripts/gpu_check.sh`` checks the rest).
+    Engine parity on one H100 once; not yet on several GPUs (see the module docstring and ``docs/gpu.md``).
 
     Args:
         rank (`int`): this rank.
