@@ -1,6 +1,7 @@
 """The GPU procedure is tested code: its one command's CPU dry run, ``bash scripts/gpu_session.sh OUT --device cpu``,
-runs every case that exists on CPU (the engine's parity, the SFT Trainer against TRL's in one process, GRPO) and
-leaves what a GPU machine sends back: at most 8 files (an archive and the summary), the table printed last."""
+runs every case that exists on CPU (the engine's parity through ``gpu_check``: the ``shm`` transport and the ``cuda``
+transport's protocol over shared memory; the SFT Trainer against TRL's in one process; GRPO) and leaves what a GPU
+machine sends back: at most 8 files (an archive and the summary), the table printed last."""
 
 from __future__ import annotations
 
@@ -45,6 +46,21 @@ def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_two_files(tm
         tar.extractall(tmp_path / "unpacked", filter="data")
     assert "session/env.txt" in names and "session/summary.txt" in names
     unpacked = tmp_path / "unpacked" / "session"
+    parity = json.loads((unpacked / "check_parity" / "results.json").read_text())
+    assert set(parity) == {"environment", "parity"}
+    checks = parity["parity"]["checks"]
+    # both transports, fp32 and the bf16 variants, each compared against one process
+    assert len(checks) == 7 and all(checks.values()), checks
+    assert any("cuda-on-cpu" in name for name in checks) and any("shm" in name for name in checks)
+    # fp32 accumulators take the accumulate kernel (Triton's interpreter on CPU tensors); bf16 ones the index_add_
+    # fallback (the interpreter has no bf16 atomics)
+    paths = {run: res["accumulate_path"] for run, res in parity["parity"].items() if "cuda-on-cpu" in run}
+    assert paths == {
+        "fp32/cuda-on-cpu": "kernel",
+        "bf16-fp32-reduce/cuda-on-cpu": "kernel",
+        "bf16/cuda-on-cpu": "kernel",
+        "bf16/cuda-on-cpu-bf16-acc": "index_add_",
+    }, paths
     sft = json.loads((unpacked / "trainer_sft_fp32" / "results.json").read_text())["sft_fp32"]
     # ODC on 2 ranks with unequal microbatches against TRL's trainer in one process, through the shared-GPU switch
     assert sft["loss_max_rel"] <= 1e-4 and sft["params_max_rel"] <= 1e-4
