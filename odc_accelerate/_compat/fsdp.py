@@ -49,10 +49,6 @@ AllGather = _import(f"{_FSDP}._fsdp_api", "AllGather")
 ReduceScatter = _import(f"{_FSDP}._fsdp_api", "ReduceScatter")
 HSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "HSDPMeshInfo")
 DDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "DDPMeshInfo")
-# A per-parameter shard placement (``fully_shard(shard_placement_fn=...)`` returns these; the tests build per-param
-# meshes with them).
-FSDPMeshInfo = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
-ShardPlacementResult = _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")
 ShardedState = _import(f"{_FSDP}._fsdp_param", "ShardedState")
 _FSDPParam = _import(f"{_FSDP}._fsdp_param", "FSDPParam")
 CPUOffloadPolicy = _import("torch.distributed.fsdp", "CPUOffloadPolicy")
@@ -232,6 +228,14 @@ def is_fsdp2(module: nn.Module) -> bool:
 
 def fsdp_state(module: nn.Module) -> Any:
     return _require(module, "_get_fsdp_state", "FSDPModule")()
+
+
+def per_param_placement(placement: Any, mesh: Any) -> Any:
+    """What ``fully_shard(shard_placement_fn=...)`` returns to shard one parameter with ``placement`` on a mesh of its
+    own (several param groups in one call; the tests build such models). torch 2.12 and newer: 2.11 has no per-param
+    meshes, and this raises `CompatError` there."""
+    info = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")(mesh, shard_mesh_dim=0)
+    return _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")(placement, info)
 
 
 def all_states(root: nn.Module) -> Iterator[Any]:

@@ -135,14 +135,13 @@ def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from odc_accelerate._compat.fsdp import FSDPMeshInfo, ShardPlacementResult
+    from odc_accelerate._compat.fsdp import per_param_placement
 
     model = build_model(cfg)
     other = DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu")
-    other_info = FSDPMeshInfo(other, shard_mesh_dim=0)
 
     def place(param):
-        return ShardPlacementResult(Shard(0), other_info) if param.ndim == 1 else None
+        return per_param_placement(Shard(0), other) if param.ndim == 1 else None
 
     fully_shard(model, shard_placement_fn=place)
     return model
