@@ -230,12 +230,14 @@ def fsdp_state(module: nn.Module) -> Any:
     return _require(module, "_get_fsdp_state", "FSDPModule")()
 
 
-def per_param_placement(placement: Any, mesh: Any) -> Any:
-    """What ``fully_shard(shard_placement_fn=...)`` returns to shard one parameter with ``placement`` on a mesh of its
-    own (several param groups in one call; the tests build such models). torch 2.12 and newer: 2.11 has no per-param
-    meshes, and this raises `CompatError` there."""
+def per_param_placer(mesh: Any) -> Any:
+    """A function ``placement -> result`` for ``fully_shard(shard_placement_fn=...)`` that shards a parameter with
+    ``placement`` on ``mesh`` instead of the call's own (several param groups in one call; the tests build such
+    models). Every result shares one mesh info, as FSDP2 requires of params on one process group. torch 2.12 and
+    newer: 2.11 has no per-param meshes, and this raises `CompatError` there."""
     info = _import(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")(mesh, shard_mesh_dim=0)
-    return _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")(placement, info)
+    result = _import(f"{_FSDP}._fsdp_common", "ShardPlacementResult")
+    return lambda placement: result(placement, info)
 
 
 def all_states(root: nn.Module) -> Iterator[Any]:

@@ -135,13 +135,13 @@ def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from odc_accelerate._compat.fsdp import per_param_placement
+    from odc_accelerate._compat.fsdp import per_param_placer
 
     model = build_model(cfg)
-    other = DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu")
+    on_other = per_param_placer(DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu"))
 
     def place(param):
-        return per_param_placement(Shard(0), other) if param.ndim == 1 else None
+        return on_other(Shard(0)) if param.ndim == 1 else None
 
     fully_shard(model, shard_placement_fn=place)
     return model
