@@ -100,16 +100,19 @@ def _full_state_dict_through_cpu() -> None:
 
 
 def full_tensor_via_cpu(tensor: Any) -> Any:
-    """The whole of ``tensor`` on CPU: a DTensor's local shard moves to CPU first and is gathered over a CPU mesh on
-    the same process group (collective for a DTensor); a plain tensor is copied to CPU."""
+    """The whole of ``tensor`` on CPU (collective for a DTensor): a DTensor on CPU gathers as it is; one on a GPU moves
+    its local shard to CPU first and gathers over a CPU mesh on the same process group (1-D meshes: the shared-GPU
+    check's); a plain tensor is copied to CPU."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
         return tensor.detach().cpu()
+    if tensor.device.type == "cpu":
+        return tensor.detach().full_tensor()
     mesh = tensor.device_mesh
     if mesh.ndim != 1:
-        raise ValueError(f"full_tensor_via_cpu gathers over 1-D meshes only, got a {mesh.ndim}-D mesh")
+        raise ValueError(f"full_tensor_via_cpu gathers GPU tensors over 1-D meshes only, got a {mesh.ndim}-D mesh")
     cpu_mesh = DeviceMesh.from_group(mesh.get_group(), "cpu")
     local = tensor.to_local().detach().cpu()
     whole = DTensor.from_local(
