@@ -4,8 +4,9 @@
 memory. Each program loads ``src`` in its own dtype (fp32, bf16 or fp16), converts in registers and adds into ``dst``
 (fp32, or bf16) with relaxed atomic reductions of system scope: adds arriving from other GPUs over NVLink are atomic
 with this GPU's own. It reads no index vector and stages nothing for the cast: on sm_90, with 16-byte aligned data
-(every accumulator view of the segment plan is), each thread issues 16-byte vector reductions
-(``red.global.sys.relaxed.add.v4.f32``).
+(every accumulator view of the segment plan is), each thread issues 16-byte vector atomic adds
+(``red.global.sys.relaxed.add.v4.f32`` from Triton 3.9 on; Triton 3.6-3.8 write it as an ``atom`` whose result goes
+unused).
 
 Triton is imported on first use, so the package imports without it (torch's CPU wheels come without Triton).
 `kernel_available` says whether the kernel can run for a device and accumulator dtype, and why not; the transport
