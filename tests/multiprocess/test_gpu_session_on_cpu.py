@@ -23,7 +23,7 @@ def _env() -> dict[str, str]:
 
 def _session(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = ["bash", str(ROOT / "scripts" / "gpu_session.sh"), str(out), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1800)
 
 
 def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_two_files(tmp_path):
