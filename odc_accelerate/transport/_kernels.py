@@ -42,6 +42,9 @@ MAX_LAUNCH_NUMEL = 2**30
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: accumulator dtypes the kernel adds into
 ACCUMULATOR_DTYPES = (torch.float32, torch.bfloat16)
+#: the oldest Triton whose interpreter runs the kernel: 3.6's turns the grid-stride loop's bounds into Python ints with
+#: ``int()`` of a 1-element array, which numpy 2.4 refuses (3.7 squeezes it first); compiled GPU kernels are unaffected
+INTERPRETER_MIN_TRITON = (3, 7)
 
 # triton.language, bound by `_triton()` on first use. The kernel below names it only in its body and (thanks to
 # postponed annotations) its `tl.constexpr` annotation, both resolved when Triton compiles or interprets it.
@@ -106,6 +109,18 @@ def _interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernel on CPU tensors here (a sentence), or None if it can."""
+    triton, why = _triton()
+    if triton is None:
+        return why
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if version < INTERPRETER_MIN_TRITON:
+        need = ".".join(map(str, INTERPRETER_MIN_TRITON))
+        return f"Triton {triton.__version__}'s interpreter cannot run the kernel's loop (Triton {need} or newer can)"
+    return None
+
+
 def kernel_available(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     """Whether `accumulate_` can add into ``dtype`` accumulators on ``device``, and a sentence saying why (not).
 
@@ -131,6 +146,8 @@ def kernel_available(device: torch.device | str, dtype: torch.dtype = torch.floa
             return False, "CPU tensors run the kernel only under Triton's interpreter (TRITON_INTERPRET=1)"
         if dtype == torch.bfloat16:
             return False, "Triton's interpreter has no bf16 atomic adds"
+        if (problem := interpreter_problem()) is not None:
+            return False, problem
         return True, f"Triton {triton.__version__}'s interpreter on CPU tensors"
     if device.type != "cuda" or torch.version.cuda is None or not torch.cuda.is_available():
         return False, f"the kernel runs on NVIDIA GPUs (CUDA builds of torch), not on {device.type}"

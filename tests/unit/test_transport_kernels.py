@@ -19,6 +19,9 @@ pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extr
 
 INTERPRET = "TRITON_INTERPRET"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The tests that run the kernel under the interpreter need a Triton whose interpreter can (3.7 on; torch 2.11's CUDA
+# wheels pin 3.6, whose interpreter cannot with numpy 2.4: see `_kernels.INTERPRETER_MIN_TRITON`).
+runs_kernel = pytest.mark.skipif(kernels.interpreter_problem() is not None, reason=str(kernels.interpreter_problem()))
 
 
 @pytest.fixture
@@ -33,6 +36,7 @@ def _reference_add(acc: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------ exactness
+@runs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_source_dtype_adds_exactly_into_fp32_at_block_edges(dtype):
     gen = torch.Generator().manual_seed(0)
@@ -51,6 +55,7 @@ def test_every_source_dtype_adds_exactly_into_fp32_at_block_edges(dtype):
             assert not memory[:offset].any() and not memory[offset + numel :].any(), (numel, offset)
 
 
+@runs_kernel
 def test_adds_split_into_several_launches_cover_every_element_once(monkeypatch):
     # On a GPU one launch covers at most MAX_LAUNCH_NUMEL elements (int32 offsets); shrunk here to cut three launches.
     monkeypatch.setattr(kernels, "MAX_LAUNCH_NUMEL", 2 * BLOCK + 3)
@@ -60,6 +65,7 @@ def test_adds_split_into_several_launches_cover_every_element_once(monkeypatch):
     assert torch.equal(dst, _reference_add(torch.ones(src.numel()), src))
 
 
+@runs_kernel
 @pytest.mark.parametrize("programs", [1, 2, 5])
 def test_any_grid_cap_covers_every_block_once(programs):
     # 4 whole blocks and a tail: fewer programs than blocks loop, more than blocks leave some idle.
@@ -69,6 +75,7 @@ def test_any_grid_cap_covers_every_block_once(programs):
     assert torch.equal(dst, src)
 
 
+@runs_kernel
 def test_an_empty_add_and_a_shaped_source():
     assert accumulate_(torch.zeros(0), torch.zeros(0)).numel() == 0
     src = torch.arange(12, dtype=torch.float16).view(3, 4)  # any shape: read as its 12 elements in order
@@ -102,6 +109,7 @@ def test_refusals_name_what_is_wrong():
 
 
 # ------------------------------------------------------------------------------------------ where the kernel runs
+@runs_kernel
 def test_availability_and_its_reasons(monkeypatch):
     monkeypatch.delenv(INTERPRET, raising=False)
     ok, why = kernel_available("cpu")
@@ -128,6 +136,7 @@ def test_grid_cap_setting():
         cuda.CudaTransport(0, 2, accumulate_sm_share=0)
 
 
+@runs_kernel
 def test_transport_picks_the_kernel_where_it_runs_and_says_so_once(interpret, monkeypatch, caplog):
     monkeypatch.setattr(cuda, "_said", set())
     cpu = torch.device("cpu")
