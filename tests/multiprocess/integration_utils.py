@@ -7,7 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
@@ -30,6 +34,36 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300.
     return subprocess.run(
         [str(c) for c in cmd], cwd=ROOT, env=env or base_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+# Jobs started with `background` that may run at the same time. One 2-rank job leaves much of 2 cores idle (start-up,
+# rendezvous, saving; a one-process reference run uses one core), so two at a time fill them; more would only slow
+# each one down. ODC_TEST_JOBS=1 runs them one after the other.
+_SLOTS = threading.BoundedSemaphore(max(1, int(os.environ.get("ODC_TEST_JOBS", "2"))))
+
+
+def background(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """Call ``fn(*args, **kwargs)`` (a blocking job: `run`, `accelerate_launch`, `trl_reference`...) in a thread once
+    one of the ``ODC_TEST_JOBS`` slots is free (this call waits for it); its future. A module's independent runs go
+    through it, and `results` collects them."""
+    _SLOTS.acquire()
+    future: Future = Future()
+
+    def job() -> None:
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # re-raised by future.result() in the test's thread
+            future.set_exception(err)
+        finally:
+            _SLOTS.release()
+
+    threading.Thread(target=job, daemon=True).start()
+    return future
+
+
+def results(jobs: dict[str, Any]) -> dict[str, Any]:
+    """``jobs`` with every `background` future replaced by its result (waiting for each)."""
+    return {name: job.result() if isinstance(job, Future) else job for name, job in jobs.items()}
 
 
 TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"

@@ -25,11 +25,13 @@ from integration_utils import (
     accelerate_launch,
     assert_same_logits,
     assert_saved_model_is_the_trained_one,
+    background,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
+    results,
     shm_leftovers,
     trl_reference,
 )
@@ -74,25 +76,35 @@ def runs(tmp_path_factory):
     procs = {}
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
     plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
-    procs["odc"] = accelerate_launch(
-        *odc, *COMMON, *UNEQUAL, "--output_dir", out["odc"], ODC_TRACE_DIR=str(out["odc"] / "trace"), **COUNT, **DUMP
+    procs["odc"] = background(
+        accelerate_launch,
+        *odc,
+        *COMMON,
+        *UNEQUAL,
+        "--output_dir",
+        out["odc"],
+        ODC_TRACE_DIR=str(out["odc"] / "trace"),
+        **COUNT,
+        **DUMP,
     )
-    procs["single"] = trl_reference("dpo", 5, *COMMON, output_dir=out["single"])
+    procs["single"] = background(trl_reference, "dpo", 5, *COMMON, output_dir=out["single"])
     pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
-    procs["odc_pre"] = accelerate_launch(
-        *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
+    procs["odc_pre"] = background(
+        accelerate_launch, *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
     )
     bf16 = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_plan", "lockstep"]
-    procs["plain_bf16"] = accelerate_launch(*plain, *bf16, "--output_dir", out["plain_bf16"], **COUNT, **DUMP)
-    procs["odc_bf16"] = accelerate_launch(*odc, *bf16, "--output_dir", out["odc_bf16"], **COUNT, **DUMP)
-    fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_plan", "lockstep"]
-    procs["plain_fp32"] = accelerate_launch(*plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
-    procs["odc_fp32"] = accelerate_launch(*odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
-    peft = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
-    procs["odc_peft"] = accelerate_launch(
-        *odc, *COMMON, *UNEQUAL, *peft, "--output_dir", out["odc_peft"], **COUNT, **DUMP
+    procs["plain_bf16"] = background(
+        accelerate_launch, *plain, *bf16, "--output_dir", out["plain_bf16"], **COUNT, **DUMP
     )
-    return {"out": out, "procs": procs, "shm_before": shm_before}
+    procs["odc_bf16"] = background(accelerate_launch, *odc, *bf16, "--output_dir", out["odc_bf16"], **COUNT, **DUMP)
+    fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_plan", "lockstep"]
+    procs["plain_fp32"] = background(accelerate_launch, *plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
+    procs["odc_fp32"] = background(accelerate_launch, *odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
+    peft = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
+    procs["odc_peft"] = background(
+        accelerate_launch, *odc, *COMMON, *UNEQUAL, *peft, "--output_dir", out["odc_peft"], **COUNT, **DUMP
+    )
+    return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
 
 def _update(out) -> float:

@@ -25,12 +25,14 @@ from integration_utils import (
     RUN_EXAMPLE,
     TRAIN,
     accelerate_launch,
+    background,
     base_env,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
+    results,
     run,
     trl_reference,
 )
@@ -71,7 +73,8 @@ def runs(tmp_path_factory):
             f.write(json.dumps({"text": text}) + "\n")
     stream = [*SFT_COMMON, "--dataset_name", str(stream_data), "--dataset_streaming", "true", "--max_length", "64"]
     procs = {
-        "sft": accelerate_launch(
+        "sft": background(
+            accelerate_launch,
             CONFIGS / "odc_cpu.yaml",
             TRAIN,
             *DYNAMIC,
@@ -82,8 +85,9 @@ def runs(tmp_path_factory):
             ODC_TRACE_DIR=str(out["sft"] / "trace"),
             **DUMP,
         ),
-        "sft_single": trl_reference("sft", 5, *SFT_COMMON, output_dir=out["sft_single"]),
-        "dpo": accelerate_launch(
+        "sft_single": background(trl_reference, "sft", 5, *SFT_COMMON, output_dir=out["sft_single"]),
+        "dpo": background(
+            accelerate_launch,
             ROOT / "examples" / "dpo" / "configs" / "odc_cpu.yaml",
             ROOT / "examples" / "dpo" / "train.py",
             *DYNAMIC,
@@ -93,16 +97,25 @@ def runs(tmp_path_factory):
             ODC_COUNT_DIST_CALLS="1",
             **DUMP,
         ),
-        "dpo_single": trl_reference("dpo", 5, *DPO_COMMON, output_dir=out["dpo_single"]),
-        "stream": accelerate_launch(
-            CONFIGS / "odc_cpu.yaml", TRAIN, *DYNAMIC, *stream, "--output_dir", out["stream"], **DUMP
+        "dpo_single": background(trl_reference, "dpo", 5, *DPO_COMMON, output_dir=out["dpo_single"]),
+        "stream": background(
+            accelerate_launch,
+            CONFIGS / "odc_cpu.yaml",
+            TRAIN,
+            *DYNAMIC,
+            *stream,
+            "--output_dir",
+            out["stream"],
+            **DUMP,
         ),
-        "stream_plain": run(
+        "stream_plain": background(
+            run,
             [sys.executable, RUN_EXAMPLE, TRAIN, *_without_odc(stream), "--per_device_train_batch_size", "5"]
             + ["--output_dir", out["stream_plain"]],
             env=base_env(**DUMP),
         ),
-        "grpo": accelerate_launch(
+        "grpo": background(
+            accelerate_launch,
             ROOT / "examples" / "grpo" / "configs" / "odc_cpu.yaml",
             RUN_EXAMPLE,
             GRPO_LOOP,
@@ -116,13 +129,14 @@ def runs(tmp_path_factory):
             out["grpo"],
             ODC_COUNT_DIST_CALLS="1",
         ),
-        "grpo_single": run(
+        "grpo_single": background(
+            run,
             [sys.executable, GRPO_LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *GRPO]
             + ["--output_dir", out["grpo_single"]],
             env=base_env(),
         ),
     }
-    return {"out": out, "procs": procs}
+    return {"out": out, "procs": results(procs)}
 
 
 def _without_odc(args: list[str]) -> list[str]:

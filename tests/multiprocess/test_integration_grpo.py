@@ -21,7 +21,18 @@ import sys
 
 import pytest
 import torch
-from integration_utils import ROOT, RUN_EXAMPLE, accelerate_launch, base_env, check_ok, reports, run, shm_leftovers
+from integration_utils import (
+    ROOT,
+    RUN_EXAMPLE,
+    accelerate_launch,
+    background,
+    base_env,
+    check_ok,
+    reports,
+    results,
+    run,
+    shm_leftovers,
+)
 
 CONFIGS = ROOT / "examples" / "grpo" / "configs"
 TRAIN = ROOT / "examples" / "grpo" / "train.py"
@@ -61,7 +72,8 @@ def runs(tmp_path_factory):
     names = ("example_odc", "example_fsdp2", "parity_odc", "parity_single", "bad_entropy")
     out = {name: root / name for name in names}
     procs = {}
-    procs["example_odc"] = accelerate_launch(
+    procs["example_odc"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
         "--odc",
@@ -74,7 +86,8 @@ def runs(tmp_path_factory):
         out["example_odc"],
         **COUNT,
     )
-    procs["example_fsdp2"] = accelerate_launch(
+    procs["example_fsdp2"] = background(
+        accelerate_launch,
         CONFIGS / "fsdp2_cpu.yaml",
         TRAIN,
         "--max_steps",
@@ -87,7 +100,8 @@ def runs(tmp_path_factory):
         out["example_fsdp2"],
         **COUNT,
     )
-    procs["parity_odc"] = accelerate_launch(
+    procs["parity_odc"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         RUN_EXAMPLE,
         LOOP,
@@ -102,15 +116,24 @@ def runs(tmp_path_factory):
         out["parity_odc"],
         **COUNT,
     )
-    procs["parity_single"] = run(
+    procs["parity_single"] = background(
+        run,
         [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *PARITY, "--output_dir"]
         + [out["parity_single"]],
         env=base_env(),
     )
-    procs["bad_entropy"] = accelerate_launch(
-        CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", "--entropy_coef", "0.1", "--output_dir", out["bad_entropy"]
+    procs["bad_entropy"] = background(
+        accelerate_launch,
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        "--entropy_coef",
+        "0.1",
+        "--output_dir",
+        out["bad_entropy"],
     )
-    return {"out": out, "procs": procs, "shm_before": shm_before}
+    return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
 
 def _history(out) -> list[dict]:

@@ -31,11 +31,13 @@ from integration_utils import (
     LOOP,
     ROOT,
     RUN_EXAMPLE,
+    background,
     base_env,
     check_ok,
     final_params,
     logged_steps,
     reports,
+    results,
     run,
     shm_leftovers,
     trl_reference,
@@ -109,12 +111,10 @@ def runs(tmp_path_factory):
     out = {name: root / name for name in names}
     procs = {}
     sft = [HSDP_CONFIG, SFT, "--odc", "true", *SFT_ARGS, *SAVE_EACH_STEP]
-    procs["sft"] = machines(*sft, "--output_dir", out["sft"], ODC_TRACE_DIR=str(out["sft"] / "t"))
-    if (out["sft"] / "checkpoint-1").is_dir():
-        resume = ["--resume_from_checkpoint", out["sft"] / "checkpoint-1", "--output_dir", out["sft_resumed"]]
-        procs["sft_resumed"] = machines(*sft, *resume)
-    procs["sft_ref"] = [trl_reference("sft", 5, *SFT_ARGS, output_dir=out["sft_ref"])]
-    procs["dpo"] = machines(
+    procs["sft"] = background(machines, *sft, "--output_dir", out["sft"], ODC_TRACE_DIR=str(out["sft"] / "t"))
+    procs["sft_ref"] = background(lambda: [trl_reference("sft", 5, *SFT_ARGS, output_dir=out["sft_ref"])])
+    procs["dpo"] = background(
+        machines,
         HSDP_CONFIG,
         DPO,
         *DPO_ARGS,
@@ -125,20 +125,19 @@ def runs(tmp_path_factory):
         ODC_PLAN="dynamic",  # every rank of both replicas claims from one queue per step
         ODC_MEMORY_POLICY="both",  # parameters gathered once, gradients reduced once per step
     )
-    procs["dpo_ref"] = [trl_reference("dpo", 5, *DPO_ARGS, output_dir=out["dpo_ref"])]
+    procs["dpo_ref"] = background(lambda: [trl_reference("dpo", 5, *DPO_ARGS, output_dir=out["dpo_ref"])])
     grpo = [GRPO_LOOP, "--odc", "true", "--odc_max_tokens_per_microbatch", "40", "--per_device_train_batch_size", "4"]
-    procs["grpo"] = machines(HSDP_CONFIG, *grpo, *GRPO_ARGS, "--output_dir", out["grpo"])
-    procs["grpo_ref"] = [
-        run(
-            [sys.executable, GRPO_LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *GRPO_ARGS]
-            + ["--output_dir", out["grpo_ref"]],
-            env=base_env(),
-        )
-    ]
+    procs["grpo"] = background(machines, HSDP_CONFIG, *grpo, *GRPO_ARGS, "--output_dir", out["grpo"])
+    grpo_ref = [sys.executable, GRPO_LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *GRPO_ARGS]
+    procs["grpo_ref"] = background(lambda: [run([*grpo_ref, "--output_dir", out["grpo_ref"]], env=base_env())])
     loop = ["--counts", "2,1,0,3", "--count-collectives"]
-    procs["loop"] = machines(HSDP_CONFIG, LOOP, *loop, "--plugin", "odc", "--out", out["loop"], wrap=False)
-    procs["loop_ref"] = [run([sys.executable, LOOP, *loop, "--single", "--out", out["loop_ref"]])]
-    return {"out": out, "procs": procs, "shm_before": shm_before}
+    procs["loop"] = background(machines, HSDP_CONFIG, LOOP, *loop, "--plugin", "odc", "--out", out["loop"], wrap=False)
+    procs["loop_ref"] = background(lambda: [run([sys.executable, LOOP, *loop, "--single", "--out", out["loop_ref"]])])
+    procs["sft"].result()  # the resumed run starts from its first checkpoint
+    if (out["sft"] / "checkpoint-1").is_dir():
+        resume = ["--resume_from_checkpoint", out["sft"] / "checkpoint-1", "--output_dir", out["sft_resumed"]]
+        procs["sft_resumed"] = background(machines, *sft, *resume)
+    return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
 
 def _check(runs, name: str) -> None:

@@ -33,12 +33,14 @@ from integration_utils import (
     TRAIN,
     accelerate_launch,
     assert_saved_model_is_the_trained_one,
+    background,
     base_env,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
+    results,
     run,
     shm_leftovers,
 )
@@ -59,7 +61,8 @@ def runs(tmp_path_factory, sft_reference):
     names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free", "odc_auto")
     out = {name: root / name for name in names}
     procs = {}
-    procs["odc"] = accelerate_launch(
+    procs["odc"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
         "--odc",
@@ -79,7 +82,8 @@ def runs(tmp_path_factory, sft_reference):
         **DUMP,
     )
     procs["single"], out["single"] = sft_reference
-    procs["odc_padding_free"] = accelerate_launch(
+    procs["odc_padding_free"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
         "--odc",
@@ -97,7 +101,8 @@ def runs(tmp_path_factory, sft_reference):
         ODC_TRACE_DIR=str(out["odc_padding_free"] / "trace"),
         **DUMP,
     )
-    procs["odc_auto"] = accelerate_launch(
+    procs["odc_auto"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
         "--odc",
@@ -115,7 +120,8 @@ def runs(tmp_path_factory, sft_reference):
         **DUMP,
     )
     lockstep = [*COMMON, "--per_device_train_batch_size", "2", "--save_strategy", "no"]
-    procs["plain_lockstep"] = accelerate_launch(
+    procs["plain_lockstep"] = background(
+        accelerate_launch,
         CONFIGS / "fsdp2_cpu.yaml",
         TRAIN,
         "--odc_plan",
@@ -129,13 +135,21 @@ def runs(tmp_path_factory, sft_reference):
     # ODC switched on by keys in the accelerate config file, through `odc-accelerate launch` (no --odc flag)
     odc_lockstep_cfg = root / "odc_lockstep.yaml"
     odc_lockstep_cfg.write_text((CONFIGS / "odc_cpu.yaml").read_text().replace("odc_plan: free", "odc_plan: lockstep"))
-    procs["odc_lockstep"] = accelerate_launch(
-        odc_lockstep_cfg, TRAIN, *lockstep, "--output_dir", out["odc_lockstep"], launcher="odc", **DUMP
+    procs["odc_lockstep"] = background(
+        accelerate_launch,
+        odc_lockstep_cfg,
+        TRAIN,
+        *lockstep,
+        "--output_dir",
+        out["odc_lockstep"],
+        launcher="odc",
+        **DUMP,
     )
     fsdp_json = root / "odc_fsdp.json"
     fsdp_json.write_text(json.dumps({"odc": {"enable": True, "transport": "shm"}}))
-    if procs["odc"].returncode == 0:
-        procs["resumed"] = accelerate_launch(
+    if procs["odc"].result().returncode == 0:  # the resumed run starts from its checkpoint
+        procs["resumed"] = background(
+            accelerate_launch,
             CONFIGS / "fsdp2_cpu.yaml",
             TRAIN,
             "--fsdp_config",
@@ -153,7 +167,7 @@ def runs(tmp_path_factory, sft_reference):
             ODC_TRACE_DIR=str(out["resumed"] / "trace"),
             **DUMP,
         )
-    return {"out": out, "procs": procs, "shm_before": shm_before}
+    return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
 
 def _last_step_microbatches(out) -> list[int]:

@@ -29,12 +29,14 @@ from integration_utils import (
     RUN_EXAMPLE,
     TRAIN,
     accelerate_launch,
+    background,
     base_env,
     check_ok,
     final_params,
     logged_steps,
     max_rel,
     reports,
+    results,
     run,
     shm_leftovers,
 )
@@ -91,7 +93,8 @@ def runs(tmp_path_factory):
     out = {name: root / name for name in names}
     procs = {}
     sft_odc = [*SFT, "--dataset_name", sft_data, "--odc_samples_per_step", "5", "--max_steps", "3"]
-    procs["sft_odc"] = accelerate_launch(
+    procs["sft_odc"] = background(
+        accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
         TRAIN,
         "--odc",
@@ -107,7 +110,8 @@ def runs(tmp_path_factory):
         **DUMP,
     )
     plain = ["--per_device_train_batch_size", "5", "--max_steps", "2", "--save_strategy", "no"]
-    procs["sft_plain"] = run(
+    procs["sft_plain"] = background(
+        run,
         [
             sys.executable,
             RUN_EXAMPLE,
@@ -121,8 +125,9 @@ def runs(tmp_path_factory):
         ],
         env=base_env(**DUMP),
     )
-    if procs["sft_odc"].returncode == 0:
-        procs["sft_resumed"] = accelerate_launch(
+    if procs["sft_odc"].result().returncode == 0:  # the resumed run starts from its checkpoint
+        procs["sft_resumed"] = background(
+            accelerate_launch,
             CONFIGS / "odc_cpu.yaml",
             TRAIN,
             "--odc",
@@ -136,7 +141,8 @@ def runs(tmp_path_factory):
             out["sft_resumed"],
             **DUMP,
         )
-    procs["dpo_lockstep"] = accelerate_launch(
+    procs["dpo_lockstep"] = background(
+        accelerate_launch,
         DPO_CONFIGS / "odc_cpu.yaml",
         DPO_TRAIN,
         "--odc",
@@ -152,7 +158,8 @@ def runs(tmp_path_factory):
         out["dpo_lockstep"],
         **DUMP,
     )
-    procs["dpo_plain"] = run(
+    procs["dpo_plain"] = background(
+        run,
         [
             sys.executable,
             RUN_EXAMPLE,
@@ -167,7 +174,7 @@ def runs(tmp_path_factory):
         ],
         env=base_env(**DUMP),
     )
-    return {"out": out, "procs": procs, "shm_before": shm_before}
+    return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
 
 def _tokens_per_step(out) -> list[float]:
