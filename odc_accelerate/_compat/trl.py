@@ -27,7 +27,9 @@ from ..log_probs import torch_log_probs
 from . import (
     CompatError,
     check_signature,
+    import_attr,
     installed_version,
+    patch_attribute,
     patched_attribute,
     require,
     version_tuple,
@@ -335,6 +337,12 @@ GRPO_TOKEN_KEYS = {
     "sampling_per_token_logps": 0.0,
 }
 GRPO_SAMPLE_KEYS = ("advantages",)
+# Keys with one value per completion token or one per completion, depending on the trainer's settings: TRL's
+# ``importance_sampling_ratio`` (vLLM's importance-sampling correction) is ``(B, T)`` in the ``token_*`` modes of
+# ``vllm_importance_sampling_mode`` and ``(B, 1)`` in the ``sequence_*`` modes. Right-padded with the given value in
+# the token modes: 1.0, the ratio TRL itself computes beyond a completion's mask.
+GRPO_TOKEN_OR_SEQUENCE_KEYS = {"importance_sampling_ratio": 1.0}
+GRPO_SEQUENCE_IS_MODES = ("sequence_mask", "sequence_truncate")
 # The first TRL release the GRPO integration was tested with (its completions' keys and loss normalisations).
 _GRPO_MIN_TRL = (1, 16)
 GRPO_PROMPT_KEYS = ("prompt_ids", "prompt_mask")
@@ -393,6 +401,89 @@ def grpo_sample_each_step_once(sampler: Any, num_iterations: int) -> Any:
     require(sampler, "repeat_count", library=_LIBRARY, where="trl.trainer.utils.RepeatSampler")
     sampler.repeat_count = int(num_iterations)
     return sampler
+
+
+# ---------------------------------------------------------------------------------------- GRPO with vLLM (colocate)
+# TRL 1.16 keeps its vLLM engine in a `trl.generation.vllm_generation.VLLMGeneration`, ``trainer.vllm_generation``,
+# built in GRPOTrainer.__init__. In colocate mode its ``_init_vllm`` creates each rank's `vllm.LLM` (``.llm``, with
+# ``distributed_executor_backend="external_launcher"``: the engine core runs in the rank's own process); TRL's
+# ``_generate_single_turn`` (and ``_generate`` before a ``rollout_func``) calls ``sync_weights()`` when
+# ``trainer.state.global_step`` moved past ``trainer._last_loaded_step``, then ``generate(prompts=..., images=...,
+# num_generations=..., profiler=...)``; ``generate`` itself calls ``sync_weights()`` again when sleep mode discarded
+# the weights (``_llm_weights_sleeping``). TRL's ``sync_weights`` first wakes the weights up under sleep mode
+# (``empty_cache()`` of that module, then ``llm.wake_up(tags=["weights"])``), loads every parameter with the vLLM
+# model's ``load_weights`` (after FSDP2's ``full_tensor()``, a collective per parameter) and ends with
+# ``llm.reset_prefix_cache()``.
+_VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
+_VLLM_GENERATION_ATTRS = ("llm", "mode", "enable_sleep_mode", "sync_weights", "generate")
+
+
+def grpo_vllm_generation(trainer: Any) -> Any:
+    """The trainer's `trl.generation.vllm_generation.VLLMGeneration` (``use_vllm=True``), checked for what the ODC
+    trainer reads (its colocated engine ``llm``, ``mode``, ``enable_sleep_mode``, ``sync_weights``, ``generate``)."""
+    where = "trl.generation.vllm_generation.VLLMGeneration"
+    generation = require(trainer, "vllm_generation", library=_LIBRARY, where="trl.GRPOTrainer")
+    for attr in _VLLM_GENERATION_ATTRS:
+        require(generation, attr, library=_LIBRARY, where=where)
+    check_signature(
+        type(generation).generate,
+        ("prompts", "images", "num_generations", "profiler"),
+        library=_LIBRARY,
+        where=f"{where}.generate",
+    )
+    return generation
+
+
+def grpo_vllm_engine(generation: Any) -> Any:
+    """The colocated `vllm.LLM` of a `VLLMGeneration` (this rank's engine)."""
+    return require(generation, "llm", library=_LIBRARY, where="trl.generation.vllm_generation.VLLMGeneration")
+
+
+def grpo_vllm_hooks(trainer: Any, sync: Any, around: Any) -> None:
+    """On this trainer's `VLLMGeneration` instance only: ``sync_weights()`` becomes ``sync()`` (TRL's callers, the
+    trainer's generation and ``generate`` under sleep mode, call it where TRL syncs), and each ``generate`` call runs
+    inside ``around()`` (the trainer's timing).
+
+    Raises:
+        CompatError: TRL's GRPO has no `VLLMGeneration` or it lacks what is replaced.
+    """
+    generation = grpo_vllm_generation(trainer)
+    where = "trl.generation.vllm_generation.VLLMGeneration"
+
+    def replace_sync(original: Any) -> Any:
+        @functools.wraps(original)
+        def sync_weights() -> None:
+            sync()
+
+        return sync_weights
+
+    def wrap_generate(original: Any) -> Any:
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            with around():
+                return original(*args, **kwargs)
+
+        return generate
+
+    patch_attribute(generation, "sync_weights", replace_sync, library=_LIBRARY, where=where)
+    patch_attribute(generation, "generate", wrap_generate, library=_LIBRARY, where=where)
+
+
+def wake_vllm_weights(generation: Any) -> None:
+    """What TRL's ``VLLMGeneration.sync_weights`` does before loading, in colocate mode with sleep mode: free the
+    device cache and wake the engine's weights up (sleep level 2 discarded them)."""
+    if getattr(generation, "mode", None) != "colocate" or not generation.enable_sleep_mode:
+        return
+    empty_cache = import_attr(_VLLM_GENERATION_MODULE, "empty_cache", library=_LIBRARY)
+    empty_cache()
+    grpo_vllm_engine(generation).wake_up(tags=["weights"])
+    generation._llm_weights_sleeping = False
+
+
+def reset_vllm_prefix_cache(generation: Any) -> None:
+    """What TRL's ``VLLMGeneration.sync_weights`` does after loading: drop the prefix cache computed with the old
+    weights."""
+    grpo_vllm_engine(generation).reset_prefix_cache()
 
 
 # ------------------------------------------------------------------------------------------------ recorded metrics

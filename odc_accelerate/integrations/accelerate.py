@@ -209,7 +209,18 @@ def release_frozen_model(accelerator: Any, model: Any) -> None:
         engines.remove(engine)
 
 
+_BEFORE_END: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_before_end_training(accelerator: Any, fn: Any) -> None:
+    """Call ``fn()`` when ``accelerator.end_training()`` starts, before the ODC engines close and the process group is
+    destroyed (e.g. to shut down a vLLM engine that joined the job's process group). Once; in registration order."""
+    _BEFORE_END.setdefault(accelerator, []).append(fn)
+
+
 def _close_engine(accelerator: Any) -> None:
+    for fn in _BEFORE_END.pop(accelerator, []):
+        fn()
     engine = _ENGINES.pop(accelerator, None)
     if engine is not None:
         engine.close()

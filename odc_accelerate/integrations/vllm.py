@@ -83,12 +83,19 @@ def hf_parameter_name(name: str) -> str:
 def _units(model: nn.Module) -> list[tuple[nn.Module, Any, list[tuple[str, nn.Module, str]]]]:
     """Each FSDP unit of ``model`` in forward order: its module, its param group, and its parameters as (name under
     ``model``, owning module, attribute name). A parameter belongs to the nearest FSDP module above it (FSDP2's own
-    rule); a parameter registered twice (tied weights) is listed once, under its first name, as ``named_parameters``
-    lists it."""
+    rule; the modules of one ``fully_shard`` call over several modules are one unit); a parameter registered twice
+    (tied weights) is listed once, under its first name, as ``named_parameters`` lists it."""
     entries, problem = model_check.served_groups(model)
     if problem is not None:
         raise ValueError(problem)
-    unit_of = {id(module): i for i, (module, _) in enumerate(entries)}
+    # Every module of a unit maps to it: one fully_shard call over several modules (accelerate's tail unit of the
+    # final norm and the LM head) gives them one FSDP state, whose first module is the entry's.
+    state_unit = {id(fsdp_compat.fsdp_state(module)): i for i, (module, _) in enumerate(entries)}
+    unit_of = {
+        id(module): state_unit[id(fsdp_compat.fsdp_state(module))]
+        for module in model.modules()
+        if fsdp_compat.is_fsdp2(module) and id(fsdp_compat.fsdp_state(module)) in state_unit
+    }
     params: list[list[tuple[str, nn.Module, str]]] = [[] for _ in entries]
     seen: set[int] = set()
 

@@ -97,9 +97,12 @@ def demo_sizes(training_args: Any, sizes: Mapping[str, Any], given: Collection[s
     return replaced
 
 
-def offline_models(training_args: Any, model_args: Any, copies: int = 1) -> tuple[list[Any], Any]:
+def offline_models(
+    training_args: Any, model_args: Any, copies: int = 1, shape: Mapping[str, int] | None = None
+) -> tuple[list[Any], Any]:
     """``copies`` tiny Qwen2 models with the same initial weights (from ``--seed``) on every rank, and the offline
-    tokenizer. Honours ``--attn_implementation`` (default sdpa) and ``--dtype`` (default float32)."""
+    tokenizer. Honours ``--attn_implementation`` (default sdpa) and ``--dtype`` (default float32); ``shape`` overrides
+    `odc_accelerate.data.tiny_qwen2_config`'s sizes."""
     require_demo_extra()
     import torch
     from transformers import AutoModelForCausalLM, set_seed
@@ -107,7 +110,7 @@ def offline_models(training_args: Any, model_args: Any, copies: int = 1) -> tupl
     from ..data import load_offline_tokenizer, tiny_qwen2_config
 
     tokenizer = load_offline_tokenizer()
-    config = tiny_qwen2_config()
+    config = tiny_qwen2_config(**dict(shape or {}))
     attn = model_args.attn_implementation or "sdpa"
     dtype = getattr(torch, model_args.dtype if model_args.dtype not in (None, "auto") else "float32")
     models = []

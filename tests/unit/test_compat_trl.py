@@ -87,3 +87,93 @@ def test_fused_lm_head_path_names_the_trainers():
     with pytest.raises(ValueError, match="'dpo', 'grpo', 'sft'"):
         with trl_compat.fused_lm_head_torch_path("ppo"):
             pass
+
+
+class _FakeLLM:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up {tags}")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+class _FakeVLLMGeneration:
+    """Stands in for TRL's ``VLLMGeneration`` in colocate mode (the real one needs vLLM to be built)."""
+
+    def __init__(self, sleep: bool) -> None:
+        self.llm = _FakeLLM()
+        self.mode = "colocate"
+        self.enable_sleep_mode = sleep
+        self._llm_weights_sleeping = sleep
+        self.trl_syncs = 0
+
+    def sync_weights(self):
+        self.trl_syncs += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.sync_weights()  # as TRL's does when sleep mode discarded the weights
+        return prompts, [[1]] * len(prompts), None, None
+
+
+def test_trls_vllm_generation_has_what_the_odc_sync_replaces():
+    """TRL's own class (importable without vLLM) has the methods the ODC trainer replaces and wraps, and the helper
+    its sleep-mode wake-up calls."""
+    import inspect
+
+    from trl.generation import vllm_generation
+
+    cls = vllm_generation.VLLMGeneration
+    assert callable(cls.sync_weights)
+    assert {"prompts", "images", "num_generations", "profiler"} <= set(inspect.signature(cls.generate).parameters)
+    assert callable(vllm_generation.empty_cache)
+
+
+def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
+    import contextlib
+    import types
+
+    generation = _FakeVLLMGeneration(sleep=False)
+    other = _FakeVLLMGeneration(sleep=False)
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def around():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    trainer = types.SimpleNamespace(vllm_generation=generation)
+    trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("odc sync"), around=around)
+    trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("twice"), around=around)  # idempotent
+    generation.sync_weights()
+    assert events == ["odc sync"] and generation.trl_syncs == 0
+    events.clear()
+    assert generation.generate(prompts=[[5]], images=None, num_generations=1)[1] == [[1]]
+    assert events == ["enter", "odc sync", "exit"]  # TRL's in-generate sync is ODC's too
+    other.sync_weights()
+    assert other.trl_syncs == 1  # another instance keeps TRL's
+
+
+@pytest.mark.parametrize("sleep", [False, True])
+def test_vllm_wake_up_and_prefix_cache_follow_trls_sync(monkeypatch, sleep):
+    from trl.generation import vllm_generation
+
+    emptied = []
+    monkeypatch.setattr(vllm_generation, "empty_cache", lambda: emptied.append(True))
+    generation = _FakeVLLMGeneration(sleep=sleep)
+    trl_compat.wake_vllm_weights(generation)
+    trl_compat.reset_vllm_prefix_cache(generation)
+    expected = (["wake_up ['weights']"] if sleep else []) + ["reset_prefix_cache"]
+    assert generation.llm.calls == expected
+    assert emptied == ([True] if sleep else [])
+    assert generation._llm_weights_sleeping is False
+
+
+def test_missing_vllm_generation_is_named():
+    import types
+
+    with pytest.raises(trl_compat.CompatError, match=r"trl\.GRPOTrainer\.vllm_generation"):
+        trl_compat.grpo_vllm_generation(types.SimpleNamespace())

@@ -52,6 +52,54 @@ def test_split_then_collate_reproduces_the_padded_batch():
     assert part["completion_ids"].tolist() == [[PAD]] and part["completion_mask"].tolist() == [[0]]
 
 
+def _with_importance_sampling(batch: dict, per_sequence: bool) -> dict:
+    """TRL's vLLM importance-sampling inputs: the sampling log-probs per token, and the ratio per token (``token_*``
+    modes, 1.0 beyond each completion as TRL computes it) or per completion (``sequence_*`` modes, shape (B, 1))."""
+    mask = batch["completion_mask"]
+    batch["sampling_per_token_logps"] = -torch.arange(1, 13, dtype=torch.float32).reshape(3, 4) * 0.01 * mask
+    if per_sequence:
+        batch["importance_sampling_ratio"] = torch.tensor([[0.9], [1.1], [1.0]])
+    else:
+        ratio = 1.0 + 0.01 * torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        batch["importance_sampling_ratio"] = torch.where(mask.bool(), ratio, torch.ones_like(ratio))
+    return batch
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["token_modes", "sequence_modes"])
+def test_vllm_importance_sampling_inputs_follow_each_completion(per_sequence):
+    batch = _with_importance_sampling(_trl_batch(), per_sequence)
+    keys = ("importance_sampling_ratio",) if per_sequence else ()
+    rows = split_rollouts(batch, keys)
+    if per_sequence:
+        assert [r["importance_sampling_ratio"].tolist() for r in rows] == [
+            pytest.approx([0.9]),
+            pytest.approx([1.1]),
+            pytest.approx([1.0]),
+        ]
+    else:
+        assert [r["importance_sampling_ratio"].numel() for r in rows] == [2, 4, 0]
+    again = collate_rollouts(rows, PAD, "cpu", keys)
+    for key in ("sampling_per_token_logps", "importance_sampling_ratio", "completion_ids", "advantages"):
+        torch.testing.assert_close(again[key], batch[key], msg=key)
+    # re-batched in another order and grouping, each completion keeps its own values
+    part = collate_rollouts([rows[2], rows[0]], PAD, "cpu", keys)
+    if per_sequence:
+        assert part["importance_sampling_ratio"].tolist() == [pytest.approx([1.0]), pytest.approx([0.9])]
+    else:
+        expected = batch["importance_sampling_ratio"][[2, 0], :2]
+        torch.testing.assert_close(part["importance_sampling_ratio"], expected)
+    torch.testing.assert_close(part["sampling_per_token_logps"], batch["sampling_per_token_logps"][[2, 0], :2])
+
+
+def test_split_refuses_importance_ratios_of_the_wrong_shape():
+    batch = _with_importance_sampling(_trl_batch(), per_sequence=True)
+    with pytest.raises(ValueError, match=r"one `importance_sampling_ratio` value per completion token"):
+        split_rollouts(batch)  # (B, 1) read as per token: the trainer says which keys are per completion
+    batch = _with_importance_sampling(_trl_batch(), per_sequence=False)
+    with pytest.raises(ValueError, match=r"one `importance_sampling_ratio` value per completion here"):
+        split_rollouts(batch, ("importance_sampling_ratio",))
+
+
 def test_split_refuses_what_it_cannot_rebatch():
     batch = _trl_batch()
     batch["pixel_values"] = torch.zeros(3, 4)
@@ -108,6 +156,8 @@ def test_every_trl_loss_type_has_a_weight():
 def _args(**overrides):
     base = dict(
         use_vllm=False,
+        vllm_mode="colocate",
+        vllm_tensor_parallel_size=1,
         sync_ref_model=False,
         loss_type="grpo",
         num_iterations=1,
@@ -127,7 +177,8 @@ BALANCED = ODCConfig(enable=True, plan="free")
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"use_vllm": True}, "Drop --use_vllm"),
+        ({"use_vllm": True, "vllm_mode": "server"}, "Use --vllm_mode colocate"),
+        ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         ({"sync_ref_model": True}, "--sync_ref_model false"),
         ({"loss_type": "made_up"}, r"Use one of \['bnpo'"),
         ({"num_iterations": 2}, "--num_iterations 1"),
@@ -141,6 +192,41 @@ def test_refusals_name_the_fix(overrides, match):
     check_grpo_args(_args(), BALANCED)  # the defaults pass
     with pytest.raises(ValueError, match=match):
         check_grpo_args(_args(**overrides), BALANCED)
+
+
+def test_vllm_colocate_runs_under_odc_with_its_plan():
+    check_grpo_args(_args(use_vllm=True), BALANCED)
+    check_grpo_args(_args(use_vllm=True, vllm_mode="colocate"), ODCConfig(enable=True, plan="lockstep"))
+
+
+@pytest.mark.parametrize("config", [BALANCED, ODCConfig(enable=True, plan="dynamic")])
+def test_vllm_server_mode_is_refused_under_odc_with_what_to_use(config):
+    with pytest.raises(ValueError, match="vllm_mode='server' is not supported with ODC") as err:
+        check_grpo_args(_args(use_vllm=True, vllm_mode="server"), config)
+    assert "--vllm_mode colocate" in str(err.value) and "without --odc" in str(err.value)
+
+
+def test_vllm_with_peft_is_refused_under_odc_before_the_engine_exists():
+    with pytest.raises(ValueError, match="PEFT adapters is not supported with ODC") as err:
+        check_grpo_args(_args(use_vllm=True), BALANCED, peft=True)
+    assert "Drop --use_peft" in str(err.value) and "drop --use_vllm" in str(err.value)
+    check_grpo_args(_args(use_vllm=False), BALANCED, peft=True)  # PEFT without vLLM trains as before
+
+
+def test_peft_is_read_from_the_trainer_arguments():
+    from odc_accelerate.integrations.trl.grpo import _given_peft
+
+    assert _given_peft(("model-id",), {"peft_config": object()})
+    assert _given_peft((SimpleNamespace(peft_config={"default": None}),), {})
+    assert not _given_peft(("model-id",), {"reward_funcs": []})
+    assert not _given_peft((), {"model": "model-id", "peft_config": None})
+
+
+def test_vllm_server_mode_and_tensor_parallelism_stay_trls_without_odc():
+    # plain FSDP2, with or without a plan: TRL's own vLLM weight sync and generation
+    for config in (ODCConfig(enable=False, plan=None), ODCConfig(enable=False, plan="lockstep")):
+        check_grpo_args(_args(use_vllm=True, vllm_mode="server"), config)
+        check_grpo_args(_args(use_vllm=True, vllm_tensor_parallel_size=2), config, peft=True)
 
 
 def test_plain_fsdp2_without_a_plan_keeps_trls_options():

@@ -5,7 +5,10 @@ A GRPO step generates completions for the step's prompts, scores them, and train
 * **Generation.** Without vLLM, TRL generates with the FSDP2-sharded policy: every decode step runs the per-layer
   all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
   longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
-  last token: generation makes no collective and waits for no peer.
+  last token: generation makes no collective and waits for no peer. With vLLM (``--use_vllm true --vllm_mode
+  colocate``) TRL's weight sync gathers the full model with a collective per parameter on every rank; under ODC
+  each rank refreshes its own engine from the published shards instead, with no collective, and generates its own
+  prompts.
 * **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` or ``dynamic`` is asked for): the step's completions, from
   every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
   microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled
@@ -23,8 +26,10 @@ trainer.train()
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +39,7 @@ from ..._compat import tested_text
 from ..._compat import transformers as tcompat
 from ..._compat import trl as trl_compat
 from ...config import ODCConfig
+from ..accelerate import call_before_end_training
 from ..trainer import ODCTrainerMixin
 from ..trainer.budget import BudgetRule
 from ..trainer.dynamic import ClaimedStep, ClaimQueue
@@ -54,6 +60,13 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     * **Generation** makes no collective under ODC: ``generate`` runs with ``synced_gpus=False`` on every rank, so a
       rank stops decoding at its own last token. Plain FSDP2 runs keep transformers' choice (TRL's behaviour). Each
       rank's time inside ``generate`` is logged as ``odc/generation_s_rank<r>``, and counts as busy.
+    * **vLLM** (``use_vllm=True``, ``vllm_mode="colocate"``) under ODC: each rank owns one engine (TRL creates it,
+      ``vllm_tensor_parallel_size=1``). Where TRL syncs its weights, this rank's engine is refreshed from ODC's
+      published shards instead (`odc_accelerate.integrations.vllm.sync_vllm_weights`: transport reads, no
+      collective), then generates this rank's prompts; the sync and vLLM's ``generate`` count as generation time.
+      TRL's importance-sampling correction on vLLM's log-probs is re-batched per completion with the plan. The engine
+      is shut down, keeping the job's process group, when the run ends. Server mode, tensor-parallel engines and
+      PEFT adapters with vLLM are refused under ODC.
     * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step is one generation
       batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL). Its
       completions are gathered once and planned over all ranks under the token budget
@@ -62,7 +75,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     * **Exact loss** for every loss type of TRL (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo): each
       microbatch's loss is rescaled so that the step's gradient equals one process's over the whole global batch.
       What cannot be made exact is refused under a plan: the entropy bonus and the top-entropy mask (per-microbatch
-      statistics), a MoE router's auxiliary loss, several iterations per generation, vLLM, multimodal inputs.
+      statistics), a MoE router's auxiliary loss, several iterations per generation, multimodal inputs.
     * **Reference model** (``beta > 0``): sharded per layer and, under ODC, served by a gather-only engine: a reference
       forward makes no collective.
     * **Metrics**: TRL's per-microbatch reductions (kl, entropy, clip ratios) are answered locally and reduced once per
@@ -72,6 +85,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     odc_plans_from_dataset = False  # the step is planned after generation, from its completions (`_odc_plan`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._odc_peft = _given_peft(args, kwargs)  # refused with vLLM under ODC, before the engine is created
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
         self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
         with (
@@ -80,6 +94,14 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         ):
             super().__init__(*args, **kwargs)
         trl_compat.check_grpo(self)
+        self.odc_vllm_syncs: list[Any] = []  # `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC)
+        self._odc_in_generation = False
+        if self.use_vllm and self.odc_config.enable:
+            # Each rank's own engine, refreshed from ODC's published shards (no collective) instead of TRL's sync.
+            trl_compat.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
+            # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
+            # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
+            call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
         if self.odc_config.balanced and self.aux_loss_enabled:
             raise ValueError(
                 "The model's router auxiliary loss (output_router_logits) is averaged per microbatch, which cannot be "
@@ -91,7 +113,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         # Refuse what ODC cannot do (exactly) before the mixin folds gradient accumulation and before any model is
         # sharded or any completion generated.
         config = ODCConfig.from_sources(args=self.args)
-        check_grpo_args(self.args, config)
+        check_grpo_args(self.args, config, peft=self._odc_peft)
         super().create_accelerator_and_postprocess()
 
     def get_train_dataloader(self) -> Any:
@@ -120,6 +142,47 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             model, sync, lambda: self.odc_step_timer.generation(self.args.device)
         ):
             return super()._generate(prompts)
+
+    @contextlib.contextmanager
+    def _odc_generation_block(self) -> Iterator[None]:
+        """Time this rank's generation as busy and as ``odc/generation_s``: vLLM's ``generate`` and the weight sync
+        before it (own work: ODC's reads and vLLM's reload, no wait for a peer). Nested blocks count once."""
+        if self._odc_in_generation:
+            yield
+            return
+        self._odc_in_generation = True
+        try:
+            with self.odc_step_timer.generation(self.args.device):
+                yield
+        finally:
+            self._odc_in_generation = False
+
+    def _odc_sync_vllm(self) -> None:
+        """Refresh this rank's vLLM engine with the current weights, in place of TRL's ``sync_weights``: the full
+        parameters come from ODC's published shards through the transport's reads, one FSDP unit at a time
+        (`odc_accelerate.integrations.vllm.sync_vllm_weights`), with no torch.distributed call, so each rank syncs
+        on its own. What TRL does around its sync is kept: waking the weights up first under sleep mode, and
+        resetting vLLM's prefix cache after."""
+        from ..vllm import sync_vllm_weights
+
+        generation = trl_compat.grpo_vllm_generation(self)
+        engine = self.odc_engine
+        if engine is None:
+            raise RuntimeError(
+                "ODC's vLLM weight sync runs once the model is prepared (trainer.train()); the ODC engine does not "
+                "exist yet."
+            )
+        with self._odc_generation_block():
+            trl_compat.wake_vllm_weights(generation)
+            stats = sync_vllm_weights(trl_compat.grpo_vllm_engine(generation), engine)
+            trl_compat.reset_vllm_prefix_cache(generation)
+        self.odc_vllm_syncs.append(stats)
+
+    def _odc_shutdown_vllm(self) -> None:
+        """Shut this rank's vLLM engine down, keeping the job's process group (`shutdown_vllm`); idempotent."""
+        from ..vllm import shutdown_vllm
+
+        shutdown_vllm(trl_compat.grpo_vllm_engine(trl_compat.grpo_vllm_generation(self)))
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         # The reference (and old-policy) forwards after generation are own compute; inside a microbatch this is
@@ -184,7 +247,8 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
 
         from ...planning import StreamingStepPlanner, claim_queue
 
-        rows = split_rollouts(batch)
+        sequence_keys = self._odc_sequence_keys()
+        rows = split_rollouts(batch, sequence_keys)
         world = self.accelerator.num_processes
         everyone = gather_object(rows) if world > 1 else rows
         lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
@@ -212,7 +276,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         if self.odc_config.effective_plan == "dynamic":
             # Every rank holds every completion (gathered above); each collates only the microbatches it claims.
             def load(indices: list[int]) -> dict[str, Any]:
-                mb = collate_rollouts([everyone[i] for i in indices], pad, device)
+                mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys)
                 mb["odc_rows"] = len(indices)
                 mb["num_items_in_batch"] = num_items
                 return mb
@@ -222,13 +286,13 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         tokens = 0
         for indices in plan[self.accelerator.process_index]:
             if indices:
-                mb = collate_rollouts([everyone[i] for i in indices], pad, device)
+                mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys)
                 mb["odc_rows"] = len(indices)
                 tokens += int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
             else:
                 # An empty slot of the lockstep plan still runs a forward and backward (plain FSDP2's collectives
                 # need every rank): a completion with nothing to learn from, and a weight of 0.
-                mb = collate_rollouts([everyone[0]], pad, device)
+                mb = collate_rollouts([everyone[0]], pad, device, sequence_keys)
                 mb["completion_mask"] = torch.zeros_like(mb["completion_mask"])
                 mb["advantages"] = torch.zeros_like(mb["advantages"])
                 mb["odc_rows"] = 0
@@ -236,6 +300,17 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             microbatches.append(mb)
         self.odc_step_timer.add_work(len(microbatches), tokens)
         return microbatches
+
+    def _odc_sequence_keys(self) -> tuple[str, ...]:
+        """The keys of a generation batch with one value per completion rather than per token, by TRL's settings: the
+        importance-sampling ratio in vLLM's ``sequence_*`` correction modes."""
+        if (
+            getattr(self, "use_vllm", False)
+            and getattr(self, "vllm_importance_sampling_correction", False)
+            and getattr(self, "vllm_importance_sampling_mode", None) in trl_compat.GRPO_SEQUENCE_IS_MODES
+        ):
+            return tuple(trl_compat.GRPO_TOKEN_OR_SEQUENCE_KEYS)
+        return ()
 
     def _odc_count_claimed(self, batch: Any) -> None:
         self.odc_step_timer.add_work(1, int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
@@ -281,14 +356,28 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
 
 
-def check_grpo_args(args: Any, config: ODCConfig) -> None:
-    """Refuse, before any work, the GRPO settings ODC cannot run (exactly)."""
-    if (config.enable or config.balanced) and getattr(args, "use_vllm", False):
-        raise ValueError(
-            "use_vllm=True is not supported with ODC or its plans: vLLM generates outside the FSDP2 model whose "
-            "shards ODC serves, and its importance-sampling inputs are not re-batched. Drop --use_vllm (generation "
-            "then runs on the ODC-sharded policy without collectives), or run without --odc / --odc_plan."
-        )
+def _given_peft(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether GRPOTrainer's arguments give PEFT adapters: a ``peft_config``, or a model that is a PEFT model."""
+    import inspect
+
+    try:
+        bound = inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments
+    except TypeError:  # GRPOTrainer itself will say what is wrong with the arguments
+        return False
+    if bound.get("peft_config") is not None:
+        return True
+    model = bound.get("model")
+    return model is not None and not isinstance(model, str) and hasattr(model, "peft_config")
+
+
+def check_grpo_args(args: Any, config: ODCConfig, peft: bool = False) -> None:
+    """Refuse, before any work (and before any vLLM engine is created), the GRPO settings ODC cannot run (exactly).
+
+    Args:
+        peft (`bool`, *optional*): the policy carries (or will get) PEFT adapters.
+    """
+    if config.enable and getattr(args, "use_vllm", False):
+        check_vllm_args(args, peft)
     check_reference_settings(args, config)
     if not config.balanced:
         return
@@ -320,4 +409,31 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
         raise ValueError(
             "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
             f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
+        )
+
+
+def check_vllm_args(args: Any, peft: bool = False) -> None:
+    """Refuse the vLLM settings ODC's per-rank weight sync cannot serve: it refreshes one colocated engine per rank
+    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of a plain model."""
+    mode = getattr(args, "vllm_mode", "colocate")
+    if mode == "server":
+        raise ValueError(
+            "vllm_mode='server' is not supported with ODC: TRL's server mode syncs the weights by gathering the full "
+            "model with collectives on every rank and broadcasting it from rank 0 to the server, and sends every "
+            "rank's prompts through rank 0, so each step's generation waits for every rank. Use --vllm_mode "
+            "colocate (each rank then refreshes its own engine from ODC's shards and generates its own prompts, "
+            "without collectives), or run without --odc."
+        )
+    tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
+    if mode == "colocate" and tp != 1:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
+            "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
+            "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
+        )
+    if peft:
+        raise ValueError(
+            "use_vllm=True with PEFT adapters is not supported with ODC yet: the engine needs the merged weights, "
+            "which ODC's per-rank weight sync does not build. Drop --use_peft (or the peft_config / PeftModel), drop "
+            "--use_vllm (generation then runs on the ODC-sharded policy without collectives), or run without --odc."
         )
