@@ -270,29 +270,31 @@ def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
     assert_same_logits(model, reference, out, "Preference optimization with on-demand communication.")
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--sync_ref_model", "true"], "sync_ref_model=True is not supported with ODC"),
-        (["--loss_type", "sft"], "loss_type 'sft' averages its NLL"),
-        (["--max_length", "64", "--odc_max_tokens_per_microbatch", "40"], "smaller than the longest pair"),
-    ],
-    ids=["sync-ref-model", "sft-loss", "budget-too-small"],
-)
-def test_bad_dpo_config_fails_before_training(tmp_path, args, message):
-    proc = accelerate_launch(
-        CONFIGS / "odc_cpu.yaml",
-        TRAIN,
-        "--odc",
-        "true",
-        *args,
-        "--max_steps",
-        "1",
-        "--report_to",
-        "none",
-        "--output_dir",
-        tmp_path,
-    )
+BAD_CONFIGS = {  # id: (arguments, what the error says)
+    "sync-ref-model": (["--sync_ref_model", "true"], "sync_ref_model=True is not supported with ODC"),
+    "sft-loss": (["--loss_type", "sft"], "loss_type 'sft' averages its NLL"),
+    "budget-too-small": (
+        ["--max_length", "64", "--odc_max_tokens_per_microbatch", "40"],
+        "smaller than the longest pair",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory):
+    """Every `BAD_CONFIGS` run, started together (`background`): id -> (its future, its output folder)."""
+    root = tmp_path_factory.mktemp("bad_dpo_config")
+    started = {}
+    for name, (args, _) in BAD_CONFIGS.items():
+        odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *args, "--max_steps", "1", "--report_to", "none"]
+        started[name] = (background(accelerate_launch, *odc, "--output_dir", root / name), root / name)
+    return started
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_dpo_config_fails_before_training(bad_config_runs, name):
+    future, out = bad_config_runs[name]
+    proc = future.result()
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "trainer_state.json").exists()
+    assert BAD_CONFIGS[name][1] in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "trainer_state.json").exists()

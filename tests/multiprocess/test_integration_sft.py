@@ -339,47 +339,44 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(runs):
     assert max_rel(final_params(resumed), final_params(runs["out"]["odc"])) <= 1e-6
 
 
-@pytest.mark.parametrize(
-    "args, env, message",
-    [
-        (["--odc", "true"], {}, "ODC needs FSDP2, but this run does not use FSDP"),
-        (
-            ["--odc", "true", "--odc_transport", "bogus"],
-            {},
-            "Unknown odc_transport (ODC_TRANSPORT) 'bogus'; choose one of auto",
-        ),
-        (
-            ["--odc", "true"],
-            {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"},
-            "ODC needs FSDP2, but the FSDP config asks for FSDP1",
-        ),
-        (
-            ["--odc_plan", "free", "--max_length", "None", "--odc_max_tokens_per_microbatch", "32"],
-            {},
-            "is smaller than the longest sample",
-        ),
-    ],
-    ids=["no-fsdp", "unknown-transport", "fsdp1", "budget-too-small"],
-)
-def test_bad_config_fails_before_training(tmp_path, args, env, message):
-    proc = run(
-        [
-            sys.executable,
-            RUN_EXAMPLE,
-            TRAIN,
-            *args,
-            "--max_steps",
-            "1",
-            "--report_to",
-            "none",
-            "--output_dir",
-            tmp_path,
-        ],
-        env=base_env(**env),
-    )
+BAD_CONFIGS = {  # id: (arguments, environment, what the error says)
+    "no-fsdp": (["--odc", "true"], {}, "ODC needs FSDP2, but this run does not use FSDP"),
+    "unknown-transport": (
+        ["--odc", "true", "--odc_transport", "bogus"],
+        {},
+        "Unknown odc_transport (ODC_TRANSPORT) 'bogus'; choose one of auto",
+    ),
+    "fsdp1": (
+        ["--odc", "true"],
+        {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"},
+        "ODC needs FSDP2, but the FSDP config asks for FSDP1",
+    ),
+    "budget-too-small": (
+        ["--odc_plan", "free", "--max_length", "None", "--odc_max_tokens_per_microbatch", "32"],
+        {},
+        "is smaller than the longest sample",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory):
+    """Every `BAD_CONFIGS` run, started together (`background`): id -> (its future, its output folder)."""
+    root = tmp_path_factory.mktemp("bad_config")
+    started = {}
+    for name, (args, env, _) in BAD_CONFIGS.items():
+        cmd = [sys.executable, RUN_EXAMPLE, TRAIN, *args, "--max_steps", "1", "--report_to", "none"]
+        started[name] = (background(run, [*cmd, "--output_dir", root / name], env=base_env(**env)), root / name)
+    return started
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_config_fails_before_training(bad_config_runs, name):
+    future, out = bad_config_runs[name]
+    proc = future.result()
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "trainer_state.json").exists()
+    assert BAD_CONFIGS[name][2] in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "trainer_state.json").exists()
 
 
 def test_samples_over_budget_warn_once_and_train(tmp_path):
@@ -475,10 +472,21 @@ def test_bf16_odc_bit_identical_to_plain_fsdp2(tmp_path):
     # reduce-scatter exactly, so losses and weights must match bit for bit.
     args = [*COMMON, "--bf16", "true", "--per_device_train_batch_size", "1", "--odc_plan", "lockstep"]
     args += ["--save_strategy", "no"]
-    plain = accelerate_launch(CONFIGS / "fsdp2_cpu.yaml", TRAIN, *args, "--output_dir", tmp_path / "plain", **DUMP)
-    odc = accelerate_launch(
-        CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *args, "--output_dir", tmp_path / "odc", **DUMP
+    plain = background(
+        accelerate_launch, CONFIGS / "fsdp2_cpu.yaml", TRAIN, *args, "--output_dir", tmp_path / "plain", **DUMP
     )
+    odc = background(
+        accelerate_launch,
+        CONFIGS / "odc_cpu.yaml",
+        TRAIN,
+        "--odc",
+        "true",
+        *args,
+        "--output_dir",
+        tmp_path / "odc",
+        **DUMP,
+    )
+    plain, odc = plain.result(), odc.result()
     check_ok(plain)
     check_ok(odc)
     assert [r["engine"] for r in reports(tmp_path / "odc", "odc_run_rank")] == ["ODCEngine", "ODCEngine"]
