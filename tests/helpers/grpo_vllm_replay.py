@@ -3,14 +3,15 @@ of the vLLM GRPO test (tests/vllm/test_grpo_vllm.py).
 
     python tests/helpers/grpo_vllm_replay.py --odc_run ODC_OUT --per_device_train_batch_size 8 ... --output_dir OUT
 
-The ODC run (``odc-accelerate grpo --use_vllm true`` through `tests/helpers/run_example.py` with ``ODC_TEST_VLLM=1``)
-saved its initial model in ``ODC_OUT/initial_model`` and each rank's vLLM rollouts (prompt ids, completion ids and
-vLLM's log-probs of every ``generate`` call) in ``ODC_OUT/vllm_check_rank<r>.json``. Here TRL trains the same initial
-model on the same offline prompts and rewards with ``use_vllm=True`` (so TRL's own importance-sampling correction on
-vLLM's log-probs runs), except that TRL's `VLLMGeneration` is replaced by a replay: its ``generate`` call number ``k``
-returns the ranks' ``k``-th rollouts, concatenated in rank order (the order of the global batch), after checking that
-TRL asks for exactly those prompts; ``sync_weights`` does nothing. With ``per_device_train_batch_size`` = the ODC run's
-times its ranks, each optimizer step is one microbatch of the ODC step's completions.
+The ODC run (``odc-accelerate grpo --use_vllm true`` through `tests/helpers/run_example.py` with
+``ODC_TEST_VLLM_CHECK=1``) saved its initial model in ``ODC_OUT/initial_model`` and each rank's vLLM rollouts (prompt
+ids, completion ids and vLLM's log-probs of every ``generate`` call) in ``ODC_OUT/vllm_check_rank<r>.json``. Here TRL
+trains the same initial model on the same offline prompts and rewards with ``use_vllm=True`` (so TRL's own
+importance-sampling correction on vLLM's log-probs runs), except that TRL's `VLLMGeneration` is replaced by a replay:
+its ``generate`` call number ``k`` returns the ranks' ``k``-th rollouts, concatenated in rank order (the order of the
+global batch), after checking that TRL asks for exactly those prompts; ``sync_weights`` does nothing. With
+``per_device_train_batch_size`` = the ODC run's times its ranks, each optimizer step is one microbatch of the ODC
+step's completions.
 
 Writes ``OUT/losses.json`` (the log history) and ``OUT/final_params.pt``.
 """

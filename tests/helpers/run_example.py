@@ -25,10 +25,10 @@ with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``,
 ``SIZE<r>`` as both its free and its total memory wherever the memory policy's ``auto`` asks
 (`odc_accelerate.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
 
-with ``ODC_TEST_VLLM=1``, a GRPO trainer with ``use_vllm=True`` gets the checks of `tests/helpers/vllm_trainer_check.py`
-(torch.distributed calls counted in every vLLM weight sync and generation, the engine, made to compute in float32 and
-run eagerly, compared with HF greedy decoding of the gathered model after every sync, its rollouts recorded, its
-shutdown recorded);
+with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the checks of
+`tests/helpers/vllm_trainer_check.py` (torch.distributed calls counted in every vLLM weight sync and generation, the
+engine, made to compute in float32 and run eagerly, compared with HF greedy decoding of the gathered model after every
+sync, its rollouts recorded, its shutdown recorded);
 
 with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let 2 ranks share one GPU over gloo (`shared_gpu.py`: the
 barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), applied before
@@ -158,7 +158,7 @@ def instrument_trainers() -> None:
         self.add_callback(_report_callback(self.odc_run_report))
         if _flag("ODC_COUNT_DIST_CALLS"):
             _count_microbatches(self, count_dist_calls)
-        if _flag("ODC_TEST_VLLM") and getattr(self, "use_vllm", False):
+        if _flag("ODC_TEST_VLLM_CHECK") and getattr(self, "use_vllm", False):
             from tests.helpers.vllm_trainer_check import instrument_at_train_begin
 
             # At train begin: the trainer's own vLLM hooks are installed after this __init__ returns.
@@ -324,7 +324,7 @@ def main() -> None:
         if os.environ.get("ODC_TEST_FREE_MEMORY"):
             fixed_free_memory(os.environ["ODC_TEST_FREE_MEMORY"])
         instrument_trainers()
-        if _flag("ODC_TEST_VLLM"):
+        if _flag("ODC_TEST_VLLM_CHECK"):
             from tests.helpers.vllm_trainer_check import float32_eager_engines
 
             float32_eager_engines()

@@ -1,5 +1,6 @@
-"""Checks of an ODC GRPO trainer that generates with vLLM (``--use_vllm true --vllm_mode colocate``), added from outside
-by `tests/helpers/run_example.py` with ``ODC_TEST_VLLM=1``; the results go to ``<output_dir>/vllm_check_rank<r>.json``.
+"""Checks of an ODC GRPO trainer that generates with vLLM (``--use_vllm true --vllm_mode colocate``), added from
+outside by `tests/helpers/run_example.py` with ``ODC_TEST_VLLM_CHECK=1``; the results go to
+``<output_dir>/vllm_check_rank<r>.json``.
 
 On the trainer's `VLLMGeneration` instance (whose ``sync_weights`` is ODC's per-rank sync):
 

@@ -3,7 +3,7 @@
 processes, the offline prompts and rewards, 3 steps; the offline model under ``--use_vllm`` is the tiny Qwen2 with 2
 heads of head_dim 64.
 
-* ``odc``: the example through `tests/helpers/run_example.py` with the vLLM checks (``ODC_TEST_VLLM=1``,
+* ``odc``: the example through `tests/helpers/run_example.py` with the vLLM checks (``ODC_TEST_VLLM_CHECK=1``,
   `tests/helpers/vllm_trainer_check.py`), the torch.distributed call counter and the parameter dumps, under a small
   token budget so that the ranks run different numbers of microbatches. Each rank owns one vLLM engine, refreshed
   before each step's generation by ODC's per-rank sync;
@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
             [*launch, RUN_EXAMPLE, TRAIN, "--odc", "true", "--per_device_train_batch_size", str(PER_RANK)]
             # 120 tokens: 3 + 3, 2 + 2 and 2 + 3 microbatches on the offline prompts of seed 42 (prompt + 16 tokens)
             + ["--odc_max_tokens_per_microbatch", "120", *COMMON, "--output_dir", out["odc"]],
-            env=base_env(ODC_TEST_VLLM="1", ODC_COUNT_DIST_CALLS="1", ODC_DUMP_PARAMS="1", **ENV),
+            env=base_env(ODC_TEST_VLLM_CHECK="1", ODC_COUNT_DIST_CALLS="1", ODC_DUMP_PARAMS="1", **ENV),
             timeout=900,
         )
     }
