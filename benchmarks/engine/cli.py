@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for a in ARMS
     }
+    # spawn: each peak RSS from a fresh interpreter, as stored results were measured (a fork carries its server's)
     rss = {
-        a: max(launch(memory_worker, 2, a, cfg, opts, timeout=1800, threads=1))
+        a: max(launch(memory_worker, 2, a, cfg, opts, timeout=1800, threads=1, start_method="spawn"))
         for a in ("fsdp", "fsdp_keep", "odc", "odc_both")
     }
     med = {a: {w: statistics.median(samples[a][w]) * 1e3 for w in WORKLOADS} for a in ARMS}

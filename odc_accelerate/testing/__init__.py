@@ -33,8 +33,10 @@ class LaunchError(RuntimeError):
 _PRELOAD = ["torch", "torch.distributed", "odc_accelerate.engine"]
 
 
-def _context() -> Any:
-    if "forkserver" not in mp.get_all_start_methods():
+def _context(start_method: str | None) -> Any:
+    if start_method not in (None, "forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {start_method!r}")
+    if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first launch)
@@ -48,9 +50,21 @@ def free_port() -> int:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, threads: int, args: tuple, results, env: dict
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    args: tuple,
+    results,
+    env: dict,
+    parent_env: dict,
 ) -> None:
     # Before the process group exists: once gloo's threads run, a setenv racing their getenv is undefined behaviour.
+    # A fork of the fork server starts with the server's environment: take the caller's, as a spawned rank would.
+    for key in set(os.environ) - set(parent_env):
+        del os.environ[key]
+    os.environ.update(parent_env)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -89,6 +103,7 @@ def launch(
     threads: int = 1,
     allow_failures: bool = False,
     env: dict[str, str | None] | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
 
@@ -100,14 +115,19 @@ def launch(
         allow_failures: return ``LaunchError.results``-style partial results instead of raising; failed
             ranks then hold ``LaunchError`` text in their slot.
         env: environment variables to set (a value of None removes the variable) in every rank before its process
-            group is created.
+            group is created. Each rank starts from this process's environment at the call, as with ``spawn``.
+        start_method: ``"forkserver"`` (the default where the platform has it: ranks are forks of a server that has
+            torch and the engine imported) or ``"spawn"`` (a fresh interpreter per rank: for what is read only when a
+            process starts, such as glibc's ``MALLOC_*`` settings, or a measurement of a rank's whole memory).
     """
-    ctx = _context()
+    ctx = _context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_entry, args=(fn, r, world_size, port, threads, args, results, dict(env or {})), daemon=True
+            target=_entry,
+            args=(fn, r, world_size, port, threads, args, results, dict(env or {}), dict(os.environ)),
+            daemon=True,
         )
         for r in range(world_size)
     ]

@@ -155,7 +155,10 @@ def test_neither_stays_within_shard_accumulator_one_microbatch_and_pool(monkeypa
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     cfg = dict(dim=512, layers=8, vocab=512, heads=8)
     plan = [[[64, 32], [48]], [[40], [64, 16]], [[64], [64]]]
-    results = launch(peak_memory, 2, dict(plan=plan, cfg=cfg, policies=["neither", "both"]), timeout=300)
+    # spawn: glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts, and a fork server started before this test
+    # would not have it
+    job = dict(plan=plan, cfg=cfg, policies=["neither", "both"])
+    results = launch(peak_memory, 2, job, timeout=300, start_method="spawn")
     world = 2
     longest = max(n for step in plan for r in step for n in r)
     sizes = neither_bound(results[0]["groups"], cfg, longest, world)
