@@ -295,3 +295,42 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
         expected = {"ratio": (i + 1) / 2.0, "min": -float(i), "max": 10.0 + i}[how]
         assert recorded[name] == [99.0, expected], name
     assert recorded["step_time"] == [5.0, 0.75]
+
+
+@pytest.mark.parametrize("refused", ["server", "peft"])
+def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
+    """The real trainer stops in its set-up, before TRL would create an engine: here vLLM is not even installed."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from odc_accelerate.data import QWEN_VOCAB_SIZE, load_offline_tokenizer
+    from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
+
+    sizes = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=QWEN_VOCAB_SIZE, **sizes))
+    args = ODCGRPOConfig(
+        output_dir=str(tmp_path),
+        odc=True,
+        use_vllm=True,
+        vllm_mode="server" if refused == "server" else "colocate",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to="none",
+    )
+    peft_config = None
+    if refused == "peft":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, target_modules=["q_proj"])
+    match = "vllm_mode='server' is not supported with ODC" if refused == "server" else "PEFT adapters is not supported"
+    with pytest.raises(ValueError, match=match):
+        ODCGRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["one two three"] * 8}),
+            processing_class=load_offline_tokenizer(),
+            peft_config=peft_config,
+        )
