@@ -106,6 +106,8 @@ def plan_dynamic(costs: np.ndarray, tokens: np.ndarray, world: int, budget: int)
             h = 0 if loads[0] <= loads[1] else 1
             halves[h].append(i)
             loads[h] += float(costs[i])
+        if not halves[1]:  # samples of zero cost all tie with the empty half; each half must hold one
+            halves[1].append(halves[0].pop())
         return halves
 
     microbatches = pack_ffd(np.arange(costs.size), tokens, budget)
