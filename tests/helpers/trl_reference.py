@@ -9,7 +9,8 @@ each optimizer step accumulates ``samples_per_step`` samples through TRL's own g
 normalisation. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
-that order (a sequential sampler). ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
+that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
+(`odc_accelerate._compat.trl.fused_lm_head_torch_path`; TRL 1.15's is a Triton kernel whatever the device). ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
 ``ODC_DUMP_PARAMS=1``): ``initial_params.pt``, ``final_params.pt`` and ``trainer_state.json``.
 """
 
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
+    from odc_accelerate._compat import trl as trl_compat
     from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
@@ -64,19 +66,22 @@ def main(argv: list[str]) -> None:
             return SequentialSampler(self.train_dataset)
 
     tokenizer = load_offline_tokenizer()
-    if own.trainer == "sft":
-        trainer = InStepOrder(
-            model=_model(args.seed), args=args, train_dataset=offline_sft_dataset(), processing_class=tokenizer
-        )
-    else:
-        policy, reference = _model(args.seed), _model(args.seed)
-        trainer = InStepOrder(
-            model=policy,
-            ref_model=reference,
-            args=args,
-            train_dataset=offline_dpo_dataset(),
-            processing_class=tokenizer,
-        )
+    # TRL 1.15's fused LM head is a Triton kernel whatever the device: on CPU it takes the torch path TRL 1.16 has
+    # (as the ODC trainers do; nothing changes on TRL 1.16)
+    with trl_compat.fused_lm_head_torch_path(own.trainer):
+        if own.trainer == "sft":
+            trainer = InStepOrder(
+                model=_model(args.seed), args=args, train_dataset=offline_sft_dataset(), processing_class=tokenizer
+            )
+        else:
+            policy, reference = _model(args.seed), _model(args.seed)
+            trainer = InStepOrder(
+                model=policy,
+                ref_model=reference,
+                args=args,
+                train_dataset=offline_dpo_dataset(),
+                processing_class=tokenizer,
+            )
     trainer.train_dataset = _in_step_order(trainer.train_dataset, own.samples_per_step, args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     torch.save(_params(trainer.model), os.path.join(args.output_dir, "initial_params.pt"))
