@@ -29,7 +29,8 @@ class LaunchError(RuntimeError):
 
 
 # Imported once by the fork server; every rank is a fork of it, so a job starts without importing torch and the engine
-# again (seconds per rank). Nothing in them runs at import: no thread, no process group, no CUDA context is forked.
+# again (seconds per rank). The server creates no process group and no CUDA context; a fork copies only its main
+# thread (after these imports the server has one helper thread of torch's, which no rank needs).
 _PRELOAD = ["torch", "torch.distributed", "odc_accelerate.engine"]
 
 
