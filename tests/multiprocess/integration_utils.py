@@ -24,7 +24,7 @@ RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
 def base_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     for key in list(env):
-        if key.startswith(("ODC_", "ACCELERATE_", "FSDP_")) and key not in ("ODC_CACHE",):
+        if key.startswith(("ODC_", "ACCELERATE_", "FSDP_")) and key not in ("ODC_CACHE", "ODC_OFFLINE_BPE_RANKS"):
             env.pop(key)
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT), **extra)
     return env

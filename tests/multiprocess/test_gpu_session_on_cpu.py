@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ODC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ODC_") or k == "ODC_OFFLINE_BPE_RANKS"}
     env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1")
     return env
 

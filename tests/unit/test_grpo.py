@@ -303,13 +303,13 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from odc_accelerate.data import QWEN_VOCAB_SIZE, load_offline_tokenizer
+    from odc_accelerate.data import load_offline_tokenizer, offline_vocab_size
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
 
     sizes = dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
-    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=QWEN_VOCAB_SIZE, **sizes))
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=offline_vocab_size(), **sizes))
     args = ODCGRPOConfig(
         output_dir=str(tmp_path),
         odc=True,
