@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-_FIRST_TOKEN, _LAST_TOKEN = 1000, 20000  # ordinary word pieces of Qwen's vocabulary
+_FIRST_TOKEN, _LAST_TOKEN = 1000, 20000  # ordinary word pieces of Qwen's vocabulary (of its first ranks kept)
 
 
 @dataclass
@@ -41,12 +41,13 @@ def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
     groups = trainer.num_generations
     limit = int(trainer.max_completion_length)
     eos = int(tokenizer.eos_token_id)
+    last = min(_LAST_TOKEN, eos)  # the offline tokenizer's ranks end at its EOS id (ODC_OFFLINE_BPE_RANKS)
     prompt_ids, completion_ids = [], []
     for i, prompt in enumerate(prompts):
         copy = (rank_offset + i) % groups  # groups of copies are contiguous over the global batch
         rng = np.random.default_rng(zlib.crc32(prompt.encode()) * 64 + copy)
         length = int(min(limit, 2 + rng.pareto(1.1) * 6))  # long-tailed: most short, a few up to the limit
-        tokens = rng.integers(_FIRST_TOKEN, _LAST_TOKEN, size=length - 1).tolist() + [eos]
+        tokens = rng.integers(_FIRST_TOKEN, last, size=length - 1).tolist() + [eos]
         prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         completion_ids.append(tokens)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}

@@ -21,6 +21,7 @@ import pytest
 import torch
 from integration_utils import (
     CONFIGS,
+    GRPO_GRAD_NORM_REL,
     ROOT,
     RUN_EXAMPLE,
     TRAIN,
@@ -158,7 +159,10 @@ def _same_training(run, single, metrics=()):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
         assert a["num_tokens"] == b["num_tokens"]
         for key in metrics:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+            # a DPO margin is a difference of two rewards: the fp32 noise of another reduction order is a larger
+            # share of it (as in test_integration_dpo)
+            rel = 1e-3 if key == "rewards/margins" else 1e-4
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), key
     a, b = final_params(run), final_params(single)
     init = torch.load(single / "initial_params.pt")
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
@@ -213,7 +217,7 @@ def test_grpo_dynamic_matches_one_process(runs):
     assert len(mine) == len(ref) == 2
     for a, b in zip(mine, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRPO_GRAD_NORM_REL)
         assert a["odc/microbatches_max"] >= 1
     a, b = torch.load(mine_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
     init = torch.load(ref_dir / "initial_params.pt")

@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 from integration_utils import (
+    GRPO_GRAD_NORM_REL,
     ROOT,
     RUN_EXAMPLE,
     accelerate_launch,
@@ -198,7 +199,7 @@ def test_unequal_microbatches_match_one_process(runs, loss_type):
     assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
     for mine, truth in zip(odc, ref, strict=True):
         assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
-        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=GRPO_GRAD_NORM_REL)
         for key in ("kl", "entropy", "reward", "completions/mean_length", "clip_ratio/region_mean"):
             assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
     a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")

@@ -28,6 +28,7 @@ import pytest
 import torch
 from integration_utils import (
     CONFIGS,
+    GRPO_GRAD_NORM_REL,
     LOOP,
     ROOT,
     RUN_EXAMPLE,
@@ -236,7 +237,7 @@ def test_grpo_hsdp_matches_trl_in_one_process(runs):
     assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in mine)
     for a, b in zip(mine, truth, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRPO_GRAD_NORM_REL)
     a, b = torch.load(out / "final_params.pt"), torch.load(ref / "final_params.pt")
     init = torch.load(ref / "initial_params.pt")
     update = max(float((b[k] - init[k]).abs().max()) for k in b)

@@ -236,7 +236,10 @@ def test_streamed_dpo_with_the_lockstep_plan_matches_one_plain_process(runs):
         # the mean over every pair of the step, and DPO's metrics of the whole step
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         for key in DPO_METRICS:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+            # a margin is a difference of two rewards, each a sum of token log-probs: the fp32 noise of another
+            # reduction order is a larger share of the small difference (as in test_integration_dpo)
+            rel = 1e-3 if key == "rewards/margins" else 1e-4
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), key
         assert a["num_tokens"] == b["num_tokens"]
     assert logged_steps(plain)[1]["rewards/margins"] != 0.0  # step 2 trained on moved weights
     a, b, init = final_params(odc), final_params(plain), torch.load(plain / "initial_params.pt")
