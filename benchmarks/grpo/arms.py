@@ -14,8 +14,26 @@ ARMS: dict[str, Arm] = {
         Arm("fsdp2", "FSDP2 (TRL)", "fsdp2_cpu.yaml"),
         # the completions of the step planned over ranks; generation without peer sync
         Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true", "--odc_plan", "free"), planned=True),
+        # as odc, with each rank's own in-process vLLM engine generating (synced from ODC's shards, no collective);
+        # needs vLLM (the environment of scripts/vllm_env.sh), so it runs only when asked for
+        Arm(
+            "odc_vllm",
+            "ODC + plan free + vLLM",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_plan", "free", "--use_vllm", "true", "--vllm_mode", "colocate"),
+            planned=True,
+        ),
     )
 }
+DEFAULT_ARMS = ("fsdp2", "odc")
+"""The arms run when ``--arms`` is not given (the vLLM arm needs vLLM installed)."""
+
+VLLM_ARMS = {"odc_vllm"}
+"""Arms that generate with vLLM."""
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+"""Environment of the vLLM arms' processes: 1 GiB of KV cache per engine on CPU (vLLM's CPU backend sizes its cache
+from this, not from ``--vllm_gpu_memory_utilization``), and vLLM's warnings only."""
 BASELINE = "fsdp2"
 """The arm the ratios are taken against (ODC / FSDP2)."""
 

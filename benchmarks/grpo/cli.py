@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from benchmarks.e2e.environment import ALLOCATORS
 from benchmarks.e2e.runner import world_size_of
 from benchmarks.grpo import RESULTS_DIR
 from benchmarks.grpo.aggregate import aggregate
-from benchmarks.grpo.arms import ARMS, CONFIGS, DEFAULTS, REPLACED, SCRIPT
+from benchmarks.grpo.arms import ARMS, CONFIGS, DEFAULT_ARMS, DEFAULTS, REPLACED, SCRIPT, VLLM_ARMS
 from benchmarks.grpo.report import conditions_text, ratios_text, table_rows, text_table, write_outputs
 from benchmarks.grpo.runner import run
 
@@ -69,7 +70,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"cap of the completions' lengths ({DEFAULTS['max_completion_length']})",
     )
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated, of {', '.join(ARMS)} (default {','.join(DEFAULT_ARMS)}; the vLLM arm needs vLLM: run "
+        "this benchmark with the interpreter of scripts/vllm_env.sh's environment)",
+    )
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default: the stored results, benchmarks/grpo)"
     )
@@ -93,6 +99,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [a for a in opts.arms if a not in ARMS]
     if unknown or not opts.arms:
         p.error(f"unknown arm(s) {unknown or opts.arms}; choose from {', '.join(ARMS)}")
+    if VLLM_ARMS & set(opts.arms) and importlib.util.find_spec("vllm") is None:
+        p.error(
+            f"arm(s) {sorted(VLLM_ARMS & set(opts.arms))} generate with vLLM, which this interpreter ({sys.executable}) "
+            "lacks: bash scripts/vllm_env.sh builds an environment with it; run the benchmark with its python "
+            "(~/.cache/odc_accelerate/vllm-venv/bin/python -m benchmarks.grpo ...)."
+        )
     if opts.repeats < 1:
         p.error(f"--repeats must be at least 1, got {opts.repeats}")
     if opts.warmup < 0 or opts.max_steps <= opts.warmup:

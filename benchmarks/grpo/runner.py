@@ -20,7 +20,7 @@ from benchmarks import REPO
 from benchmarks.e2e.records import read_rss
 from benchmarks.e2e.runner import RUN_EXAMPLE, _run_processes, _trim, run_conditions, world_size_of
 from benchmarks.grpo.aggregate import aggregate
-from benchmarks.grpo.arms import ARMS, CONFIGS, SCRIPT, Arm
+from benchmarks.grpo.arms import ARMS, CONFIGS, SCRIPT, VLLM_ARMS, VLLM_ENV, Arm
 from benchmarks.grpo.records import make_record, parse_log_history
 
 
@@ -66,7 +66,8 @@ def run_arm(name: str, opts: argparse.Namespace, run_dir: Path, repeat: int) -> 
         shutil.rmtree(run_dir)
     proc = command(ARMS[name], opts, run_dir)
     load_before = os.getloadavg()[0]
-    wall = _run_processes([proc], run_dir, opts.timeout, opts.allocator)
+    extra_env = VLLM_ENV if name in VLLM_ARMS else None
+    wall = _run_processes([proc], run_dir, opts.timeout, opts.allocator, extra_env=extra_env)
     load_after = os.getloadavg()[0]
     state = json.loads((proc["out"] / "trainer_state.json").read_text())
     _trim(proc["out"])

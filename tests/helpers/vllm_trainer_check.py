@@ -7,7 +7,8 @@ On the trainer's `VLLMGeneration` instance (whose ``sync_weights`` is ODC's per-
 * every weight sync and every vLLM ``generate`` call runs inside the torch.distributed call counter
   (`tests.helpers.dist_counter`): ``sync_dist_calls`` / ``generation_dist_calls``, one entry per call;
 * after every sync, outside the counter, the engine's greedy tokens for two fixed prompts are compared with greedy
-  decoding by a Hugging Face model holding the trained weights gathered with DTensor's own collectives (every rank
+  decoding by a Hugging Face model holding the trained weights gathered with DTensor's own collectives (with PEFT,
+  the adapters merged into them by PEFT's ``merge_and_unload`` in this process) (every rank
   syncs once per step, at the same point): ``checks``, one entry per sync with the engine's tokens before the sync
   (those of the previous check: the weights do not change in between) and after it, and HF's;
 * every ``generate`` call's prompts, completions and vLLM log-probs are recorded (``rollouts``), so that a one-process
@@ -78,6 +79,14 @@ class VLLMTrainerCheck:
         full = {}
         for name, p in model.named_parameters():
             full[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.float32).cpu()
+        if hasattr(model, "peft_config"):
+            # PEFT: the trained adapters merged into a fresh copy of the base model by PEFT itself, in one process
+            from peft import get_peft_model
+
+            base = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, attn_implementation="sdpa")
+            reference = get_peft_model(base, model.peft_config["default"])
+            reference.load_state_dict(full, strict=True)
+            return reference.merge_and_unload().eval()
         if self._reference is None:
             self._reference = AutoModelForCausalLM.from_config(
                 model.config, dtype=torch.float32, attn_implementation="sdpa"

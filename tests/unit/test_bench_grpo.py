@@ -211,3 +211,18 @@ def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tm
         assert training.odc_time_collectives is False
     assert parsed["fsdp2"].odc is None and parsed["fsdp2"].odc_plan is None
     assert parsed["odc"].odc is True and parsed["odc"].odc_plan == "free"
+    vllm = parsed["odc_vllm"]
+    assert vllm.odc is True and vllm.odc_plan == "free" and vllm.use_vllm is True and vllm.vllm_mode == "colocate"
+    assert not parsed["odc"].use_vllm and not parsed["fsdp2"].use_vllm
+
+
+def test_the_vllm_arm_runs_only_when_asked_for_and_where_vllm_is_installed(monkeypatch):
+    import benchmarks.grpo.cli as cli
+
+    assert "odc_vllm" not in parse_args([]).arms
+    have = {"vllm": None}
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: have.get(name, object()))
+    with pytest.raises(SystemExit):
+        parse_args(["--arms", "odc,odc_vllm"])  # no vLLM here: refused before anything runs
+    have["vllm"] = object()
+    assert parse_args(["--arms", "odc,odc_vllm"]).arms == ["odc", "odc_vllm"]

@@ -187,3 +187,67 @@ def test_rollout_map_refuses_ambiguous_or_bad_targets(dataset):
     with pytest.raises(ValueError, match="target_length"):
         TargetLengthRollout.from_dataset(dataset.remove_columns("target_length"))
     assert TargetLengthRollout(["a", "a"], [3, 3]).targets == {"a": 3}
+
+
+class _Params:
+    """What `limit_vllm_to_target_lengths` uses of `vllm.SamplingParams`: ``max_tokens`` and ``clone``."""
+
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+
+    def clone(self):
+        return _Params(self.max_tokens)
+
+
+class _Engine:
+    """An engine whose ``generate`` records what it was given and returns, per prompt, ``max_tokens`` tokens."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        self.calls.append((prompts, sampling_params, use_tqdm))
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        return [[0] * p.max_tokens for p in params]
+
+
+def test_vllm_limit_gives_each_prompt_its_target_as_max_tokens(dataset, tokenizer):
+    from odc_accelerate.data import limit_vllm_to_target_lengths
+
+    rows = dataset.select(range(6))
+    targets = dict(zip(rows["prompt"], rows["target_length"], strict=True))
+    engine = _Engine()
+    limit_vllm_to_target_lengths(engine, tokenizer, targets)
+    cap = sorted(targets.values())[2]  # some targets below the cap, some above
+    # TRL's colocated call: token-id prompts (the dataset's, tokenized as TRL does) and one SamplingParams for all
+    prompts = [{"prompt_token_ids": tokenizer(text=p)["input_ids"]} for p in rows["prompt"]]
+    shared = _Params(cap)
+    out = engine.generate(prompts, sampling_params=shared, use_tqdm=False)
+    assert [len(c) for c in out] == [min(t, cap) for t in rows["target_length"]]
+    assert any(t < cap for t in rows["target_length"]) and any(t > cap for t in rows["target_length"])
+    assert shared.max_tokens == cap and engine.calls[-1][2] is False  # the caller's params untouched; kwargs passed
+    # No cap: the target alone
+    shared.max_tokens = None
+    assert [len(c) for c in engine.generate(prompts, sampling_params=shared)] == list(rows["target_length"])
+    # Calls of another form pass through unchanged
+    own = [_Params(3)] * len(prompts)
+    assert [len(c) for c in engine.generate(prompts, own)] == [3] * len(prompts)
+    assert engine.calls[-1][1] is own
+    assert [len(c) for c in engine.generate(["plain text"], _Params(4))] == [4]
+    # Prompts that are none of the dataset's (another use of the engine) pass through; mixed with the dataset's,
+    # an unknown prompt is refused, naming what must match
+    assert [len(c) for c in engine.generate([{"prompt_token_ids": [1, 2, 3]}], sampling_params=_Params(5))] == [5]
+    with pytest.raises(KeyError, match="tokenized by the trainer's processing class"):
+        engine.generate([prompts[0], {"prompt_token_ids": [1, 2, 3]}], sampling_params=_Params(5))
+
+
+def test_vllm_limit_needs_a_colocated_vllm_trainer(dataset):
+    import types
+
+    rollout = TargetLengthRollout.from_dataset(dataset)
+    for trainer in (
+        types.SimpleNamespace(use_vllm=False, args=types.SimpleNamespace(vllm_mode="colocate")),
+        types.SimpleNamespace(use_vllm=True, args=types.SimpleNamespace(vllm_mode="server")),
+    ):
+        with pytest.raises(ValueError, match="use_vllm=True, vllm_mode='colocate'"):
+            rollout.limit_vllm(trainer)

@@ -206,27 +206,11 @@ def test_vllm_server_mode_is_refused_under_odc_with_what_to_use(config):
     assert "--vllm_mode colocate" in str(err.value) and "without --odc" in str(err.value)
 
 
-def test_vllm_with_peft_is_refused_under_odc_before_the_engine_exists():
-    with pytest.raises(ValueError, match="PEFT adapters is not supported with ODC") as err:
-        check_grpo_args(_args(use_vllm=True), BALANCED, peft=True)
-    assert "Drop --use_peft" in str(err.value) and "drop --use_vllm" in str(err.value)
-    check_grpo_args(_args(use_vllm=False), BALANCED, peft=True)  # PEFT without vLLM trains as before
-
-
-def test_peft_is_read_from_the_trainer_arguments():
-    from odc_accelerate.integrations.trl.grpo import _given_peft
-
-    assert _given_peft(("model-id",), {"peft_config": object()})
-    assert _given_peft((SimpleNamespace(peft_config={"default": None}),), {})
-    assert not _given_peft(("model-id",), {"reward_funcs": []})
-    assert not _given_peft((), {"model": "model-id", "peft_config": None})
-
-
 def test_vllm_server_mode_and_tensor_parallelism_stay_trls_without_odc():
     # plain FSDP2, with or without a plan: TRL's own vLLM weight sync and generation
     for config in (ODCConfig(enable=False, plan=None), ODCConfig(enable=False, plan="lockstep")):
         check_grpo_args(_args(use_vllm=True, vllm_mode="server"), config)
-        check_grpo_args(_args(use_vllm=True, vllm_tensor_parallel_size=2), config, peft=True)
+        check_grpo_args(_args(use_vllm=True, vllm_tensor_parallel_size=2), config)
 
 
 def test_plain_fsdp2_without_a_plan_keeps_trls_options():
@@ -297,7 +281,7 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
     assert recorded["step_time"] == [5.0, 0.75]
 
 
-@pytest.mark.parametrize("refused", ["server", "peft"])
+@pytest.mark.parametrize("refused", ["server", "tensor_parallel"])
 def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     """The real trainer stops in its set-up, before TRL would create an engine: here vLLM is not even installed."""
     from datasets import Dataset
@@ -315,16 +299,12 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
         odc=True,
         use_vllm=True,
         vllm_mode="server" if refused == "server" else "colocate",
+        vllm_tensor_parallel_size=2 if refused == "tensor_parallel" else 1,
         per_device_train_batch_size=4,
         num_generations=4,
         report_to="none",
     )
-    peft_config = None
-    if refused == "peft":
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, target_modules=["q_proj"])
-    match = "vllm_mode='server' is not supported with ODC" if refused == "server" else "PEFT adapters is not supported"
+    match = "vllm_mode='server' is not supported with ODC" if refused == "server" else "vllm_tensor_parallel_size=2"
     with pytest.raises(ValueError, match=match):
         ODCGRPOTrainer(
             model=model,
@@ -332,5 +312,4 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
             args=args,
             train_dataset=Dataset.from_dict({"prompt": ["one two three"] * 8}),
             processing_class=load_offline_tokenizer(),
-            peft_config=peft_config,
         )

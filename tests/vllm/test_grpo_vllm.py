@@ -1,7 +1,7 @@
 """GRPO with vLLM generation under ODC, at Trainer level: the GRPO example (``examples/grpo/train.py``, the script of
 ``odc-accelerate grpo``) with ``--use_vllm true --vllm_mode colocate`` under real ``accelerate launch``, 2 CPU
-processes, the offline prompts and rewards, 3 steps; the offline model under ``--use_vllm`` is the tiny Qwen2 with 2
-heads of head_dim 64.
+processes, the offline prompts and rewards, 3 steps; the offline GRPO model is the tiny Qwen2 with 2 heads of
+head_dim 64.
 
 * ``odc``: the example through `tests/helpers/run_example.py` with the vLLM checks (``ODC_TEST_VLLM_CHECK=1``,
   `tests/helpers/vllm_trainer_check.py`), the torch.distributed call counter and the parameter dumps, under a small
@@ -31,9 +31,10 @@ ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
+MAX_COMPLETION = 16
 COMMON = [
     "--use_vllm", "true", "--vllm_mode", "colocate",
-    "--max_steps", "3", "--logging_steps", "1", "--max_completion_length", "16", "--num_generations", "2",
+    "--max_steps", "3", "--logging_steps", "1", "--max_completion_length", str(MAX_COMPLETION), "--num_generations", "2",
     "--learning_rate", "1e-3", "--bf16", "false", "--report_to", "none", "--save_strategy", "no",
 ]  # fmt: skip
 WORLD = 2
@@ -62,6 +63,42 @@ def runs(tmp_path_factory):
             timeout=600,
         )
     return {"out": out, "procs": procs}
+
+
+@pytest.fixture(scope="module")
+def peft_run(tmp_path_factory):
+    """The same run with LoRA adapters (``--use_peft``), 2 steps, a learning rate at which the adapters change what
+    the model generates: each sync loads the merged weights."""
+    out = tmp_path_factory.mktemp("grpo_vllm_peft") / "odc"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, "--main_process_port", "0"]
+    peft = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--max_steps", "2", "--learning_rate", "0.05"]
+    proc = run(
+        [*launch, RUN_EXAMPLE, TRAIN, "--odc", "true", "--per_device_train_batch_size", str(PER_RANK)]
+        + [*COMMON, *peft, "--output_dir", out],  # the later value of an option wins
+        env=base_env(ODC_TEST_VLLM_CHECK="1", ODC_COUNT_DIST_CALLS="1", **ENV),
+        timeout=900,
+    )
+    return {"out": out, "proc": proc}
+
+
+def test_peft_adapters_sync_as_merged_weights(peft_run):
+    check_ok(peft_run["proc"])
+    steps = _steps(json.loads((peft_run["out"] / "trainer_state.json").read_text())["log_history"])
+    assert [h["step"] for h in steps] == [1, 2] and all(math.isfinite(h["loss"]) for h in steps), steps
+    ranks = reports(peft_run["out"], "vllm_check_rank")
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    for r in ranks:
+        where = f"rank {r['rank']}"
+        assert r["sync_dist_calls"] == [{}] * 2 and r["generation_dist_calls"] == [{}] * 2, where
+        for c in r["checks"]:
+            # vLLM's greedy tokens equal HF's on PEFT's own merge of the trained adapters (gathered with DTensor)
+            assert c["vllm"] == c["hf"], f"{where}, sync before step {c['step'] + 1}: {c}"
+        assert r["checks"][1]["before"] != r["checks"][1]["vllm"], f"{where}: the trained adapters changed nothing"
+        for s in r["syncs"]:
+            # the base model's 27 tensors under its own names (no adapter tensor reaches the engine)
+            assert s["units"] == 4 and s["parameters"] == 27, s
+        assert r["shutdown"]["process_group_kept"] and r["shutdown"]["engine_core_shut_down"], r["shutdown"]
+    assert shm_files_of([r["pid"] for r in ranks]) == []
 
 
 def _steps(history: list[dict]) -> list[dict]:
@@ -98,6 +135,29 @@ def test_every_sync_and_generation_makes_no_collective(runs):
         assert r["sync_dist_calls"] == [{}] * 3, r["sync_dist_calls"]
         assert r["generation_dist_calls"] == [{}] * 3, r["generation_dist_calls"]
         assert [len(call["completion_ids"]) for call in r["rollouts"]] == [PER_RANK] * 3
+
+
+def test_completions_stop_at_their_prompts_target_lengths(runs):
+    # The example's offline rollout under --use_vllm: vLLM samples each completion and ends it at its prompt's real
+    # continuation length (a per-prompt max_tokens), or earlier where it samples EOS.
+    from odc_accelerate.data import load_offline_tokenizer, offline_grpo_dataset
+
+    tokenizer = load_offline_tokenizer()
+    data = offline_grpo_dataset(tokenizer=tokenizer)
+    prompts = tokenizer(text=data["prompt"])["input_ids"]
+    target_of = {tuple(ids): t for ids, t in zip(prompts, data["target_length"], strict=True)}
+    below_cap = 0
+    for r in _checks(runs):
+        for call in r["rollouts"]:
+            for prompt, completion in zip(call["prompt_ids"], call["completion_ids"], strict=True):
+                target = target_of[tuple(prompt)]
+                want = min(target, MAX_COMPLETION)
+                if completion[-1] == tokenizer.eos_token_id:
+                    assert len(completion) <= want, (len(completion), target)
+                else:
+                    assert len(completion) == want, (len(completion), target)
+                below_cap += target < MAX_COMPLETION
+    assert below_cap, "no prompt of these steps has a target below the cap: the check would not see the limit"
 
 
 def test_after_every_sync_the_engine_holds_the_trained_weights(runs):

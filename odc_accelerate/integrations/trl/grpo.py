@@ -65,8 +65,8 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
       published shards instead (`odc_accelerate.integrations.vllm.sync_vllm_weights`: transport reads, no
       collective), then generates this rank's prompts; the sync and vLLM's ``generate`` count as generation time.
       TRL's importance-sampling correction on vLLM's log-probs is re-batched per completion with the plan. The engine
-      is shut down, keeping the job's process group, when the run ends. Server mode, tensor-parallel engines and
-      PEFT adapters with vLLM are refused under ODC.
+      is shut down, keeping the job's process group, when the run ends. With PEFT, the engine gets the merged
+      weights (as TRL syncs them). Server mode and tensor-parallel engines are refused under ODC.
     * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step is one generation
       batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL). Its
       completions are gathered once and planned over all ranks under the token budget
@@ -85,7 +85,6 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     odc_plans_from_dataset = False  # the step is planned after generation, from its completions (`_odc_plan`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._odc_peft = _given_peft(args, kwargs)  # refused with vLLM under ODC, before the engine is created
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
         self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
         with (
@@ -113,7 +112,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         # Refuse what ODC cannot do (exactly) before the mixin folds gradient accumulation and before any model is
         # sharded or any completion generated.
         config = ODCConfig.from_sources(args=self.args)
-        check_grpo_args(self.args, config, peft=self._odc_peft)
+        check_grpo_args(self.args, config)
         super().create_accelerator_and_postprocess()
 
     def get_train_dataloader(self) -> Any:
@@ -356,28 +355,10 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
 
 
-def _given_peft(args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether GRPOTrainer's arguments give PEFT adapters: a ``peft_config``, or a model that is a PEFT model."""
-    import inspect
-
-    try:
-        bound = inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments
-    except TypeError:  # GRPOTrainer itself will say what is wrong with the arguments
-        return False
-    if bound.get("peft_config") is not None:
-        return True
-    model = bound.get("model")
-    return model is not None and not isinstance(model, str) and hasattr(model, "peft_config")
-
-
-def check_grpo_args(args: Any, config: ODCConfig, peft: bool = False) -> None:
-    """Refuse, before any work (and before any vLLM engine is created), the GRPO settings ODC cannot run (exactly).
-
-    Args:
-        peft (`bool`, *optional*): the policy carries (or will get) PEFT adapters.
-    """
+def check_grpo_args(args: Any, config: ODCConfig) -> None:
+    """Refuse, before any work (and before any vLLM engine is created), the GRPO settings ODC cannot run (exactly)."""
     if config.enable and getattr(args, "use_vllm", False):
-        check_vllm_args(args, peft)
+        check_vllm_args(args)
     check_reference_settings(args, config)
     if not config.balanced:
         return
@@ -412,9 +393,10 @@ def check_grpo_args(args: Any, config: ODCConfig, peft: bool = False) -> None:
         )
 
 
-def check_vllm_args(args: Any, peft: bool = False) -> None:
+def check_vllm_args(args: Any) -> None:
     """Refuse the vLLM settings ODC's per-rank weight sync cannot serve: it refreshes one colocated engine per rank
-    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of a plain model."""
+    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of the model (LoRA adapters
+    merged, see `odc_accelerate.integrations.vllm.iter_full_parameters`)."""
     mode = getattr(args, "vllm_mode", "colocate")
     if mode == "server":
         raise ValueError(
@@ -430,10 +412,4 @@ def check_vllm_args(args: Any, peft: bool = False) -> None:
             f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
             "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
             "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
-        )
-    if peft:
-        raise ValueError(
-            "use_vllm=True with PEFT adapters is not supported with ODC yet: the engine needs the merged weights, "
-            "which ODC's per-rank weight sync does not build. Drop --use_peft (or the peft_config / PeftModel), drop "
-            "--use_vllm (generation then runs on the ODC-sharded policy without collectives), or run without --odc."
         )

@@ -1,0 +1,60 @@
+"""Rank function of the PEFT weight-sync test: a tiny Qwen2 with LoRA adapters trained with ODC on 2 gloo ranks, its
+merged weights read through `odc_accelerate.integrations.vllm.iter_full_parameters` (what the vLLM sync loads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "lora_dropout": 0.0}
+
+
+def tiny_lora_model(seed: int = 0) -> Any:
+    """The tiny offline Qwen2 (float32, random init from ``seed``) with LoRA adapters on three projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from odc_accelerate.data import tiny_qwen2_config
+
+    set_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32), dtype=torch.float32)
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
+def merged_full_parameters(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Shard the LoRA model with FSDP2 + ODC, take one SGD step (rank 0 two microbatches, rank 1 one; LoRA's B starts
+    at zero, so the step is what makes the merge matter), then read the merged weights through ODC
+    (`iter_full_parameters`) and, outside it, every parameter with DTensor's own gather (the reference's input)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from odc_accelerate.engine import ODCEngine
+    from odc_accelerate.integrations.vllm import VLLMSyncStats, iter_full_parameters
+    from odc_accelerate.testing.models import world_mesh
+
+    model = tiny_lora_model(seed=0)
+    mesh = world_mesh("cpu")
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    engine = ODCEngine(model, timeout=60.0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2 if rank == 0 else 1):
+        ids = torch.randint(0, 1000, (1, 24), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+    engine.pre_optimizer_step()
+    optimizer.step()
+    optimizer.zero_grad()
+    engine.post_optimizer_step()
+
+    stats = VLLMSyncStats()
+    merged = {name: tensor for name, tensor in iter_full_parameters(engine, stats)}
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    engine.close()
+    # numpy arrays travel by value (a torch tensor would travel as a shared-memory handle that dies with this rank)
+    return {
+        "merged": {k: v.numpy() for k, v in merged.items()},
+        "full": {k: v.detach().numpy() for k, v in full.items()},
+        "stats": vars(stats),
+    }

@@ -1,0 +1,59 @@
+"""The vLLM sync's weights for a PEFT model (`odc_accelerate.integrations.vllm.iter_full_parameters`): LoRA adapters
+trained with ODC on 2 gloo ranks are merged into the weights of the model they wrap, as PEFT's own
+``merge_and_unload`` merges them in one process. vLLM itself is not needed: its tests (tests/vllm) load these tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from odc_accelerate.integrations.vllm import _lora_layers
+from odc_accelerate.testing import launch
+from tests.helpers.peft_workers import merged_full_parameters, tiny_lora_model
+
+
+def test_lora_weights_are_merged_as_peft_merges_them():
+    results = launch(merged_full_parameters, 2, {}, timeout=300)
+    for r in results:
+        r["merged"] = {k: torch.from_numpy(v) for k, v in r["merged"].items()}
+        r["full"] = {k: torch.from_numpy(v) for k, v in r["full"].items()}
+    # The reference: a one-process PEFT model holding the trained parameters (DTensor's gather), merged by PEFT.
+    reference = tiny_lora_model(seed=0)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(results[0]["full"][name])
+    lora_b = [t for name, t in results[0]["full"].items() if ".lora_B." in name]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # the step moved B off zero: the merge changes weights
+    unloaded = reference.merge_and_unload()
+    expected = dict(unloaded.named_parameters())
+    for rank, r in enumerate(results):
+        merged = r["merged"]
+        assert sorted(merged) == sorted(expected), f"rank {rank}"
+        for name, tensor in merged.items():
+            assert torch.equal(tensor, expected[name]), f"rank {rank}: {name}"
+        base = {n.replace("base_model.model.", "").replace(".base_layer", ""): t for n, t in r["full"].items()}
+        assert not torch.equal(
+            merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+        )
+        assert r["stats"]["parameters"] == len(merged)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_dora": True}, "uses DoRA"),
+        ({"lora_bias": True}, "LoRA bias"),
+        ({"target_modules": ["embed_tokens"]}, "LoRA on Embedding"),
+    ],
+)
+def test_adapters_the_sync_cannot_merge_are_refused_by_name(change, message):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from odc_accelerate.data import tiny_qwen2_config
+    from tests.helpers.peft_workers import LORA
+
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32))
+    model = get_peft_model(model, LoraConfig(**{**LORA, **change}))
+    with pytest.raises(NotImplementedError, match=message):
+        _lora_layers(model)
