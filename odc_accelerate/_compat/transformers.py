@@ -151,8 +151,13 @@ def generation_without_peer_sync(
     With ``sync=True`` transformers decides, as without ODC. Either way each ``generate`` call runs inside
     ``around()`` (the trainer's timing). The wrapper is an attribute of this model instance only, removed at the end.
     """
+    from transformers import GenerationMixin
+
     original = require(model, "generate", library=_LIBRARY, where=f"{type(model).__name__}.generate")
-    check_signature(original, ("synced_gpus",), library=_LIBRARY, where="transformers.GenerationMixin.generate")
+    # transformers' own generate takes synced_gpus; a wrapper's (a PEFT model's generate(*args, **kwargs)) passes it on
+    check_signature(
+        GenerationMixin.generate, ("synced_gpus",), library=_LIBRARY, where="transformers.GenerationMixin.generate"
+    )
     had_own = "generate" in vars(model)
 
     @functools.wraps(original)

@@ -313,3 +313,33 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
             train_dataset=Dataset.from_dict({"prompt": ["one two three"] * 8}),
             processing_class=load_offline_tokenizer(),
         )
+
+
+def test_generation_without_peer_sync_reaches_generate_through_a_wrapper(monkeypatch):
+    """A PEFT model's ``generate(*args, **kwargs)`` passes ``synced_gpus`` on: the check reads transformers' own
+    signature, and the wrapper sets ``synced_gpus=False`` without ODC's peers; a transformers without it is named."""
+    import contextlib
+
+    import transformers
+
+    from odc_accelerate._compat import CompatError
+    from odc_accelerate._compat.transformers import generation_without_peer_sync
+
+    seen = []
+
+    class Wrapper:  # what peft.PeftModelForCausalLM.generate looks like
+        def generate(self, *args, **kwargs):
+            seen.append(kwargs.get("synced_gpus"))
+            return "out"
+
+    model = Wrapper()
+    with generation_without_peer_sync(model, sync=False, around=contextlib.nullcontext):
+        assert model.generate(input_ids=None) == "out"
+    with generation_without_peer_sync(model, sync=True, around=contextlib.nullcontext):
+        model.generate(input_ids=None)
+    assert seen == [False, None] and "generate" not in vars(model)  # removed at the end of the block
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", lambda self, *args, **kwargs: None)
+    with pytest.raises(CompatError, match=r"GenerationMixin\.generate\(synced_gpus=\.\.\.\)"):
+        with generation_without_peer_sync(model, sync=False, around=contextlib.nullcontext):
+            pass

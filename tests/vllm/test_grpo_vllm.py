@@ -32,6 +32,20 @@ ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
 MAX_COMPLETION = 16
+
+
+def _model_bytes() -> int:
+    """The offline GRPO model's fp32 size: what each sync hands to vLLM."""
+    from transformers import AutoModelForCausalLM
+
+    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.scripts.grpo import OFFLINE_SHAPE
+
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(**OFFLINE_SHAPE), dtype=torch.float32)
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+MODEL_BYTES = _model_bytes()
 COMMON = [
     "--use_vllm", "true", "--vllm_mode", "colocate",
     "--max_steps", "3", "--logging_steps", "1", "--max_completion_length", str(MAX_COMPLETION), "--num_generations", "2",
@@ -96,7 +110,7 @@ def test_peft_adapters_sync_as_merged_weights(peft_run):
         assert r["checks"][1]["before"] != r["checks"][1]["vllm"], f"{where}: the trained adapters changed nothing"
         for s in r["syncs"]:
             # the base model's 27 tensors under its own names (no adapter tensor reaches the engine)
-            assert s["units"] == 4 and s["parameters"] == 27, s
+            assert s["units"] == 4 and s["parameters"] == 27 and s["bytes"] == MODEL_BYTES, s
         assert r["shutdown"]["process_group_kept"] and r["shutdown"]["engine_core_shut_down"], r["shutdown"]
     assert shm_files_of([r["pid"] for r in ranks]) == []
 
@@ -144,7 +158,7 @@ def test_completions_stop_at_their_prompts_target_lengths(runs):
 
     tokenizer = load_offline_tokenizer()
     data = offline_grpo_dataset(tokenizer=tokenizer)
-    prompts = tokenizer(text=data["prompt"])["input_ids"]
+    prompts = tokenizer(text=list(data["prompt"]))["input_ids"]
     target_of = {tuple(ids): t for ids, t in zip(prompts, data["target_length"], strict=True)}
     below_cap = 0
     for r in _checks(runs):
@@ -172,7 +186,7 @@ def test_after_every_sync_the_engine_holds_the_trained_weights(runs):
         assert r["checks"][0]["before"] == r["checks"][0]["vllm"], where
         assert all(c["before"] != c["vllm"] for c in r["checks"][1:]), where
         for s in r["syncs"]:
-            assert s["units"] == 4 and s["parameters"] == 27 and s["bytes"] > 150 * 2**20, s
+            assert s["units"] == 4 and s["parameters"] == 27 and s["bytes"] == MODEL_BYTES, s
 
 
 def test_engines_shut_down_keeping_the_process_group_and_nothing_left_in_shm(runs):
