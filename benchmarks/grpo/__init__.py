@@ -10,7 +10,14 @@ completion stops at its prompt's ``target_length`` (the token length of the pass
   decodes until the longest completion of any rank is done);
 * ``odc``: FSDP2 + ODC on this package's ``free`` plan (``examples/grpo/configs/odc_cpu.yaml``, ``--odc true
   --odc_plan free``): each rank stops generating at its own last token, and the step's completions are planned over
-  the ranks so that each rank's training work is balanced.
+  the ranks so that each rank's training work is balanced;
+* ``odc_vllm`` (only when asked for: ``--arms fsdp2,odc,odc_vllm``, run with the interpreter of
+  ``scripts/vllm_env.sh``'s environment): ``odc`` with ``--use_vllm true --vllm_mode colocate``, each rank's own
+  in-process vLLM engine refreshed from ODC's shards before each step's generation (the sync counts as generation
+  time) and stopping each completion at the same target lengths (a per-prompt ``max_tokens``);
+* ``fsdp2_vllm`` (likewise only when asked for): ``fsdp2`` with ``--use_vllm true --vllm_mode colocate``, TRL's own
+  colocate mode: each rank's engine synced by TRL (every parameter gathered with FSDP2's collectives on every rank),
+  the same per-prompt ``max_tokens``.
 
 The trainer (`odc_accelerate.integrations.trl.ODCGRPOTrainer`) logs, per optimizer step and for both arms
 alike: step time, real tokens, per rank busy, wait and the wall time inside ``generate`` (part of busy), and TRL's

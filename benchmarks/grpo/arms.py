@@ -14,6 +14,9 @@ ARMS: dict[str, Arm] = {
         Arm("fsdp2", "FSDP2 (TRL)", "fsdp2_cpu.yaml"),
         # the completions of the step planned over ranks; generation without peer sync
         Arm("odc", "ODC + plan free", "odc_cpu.yaml", ("--odc", "true", "--odc_plan", "free"), planned=True),
+        # TRL's own GRPO with vLLM colocate on FSDP2: each rank's engine, synced by TRL (full parameters gathered with
+        # collectives on every rank); needs vLLM, so it runs only when asked for
+        Arm("fsdp2_vllm", "FSDP2 (TRL) + vLLM", "fsdp2_cpu.yaml", ("--use_vllm", "true", "--vllm_mode", "colocate")),
         # as odc, with each rank's own in-process vLLM engine generating (synced from ODC's shards, no collective);
         # needs vLLM (the environment of scripts/vllm_env.sh), so it runs only when asked for
         Arm(
@@ -28,7 +31,7 @@ ARMS: dict[str, Arm] = {
 DEFAULT_ARMS = ("fsdp2", "odc")
 """The arms run when ``--arms`` is not given (the vLLM arm needs vLLM installed)."""
 
-VLLM_ARMS = {"odc_vllm"}
+VLLM_ARMS = {"fsdp2_vllm", "odc_vllm"}
 """Arms that generate with vLLM."""
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

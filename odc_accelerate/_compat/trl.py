@@ -439,10 +439,11 @@ def grpo_vllm_engine(generation: Any) -> Any:
     return require(generation, "llm", library=_LIBRARY, where="trl.generation.vllm_generation.VLLMGeneration")
 
 
-def grpo_vllm_hooks(trainer: Any, sync: Any, around: Any) -> None:
+def grpo_vllm_hooks(trainer: Any, sync: Any | None, around: Any) -> None:
     """On this trainer's `VLLMGeneration` instance only: ``sync_weights()`` becomes ``sync()`` (TRL's callers, the
     trainer's generation and ``generate`` under sleep mode, call it where TRL syncs), and each ``generate`` call runs
-    inside ``around()`` (the trainer's timing).
+    inside ``around()`` (the trainer's timing). With ``sync=None`` TRL's own ``sync_weights`` stays and runs inside
+    ``around()`` too (plain FSDP2: its sync and generation timed as ODC's are).
 
     Raises:
         CompatError: TRL's GRPO has no `VLLMGeneration` or it lacks what is replaced.
@@ -453,7 +454,11 @@ def grpo_vllm_hooks(trainer: Any, sync: Any, around: Any) -> None:
     def replace_sync(original: Any) -> Any:
         @functools.wraps(original)
         def sync_weights() -> None:
-            sync()
+            if sync is not None:
+                sync()
+                return
+            with around():
+                original()
 
         return sync_weights
 

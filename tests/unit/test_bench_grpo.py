@@ -214,12 +214,14 @@ def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tm
     vllm = parsed["odc_vllm"]
     assert vllm.odc is True and vllm.odc_plan == "free" and vllm.use_vllm is True and vllm.vllm_mode == "colocate"
     assert not parsed["odc"].use_vllm and not parsed["fsdp2"].use_vllm
+    plain = parsed["fsdp2_vllm"]
+    assert plain.odc is None and plain.use_vllm is True and plain.vllm_mode == "colocate"
 
 
 def test_the_vllm_arm_runs_only_when_asked_for_and_where_vllm_is_installed(monkeypatch):
     import benchmarks.grpo.cli as cli
 
-    assert "odc_vllm" not in parse_args([]).arms
+    assert not {"odc_vllm", "fsdp2_vllm"} & set(parse_args([]).arms)
     have = {"vllm": None}
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: have.get(name, object()))
     with pytest.raises(SystemExit):
