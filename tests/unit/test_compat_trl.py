@@ -157,6 +157,29 @@ def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
     assert other.trl_syncs == 1  # another instance keeps TRL's
 
 
+def test_vllm_hooks_without_an_odc_sync_time_trls_own_sync_and_generation():
+    import contextlib
+    import types
+
+    generation = _FakeVLLMGeneration(sleep=False)
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def around():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    trainer = types.SimpleNamespace(vllm_generation=generation)
+    trl_compat.grpo_vllm_hooks(trainer, sync=None, around=around)  # plain FSDP2: TRL's sync stays, timed
+    generation.sync_weights()
+    assert generation.trl_syncs == 1 and events == ["enter", "exit"]
+    events.clear()
+    generation.generate(prompts=[[5]], images=None, num_generations=1)
+    # the sync TRL makes inside generate runs inside generate's block (the trainer's block counts nested ones once)
+    assert generation.trl_syncs == 2 and events == ["enter", "enter", "exit", "exit"]
+
+
 @pytest.mark.parametrize("sleep", [False, True])
 def test_vllm_wake_up_and_prefix_cache_follow_trls_sync(monkeypatch, sleep):
     from trl.generation import vllm_generation
