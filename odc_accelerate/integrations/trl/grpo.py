@@ -101,7 +101,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
             # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
             call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
-        elif self.use_vllm:
+        elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
             # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
             trl_compat.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
         if self.odc_config.balanced and self.aux_loss_enabled:
