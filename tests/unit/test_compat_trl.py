@@ -131,13 +131,9 @@ def test_trls_vllm_generation_has_what_the_odc_sync_replaces():
     assert callable(vllm_generation.empty_cache)
 
 
-def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
+def _recording_block(events: list[str]):
+    """A timing block that records entering and leaving in ``events``."""
     import contextlib
-    import types
-
-    generation = _FakeVLLMGeneration(sleep=False)
-    other = _FakeVLLMGeneration(sleep=False)
-    events: list[str] = []
 
     @contextlib.contextmanager
     def around():
@@ -145,6 +141,16 @@ def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
         yield
         events.append("exit")
 
+    return around
+
+
+def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
+    import types
+
+    generation = _FakeVLLMGeneration(sleep=False)
+    other = _FakeVLLMGeneration(sleep=False)
+    events: list[str] = []
+    around = _recording_block(events)
     trainer = types.SimpleNamespace(vllm_generation=generation)
     trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("odc sync"), around=around)
     trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("twice"), around=around)  # idempotent
@@ -158,18 +164,11 @@ def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
 
 
 def test_vllm_hooks_without_an_odc_sync_time_trls_own_sync_and_generation():
-    import contextlib
     import types
 
     generation = _FakeVLLMGeneration(sleep=False)
     events: list[str] = []
-
-    @contextlib.contextmanager
-    def around():
-        events.append("enter")
-        yield
-        events.append("exit")
-
+    around = _recording_block(events)
     trainer = types.SimpleNamespace(vllm_generation=generation)
     trl_compat.grpo_vllm_hooks(trainer, sync=None, around=around)  # plain FSDP2: TRL's sync stays, timed
     generation.sync_weights()
