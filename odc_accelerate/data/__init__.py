@@ -137,18 +137,16 @@ def load_offline_tokenizer(cache_dir: str | None = None) -> Any:
             "--model_name_or_path to use a hub tokenizer."
         )
     specials = [token for _, token in SPECIAL_TOKENS]
-    if kept < QWEN_BPE_RANKS:
-        import tempfile
+    import tempfile
 
-        # The file lists one "base64-token rank" per line in rank order: its first N lines are the first N ranks.
-        with open(ranks, encoding="utf-8") as full:
-            lines = [line for line in full if line.strip()][:kept]
-        with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder:
+        if kept < QWEN_BPE_RANKS:
+            # One "base64-token rank" line per rank, in rank order: the first N lines are the first N ranks.
+            with open(ranks, encoding="utf-8") as full:
+                lines = [line for line in full if line.strip()][:kept]
             ranks = os.path.join(folder, "qwen_first_ranks.tiktoken")
             with open(ranks, "w", encoding="utf-8") as part:
                 part.writelines(lines)
-            backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
-    else:
         backend = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR, extra_special_tokens=specials).converted()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
