@@ -149,6 +149,26 @@ class _ODCReduceScatterHSDP(_ODCReduceScatter):
     odc_defers_all_reduce = True
 
 
+def _free_memory_text(device: torch.device) -> str:
+    """What a refusal says of ``device``'s free memory, after giving back what torch's allocator caches."""
+    if device.type != "cuda":
+        return "the device's free memory is unknown"
+    torch.cuda.empty_cache()
+    return f"{torch.cuda.mem_get_info(device)[0] / 2**20:.1f} MiB is free now that it is released"
+
+
+def _lazy_init_out_of_memory_text(model: torch.nn.Module) -> str:
+    """The refusal for a CUDA out-of-memory error in FSDP2's lazy initialisation, which the engine runs first."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    return (
+        f"FSDP2's lazy initialisation (its CUDA streams and buffers) ran out of GPU memory on rank "
+        f"{dist.get_rank()} when the ODC engine started, before ODC allocated anything; {_free_memory_text(device)}. "
+        "Create the engine (or run the first step) with more GPU memory free: a smaller model or batch, fewer "
+        "other processes on this GPU, or more GPUs to shard over."
+    )
+
+
 class ODCEngine:
     """Turn an FSDP2 model into an ODC model: per-layer one-sided communication, one sync per step.
 
@@ -246,7 +266,14 @@ class ODCEngine:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
         warn_if_untested("torch", "The FSDP2 internals it reads may behave differently there.")
-        compat.lazy_init(model)
+        try:
+            compat.lazy_init(model)
+        except Exception as err:
+            # FSDP2's own set-up (streams, buffers), before ODC allocates anything: with a GPU this full, say so
+            # instead of a bare driver error.
+            if is_out_of_memory(err):
+                raise RuntimeError(_lazy_init_out_of_memory_text(model)) from err
+            raise
         compat.check(model)
         self.model = model
         self.timeout = float(timeout)
@@ -380,11 +407,7 @@ class ODCEngine:
 
     def _out_of_memory_text(self, held: int) -> str:
         """The refusal for a CUDA out-of-memory error in the engine's own set-up (after the transport's check)."""
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
-            free = f"{torch.cuda.mem_get_info(self._device)[0] / 2**20:.1f} MiB is free now that it is released"
-        else:
-            free = "the device's free memory is unknown"
+        free = _free_memory_text(self._device)
         return (
             f"ODC's set-up ran out of GPU memory on rank {self.rank}: its transport needs {held / 2**20:.1f} MiB per "
             f"rank plus room to publish the first shards (one parameter's copy at a time), and {free}. Free memory "

@@ -86,3 +86,27 @@ def engine_publish_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) 
     except Exception as err:  # the refusal under test
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def lazy_init_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
+    """Build an engine whose FSDP2 lazy initialisation runs out of GPU memory on every rank (as creating FSDP2's CUDA
+    streams did on a nearly full H100: a driver error, not torch's allocator's); return this rank's error text."""
+    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate.engine import ODCEngine
+    from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+
+    out = Path(spec["dir"])
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    model = shard_model(build_model(ToyConfig(), seed=0))
+
+    def out_of_memory(module: Any) -> None:
+        if spec["oom_error"] == "driver":
+            raise RuntimeError("emulated: CUDA error: out of memory")
+        raise torch.OutOfMemoryError("emulated: CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    fsdp_compat.lazy_init = out_of_memory
+    try:
+        ODCEngine(model, transport=CpuSegmentsCudaTransport(rank, world_size, timeout=60.0), timeout=60.0)
+    except Exception as err:  # the refusal under test
+        return f"{type(err).__name__}: {err}"
+    return ""

@@ -234,7 +234,9 @@ def reference(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, str]:
-    """Build an engine that must be refused; return each attempt's error text ('' if it was not refused)."""
+    """Build an engine that must be refused; return each attempt's error text ('' if it was not refused) and its
+    traceback."""
+    from odc_accelerate._compat import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
 
     device = _device("cuda")
@@ -242,6 +244,9 @@ def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str
     model = shard_model(build_model(cfg, seed=0).to(device), mp_policy=_policy("fp32"))
     filler = None
     if spec.get("leave_free_mib") is not None:
+        # FSDP2's lazy init first (its streams need a little GPU memory), so that the transport's check is what meets
+        # the full GPU; the engine turns an out-of-memory error in FSDP2's own lazy init into a refusal as well.
+        fsdp_compat.lazy_init(model)
         dist.barrier()
         if rank == 0:  # leave less free memory than the two transports need (the ranks share this GPU)
             free, _ = torch.cuda.mem_get_info(device)
@@ -254,6 +259,7 @@ def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str
             engine = ODCEngine(model, transport=_transport({**spec, "transport": name}, rank, world_size, device))
         except Exception as err:  # the refusal under test
             out[name] = f"{type(err).__name__}: {err}"
+            out[f"traceback/{name}"] = "".join(traceback.format_exception(err))
         else:
             engine.close()
             out[name] = ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from odc_accelerate.testing import launch, read_pids, shm_files_of
-from tests.helpers.cuda_setup import engine_publish_oom_worker, stuck_setup_worker
+from tests.helpers.cuda_setup import engine_publish_oom_worker, lazy_init_oom_worker, stuck_setup_worker
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,4 +72,18 @@ def test_out_of_memory_in_the_engines_set_up_is_a_refusal_and_its_peer_stops_at_
     assert "MiB per rank" in results[1] and "shard over more GPUs" in results[1]
     assert "ODC barrier on rank 0: rank 1 (pid" in results[0], results[0]
     assert "closed its transport before reaching barrier #" in results[0], results[0]
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+@pytest.mark.parametrize("oom_error", ["allocator", "driver"])
+def test_out_of_memory_in_fsdp2_lazy_init_is_a_refusal_saying_so(tmp_path, oom_error):
+    # FSDP2's lazy init runs first in the engine, before the transport's memory check: an out-of-memory error there
+    # (a driver error when it creates its CUDA streams) must still be a refusal that says what ran out and what to do.
+    results = launch(lazy_init_oom_worker, 2, {"dir": str(tmp_path), "oom_error": oom_error}, timeout=120)
+    for rank, text in enumerate(results):
+        assert text.startswith(
+            f"RuntimeError: FSDP2's lazy initialisation (its CUDA streams and buffers) ran out of "
+            f"GPU memory on rank {rank} when the ODC engine started"
+        ), text
+        assert "before ODC allocated anything" in text and "more GPUs to shard over" in text, text
     assert shm_files_of(read_pids(tmp_path)) == []
