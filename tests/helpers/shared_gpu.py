@@ -12,7 +12,8 @@ one GPU per rank and NCCL never meets; ``run_example.py`` calls :func:`enable` i
   1-D mesh on the world group, as with NCCL;
 * ``fsdp_cpu_ram_efficient_loading`` broadcasts CUDA tensors at load time, which gloo cannot do reliably: off;
 * gathering a CUDA DTensor over gloo (``full_tensor()``) can crash: parameter dumps (:func:`full_tensor_via_cpu`) and
-  the Trainer's full state dict for ``save_model`` gather through CPU.
+  the Trainer's full state dict for ``save_model`` gather through CPU. A Trainer checkpoint (``save_fsdp_model``)
+  still gathers over gloo and crashed on an H100 (SIGSEGV): the GPU checks run with ``--save_strategy no``.
 
 Nothing here is imported by the package: a user's GPU job runs one rank per GPU, with NCCL.
 """
