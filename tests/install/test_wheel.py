@@ -7,7 +7,8 @@ environment that already holds torch and the newest ``trl`` and ``transformers``
 pip did. `venv_python` (that environment's interpreter) is the fixture for the checks of the installed package: its
 commands run from a folder outside the checkout, 2 CPU processes each: ``odc-accelerate sft`` (3 steps), ``dpo`` and
 ``grpo`` (1 step each) on the offline default, and TRL's own ``trl/scripts/sft.py`` (from the environment's trl)
-under ``odc-accelerate launch`` with a config written by ``odc-accelerate config --cpu --default``.
+under ``odc-accelerate launch`` with a config written by ``odc-accelerate config --cpu --default``. ``sft``, the
+README's main job, trains the true offline default; the others keep the suite's smaller vocabulary.
 
 Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk). The environment is
 built by `tests/helpers/install_env.py`, in the background while the other tests run; these run last.
@@ -84,11 +85,13 @@ def test_odc_accelerate_command_lists_its_subcommands(venv_python: Path, tmp_pat
 _SMALL = ("--logging_steps", "1", "--report_to", "none")
 _PORT = ("--main_process_port", "0")  # any free port (accelerate's option: before the script under `launch`)
 _NO_CHECKPOINTS = ("--save_strategy", "no")
+SUITE_BPE_RANKS = os.environ.get("ODC_OFFLINE_BPE_RANKS", "8192")  # the suite's (tests/conftest.py)
 
 # In the fresh environment: a local model folder (the offline tiny Qwen2 and its tokenizer) and a JSON-lines dataset
 # for TRL's own script, which needs a model and a dataset by name.
 _LOCAL_MODEL_AND_DATA = r"""
-import json, sys
+import json, os, sys
+os.environ["ODC_OFFLINE_BPE_RANKS"] = sys.argv[3]  # the vocabulary of the jobs other than the main one
 from transformers import AutoModelForCausalLM, set_seed
 from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
 
@@ -133,16 +136,19 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     # The environment's bin first: accelerate launch starts the workers with the interpreter it finds there.
     env["PATH"] = f"{venv_python.parent}{os.pathsep}{env.get('PATH', '')}"
 
-    def job(name: str, *cmd: str | Path) -> tuple[Path, str]:
+    def job(name: str, *cmd: str | Path, full_vocabulary: bool = False) -> tuple[Path, str]:
         out = work / name
+        # The README's main job (`sft`) trains the true offline default; the others keep its tokenizer's first
+        # SUITE_BPE_RANKS ranks, as the rest of the suite does: what they check does not depend on the vocabulary.
+        job_env = env if full_vocabulary else {**env, "ODC_OFFLINE_BPE_RANKS": SUITE_BPE_RANKS}
         proc = subprocess.run(
-            _command((*cmd, "--output_dir", out)), cwd=work, env=env, capture_output=True, text=True, timeout=600
+            _command((*cmd, "--output_dir", out)), cwd=work, env=job_env, capture_output=True, text=True, timeout=600
         )
         _check(cmd, proc)
         return out, proc.stderr
 
     done = {
-        "sft": job("sft", command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "sft": job("sft", command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS, full_vocabulary=True),
         "dpo": job("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
         "grpo": job(
             "grpo",
@@ -163,7 +169,7 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     )
     model, data = work / "model", work / "data"
     data.mkdir()
-    _run(venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", cwd=work)
+    _run(venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", SUITE_BPE_RANKS, cwd=work)
     trl_sft = _run(venv_python, "-c", "import trl, os; print(os.path.dirname(trl.__file__))", cwd=work).strip()
     done["trl_sft"] = job(
         "trl_sft",
