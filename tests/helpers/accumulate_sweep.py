@@ -17,12 +17,12 @@ import argparse
 import json
 import re
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from odc_accelerate.transport import _kernels
+from tests.helpers.accumulate_bench import _timer
 
 BLOCKS = (2048, 8192)
 WARPS = (4, 8, 16, 32)
@@ -33,23 +33,11 @@ CALLS = 10
 
 
 def _time(fn, device: torch.device) -> float:
-    """Median seconds per call of ``fn``."""
+    """Median seconds per call of ``fn`` (one call per timing on CPU, where the interpreter is slow)."""
     fn()  # warm-up (compile)
-    samples = []
-    for _ in range(REPEATS):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(CALLS):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / CALLS)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+    calls = CALLS if device.type == "cuda" else 1
+    timed = _timer(device)
+    return statistics.median(timed(fn, calls) / calls for _ in range(REPEATS))
 
 
 def _atomics(compiled: Any) -> list[str]:
