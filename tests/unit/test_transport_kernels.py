@@ -202,3 +202,16 @@ def test_sm90_compile_emits_system_scope_vector_reductions():
     assert vector_add(ptx("*bf16", "*fp32"), "noftz.v8.bf16")
     # no index vector: the source's loads are 16 bytes wide in the loop over whole blocks, and nothing reads int64
     assert "ld.global.v4.b32" in from_bf16 and "ld.global.b64" not in from_bf16 and "ld.global.v2.b64" not in from_bf16
+
+
+@runs_kernel
+def test_launch_parameter_sweep_dry_run_sums_every_configuration_exactly(interpret):
+    # The GPU's launch-parameter sweep (tests/helpers/accumulate_sweep.py) on CPU tensors: every BLOCK and grid size
+    # it times, for both source dtypes, adds exactly; a row per configuration plus the non-atomic ceiling per dtype.
+    from tests.helpers.accumulate_sweep import BLOCKS, GRID_PER_SM, sweep
+
+    result = sweep(torch.device("cpu"), 0.01)
+    kernel_rows = [r for r in result["rows"] if r["path"] == "kernel"]
+    assert len(kernel_rows) == 2 * len(BLOCKS) * len(GRID_PER_SM)
+    assert all(r["exact"] for r in kernel_rows), [r for r in kernel_rows if not r["exact"]]
+    assert {r["src"] for r in result["rows"] if r["path"] == "add_"} == {"float32", "bfloat16"}
