@@ -5,7 +5,7 @@ A user who already has the newest Hugging Face releases runs ``pip install 'odc_
 keep every package it finds. The module builds the wheel of this checkout once, installs it into a fresh virtual
 environment that already holds torch and the newest ``trl`` and ``transformers`` from the registry, and checks what
 pip did. `venv_python` (that environment's interpreter) is the fixture for the checks of the installed package: its
-commands run from a folder outside the checkout, 2 CPU processes each: ``odc-accelerate sft`` (3 steps), ``dpo`` and
+commands run from a folder outside the checkout, 2 CPU processes each: ``odc-accelerate sft`` (2 steps), ``dpo`` and
 ``grpo`` (1 step each) on the offline default, and TRL's own ``trl/scripts/sft.py`` (from the environment's trl)
 under ``odc-accelerate launch`` with a config written by ``odc-accelerate config --cpu --default``. ``sft``, the
 README's main job, trains the true offline default; the others keep the suite's smaller vocabulary.
@@ -89,7 +89,7 @@ _NO_CHECKPOINTS = ("--save_strategy", "no")
 SUITE_BPE_RANKS = os.environ.get("ODC_OFFLINE_BPE_RANKS", "8192")  # the suite's (tests/conftest.py)
 
 # In the fresh environment: a local model folder (the offline tiny Qwen2 and its tokenizer) and a JSON-lines dataset
-# for TRL's own script, which needs a model and a dataset by name.
+# for TRL's own script, which needs a model and a dataset by name; prints the folder of TRL's scripts.
 _LOCAL_MODEL_AND_DATA = r"""
 import json, os, sys
 os.environ["ODC_OFFLINE_BPE_RANKS"] = sys.argv[3]  # the vocabulary of the jobs other than the main one
@@ -102,16 +102,20 @@ load_offline_tokenizer().save_pretrained(sys.argv[1])
 with open(sys.argv[2], "w") as f:
     for text in offline_texts()[:32]:
         f.write(json.dumps({"text": text}) + "\n")
+import trl
+print(os.path.join(os.path.dirname(trl.__file__), "scripts"))
 """
 
-# A saved model loads with transformers and gives finite logits.
+# Each saved model loads with transformers and gives finite logits: one process checks every folder it is given
+# (each a fresh interpreter's imports otherwise) and prints one line per folder.
 _LOADS = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-logits = model(torch.arange(8)[None] % model.config.vocab_size).logits
-assert torch.isfinite(logits).all()
-print("loaded", type(model).__name__)
+for folder in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    logits = model(torch.arange(8)[None] % model.config.vocab_size).logits
+    assert torch.isfinite(logits).all(), folder
+    print("loaded", type(model).__name__, "from", folder)
 """
 
 
@@ -148,74 +152,65 @@ def runs(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         _check(cmd, proc)
         return out, proc.stderr
 
-    cfg = work / "odc.yaml"
-    subprocess.run(
-        _command((command, "config", "--cpu", "--default", "--config_file", cfg)), cwd=work, env=env, check=True
-    )
-    model, data = work / "model", work / "data"
-    data.mkdir()
-    _run(venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", SUITE_BPE_RANKS, cwd=work)
-    trl_sft = _run(venv_python, "-c", "import trl, os; print(os.path.dirname(trl.__file__))", cwd=work).strip()
+    def trl_sft_job() -> tuple[Path, str]:
+        # TRL's own script, with a config from `odc-accelerate config` and a local model and dataset, made here so
+        # that they are made while the other commands run.
+        cfg = work / "odc.yaml"
+        _run(command, "config", "--cpu", "--default", "--config_file", cfg, cwd=work)
+        model, data = work / "model", work / "data"
+        data.mkdir()
+        scripts = _run(
+            venv_python, "-c", _LOCAL_MODEL_AND_DATA, model, data / "train.jsonl", SUITE_BPE_RANKS, cwd=work
+        )
+        script = Path(scripts.strip().splitlines()[-1]) / "sft.py"
+        cmd = (command, "launch", "--config_file", cfg, *_PORT, script, "--model_name_or_path", model)
+        return job("trl_sft", *cmd, "--dataset_name", str(data), "--max_steps", "2", "--max_length", "128", *_SMALL)
+
+    grpo = ("--max_steps", "1", "--max_completion_length", "16")
     jobs = {
-        "sft": (command, "sft", "--max_steps", "3", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
-        "dpo": (command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
-        "grpo": (
-            command,
-            "grpo",
-            "--max_steps",
-            "1",
-            "--max_completion_length",
-            "16",
-            *_SMALL,
-            *_PORT,
-            *_NO_CHECKPOINTS,
+        # the main job first: it is the longest
+        "sft": lambda: job(
+            "sft", command, "sft", "--max_steps", "2", *_SMALL, *_PORT, *_NO_CHECKPOINTS, full_vocabulary=True
         ),
-        "trl_sft": (
-            command,
-            "launch",
-            "--config_file",
-            cfg,
-            *_PORT,
-            Path(trl_sft) / "scripts" / "sft.py",
-            "--model_name_or_path",
-            model,
-            "--dataset_name",
-            str(data),
-            "--max_steps",
-            "2",
-            "--max_length",
-            "128",
-            *_SMALL,
-        ),
+        "dpo": lambda: job("dpo", command, "dpo", "--max_steps", "1", *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "grpo": lambda: job("grpo", command, "grpo", *grpo, *_SMALL, *_PORT, *_NO_CHECKPOINTS),
+        "trl_sft": trl_sft_job,
     }
     # Two at a time, as the integration modules run theirs: one 2-rank job leaves much of 2 cores idle (start-up,
-    # rendezvous, saving). The main job starts first: it is the longest.
+    # rendezvous, saving).
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(job, name, *cmd, full_vocabulary=name == "sft") for name, cmd in jobs.items()}
+        futures = {name: pool.submit(run_job) for name, run_job in jobs.items()}
         done = {name: future.result() for name, future in futures.items()}
     return done
 
 
-def test_odc_accelerate_sft_trains_the_offline_default_with_odc(runs, venv_python: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def loaded(runs, venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`_LOADS` run once, in the fresh environment, over every run's saved model: its output."""
+    folders = [out for out, _ in runs.values()]
+    return _run(venv_python, "-c", _LOADS, *folders, cwd=tmp_path_factory.mktemp("loads"))
+
+
+def test_odc_accelerate_sft_trains_the_offline_default_with_odc(runs, loaded: str):
     out, stderr = runs["sft"]
-    _assert_trained_with_odc(out / "trainer_state.json", 3)
+    _assert_trained_with_odc(out / "trainer_state.json", 2)
     assert stderr.count("ODC on: transport shm (auto: CPU tensors, every rank on one host), plan free") == 1
     # a clean run warns about nothing else (progress bars aside, stderr holds the banner only)
     assert "Warning" not in stderr and "WARNING" not in stderr, stderr
-    assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
+    assert f"loaded Qwen2ForCausalLM from {out}\n" in loaded
 
 
-def test_odc_accelerate_dpo_and_grpo_train_with_odc(runs, venv_python: Path, tmp_path: Path):
+def test_odc_accelerate_dpo_and_grpo_train_with_odc(runs, loaded: str):
     for name in ("dpo", "grpo"):
         out, stderr = runs[name]
         _assert_trained_with_odc(out / "trainer_state.json", 1)
         assert stderr.count("ODC on: transport shm") == 1, name
-        assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
+        assert f"loaded Qwen2ForCausalLM from {out}\n" in loaded
 
 
-def test_trls_own_sft_script_trains_with_odc_under_the_installed_launcher(runs, venv_python: Path, tmp_path: Path):
+def test_trls_own_sft_script_trains_with_odc_under_the_installed_launcher(runs, loaded: str):
     out, stderr = runs["trl_sft"]
     # TRL's script saves no trainer state itself: the Trainer's final checkpoint holds it
     _assert_trained_with_odc(out / "checkpoint-2" / "trainer_state.json", 2)
     assert stderr.count("ODC on: transport shm") == 1
-    assert "loaded Qwen2ForCausalLM" in _run(venv_python, "-c", _LOADS, out, cwd=tmp_path)
+    assert f"loaded Qwen2ForCausalLM from {out}\n" in loaded

@@ -1,5 +1,5 @@
 import pytest
-from integration_utils import SFT_PARITY, SFT_SAMPLES_PER_STEP, trl_reference
+from integration_utils import SFT_PARITY, SFT_SAMPLES_PER_STEP, References
 
 
 @pytest.fixture
@@ -11,9 +11,14 @@ def pid_dir(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def sft_reference(tmp_path_factory):
+def references(tmp_path_factory) -> References:
+    """The session's one-process TRL reference runs (`integration_utils.References`), each run once."""
+    return References(tmp_path_factory.mktemp("references"))
+
+
+@pytest.fixture(scope="session")
+def sft_reference(references):
     """TRL's own SFTTrainer in one process on ``SFT_PARITY``, ``SFT_SAMPLES_PER_STEP`` samples per optimizer step
     (`tests/helpers/trl_reference.py`): ``(process, output folder)``, run once for every SFT parity test."""
-    out = tmp_path_factory.mktemp("sft_reference")
-    proc = trl_reference("sft", SFT_SAMPLES_PER_STEP, *SFT_PARITY, "--save_strategy", "no", output_dir=out)
-    return proc, out
+    future, out = references.start("sft", SFT_SAMPLES_PER_STEP, *SFT_PARITY, "--save_strategy", "no")
+    return future.result(), out

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,13 @@ def trl_reference(trainer: str, samples_per_step: int, *args: str, output_dir: P
     """TRL's own ``trainer`` ("sft" / "dpo") in one process on the same optimizer steps as an ODC run with
     ``--odc_samples_per_step samples_per_step`` (`tests/helpers/trl_reference.py`); ``args`` are the ODC run's
     arguments, whose ``--odc*`` options (and their values) are left out."""
+    kept = _without_odc_options(args)
+    cmd = [sys.executable, TRL_REFERENCE, trainer, "--samples_per_step", str(samples_per_step), *kept]
+    return run([*cmd, "--output_dir", output_dir])
+
+
+def _without_odc_options(args: Sequence[str]) -> list[str]:
+    """``args`` without the ``--odc*`` options and their values (what `trl_reference` leaves out)."""
     kept, skip = [], False
     for arg in map(str, args):
         if skip:
@@ -81,8 +88,43 @@ def trl_reference(trainer: str, samples_per_step: int, *args: str, output_dir: P
             skip = "=" not in arg
         else:
             kept.append(arg)
-    cmd = [sys.executable, TRL_REFERENCE, trainer, "--samples_per_step", str(samples_per_step), *kept]
-    return run([*cmd, "--output_dir", output_dir])
+    return kept
+
+
+def _settings(args: Sequence[str]) -> tuple[tuple[str, str | None], ...]:
+    """The settings ``args`` give a trainer (``--key value`` or ``--key=value``; a bare flag has None; a later value
+    wins, as with HfArgumentParser), sorted: equal for argument lists that configure the same run."""
+    settings: dict[str, str | None] = {}
+    args = list(args)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg.partition("=")
+        if eq:
+            settings[key] = value
+        else:
+            following = args[i + 1] if i + 1 < len(args) else None
+            settings[key] = None if following is None or following.startswith("--") else following
+    return tuple(sorted(settings.items()))
+
+
+class References:
+    """TRL's own trainer in one process (`trl_reference`), run once per session for each distinct run: the parity
+    tests of several modules (SFT and DPO, plain and HSDP, static and dynamic plans) compare with the same reference
+    runs, which differ only in the ``--odc*`` options the reference leaves out."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._runs: dict[tuple, tuple[Future, Path]] = {}
+
+    def start(self, trainer: str, samples_per_step: int, *args: str) -> tuple[Future, Path]:
+        """The reference run of ``trainer`` on ``args`` (the ODC run's arguments): started in the `background` unless
+        an equal one already ran or runs; its future (the completed process) and output folder."""
+        key = (trainer, samples_per_step, _settings(_without_odc_options(args)))
+        if key not in self._runs:
+            out = self._root / f"{trainer}{len(self._runs)}"
+            self._runs[key] = (background(trl_reference, trainer, samples_per_step, *args, output_dir=out), out)
+        return self._runs[key]
 
 
 # The SFT parity runs' arguments (2 steps of SGD with momentum, fp32): ODC runs take them with

@@ -33,7 +33,6 @@ from integration_utils import (
     reports,
     results,
     shm_leftovers,
-    trl_reference,
 )
 
 CONFIGS = ROOT / "examples" / "dpo" / "configs"
@@ -68,7 +67,7 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, references):
     root = tmp_path_factory.mktemp("dpo")
     shm_before = shm_leftovers()
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
@@ -87,7 +86,7 @@ def runs(tmp_path_factory):
         **COUNT,
         **DUMP,
     )
-    procs["single"] = background(trl_reference, "dpo", 5, *COMMON, output_dir=out["single"])
+    procs["single"], out["single"] = references.start("dpo", 5, *COMMON)
     pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
     procs["odc_pre"] = background(
         accelerate_launch, *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP

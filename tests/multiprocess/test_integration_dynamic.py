@@ -35,7 +35,6 @@ from integration_utils import (
     reports,
     results,
     run,
-    trl_reference,
 )
 
 from odc_accelerate.integrations.trainer.setup import DYNAMIC_POLICY_HINT
@@ -44,6 +43,8 @@ SFT_COMMON = [
     "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--max_length", "128",
     "--odc_max_tokens_per_microbatch", "128", "--optim", "sgd", "--learning_rate", "0.5", "--seed", "0",
     "--dataloader_pin_memory", "false", "--save_strategy", "no", "--odc_samples_per_step", "5",
+    # SGD with momentum, as the other SFT parity runs: the reference run is then the session's SFT one (conftest.py)
+    "--optim_args", "momentum=0.9",
 ]  # fmt: skip
 DPO_COMMON = [
     "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--max_length", "64",
@@ -61,7 +62,7 @@ GRPO = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, references):
     root = tmp_path_factory.mktemp("dynamic")
     from odc_accelerate.data import offline_texts
 
@@ -86,7 +87,6 @@ def runs(tmp_path_factory):
             ODC_TRACE_DIR=str(out["sft"] / "trace"),
             **DUMP,
         ),
-        "sft_single": background(trl_reference, "sft", 5, *SFT_COMMON, output_dir=out["sft_single"]),
         "dpo": background(
             accelerate_launch,
             ROOT / "examples" / "dpo" / "configs" / "odc_cpu.yaml",
@@ -98,7 +98,6 @@ def runs(tmp_path_factory):
             ODC_COUNT_DIST_CALLS="1",
             **DUMP,
         ),
-        "dpo_single": background(trl_reference, "dpo", 5, *DPO_COMMON, output_dir=out["dpo_single"]),
         "stream": background(
             accelerate_launch,
             CONFIGS / "odc_cpu.yaml",
@@ -137,6 +136,8 @@ def runs(tmp_path_factory):
             env=base_env(),
         ),
     }
+    procs["sft_single"], out["sft_single"] = references.start("sft", 5, *SFT_COMMON)
+    procs["dpo_single"], out["dpo_single"] = references.start("dpo", 5, *DPO_COMMON)
     return {"out": out, "procs": results(procs)}
 
 
