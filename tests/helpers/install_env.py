@@ -151,15 +151,16 @@ def _build_and_install(tmp: Path) -> Installed:
     wheel = _finish_wheel_build(*build)
     _install(python, f"{wheel}[{EXTRAS}]", cwd=tmp)
     installed = Installed(python=python, wheel=wheel, before=before, after=_pip_list(python, tmp))
-    # Installed without byte-compiling: the first imports compile what they load. Done here, in the background, for
-    # what the installed commands import, so that the tests' runs do not each compile it again at once.
+    # Installed without byte-compiling: the first import of a module compiles it and writes its cache. Done once here,
+    # in the background, for what the installed commands import; otherwise the runs' processes, which start together,
+    # would each compile the same modules.
     run(python, "-c", _WARM_IMPORTS, cwd=tmp)
     return installed
 
 
 _WARM_IMPORTS = (
-    "import accelerate.commands.launch, odc_accelerate.cli.main, odc_accelerate.scripts.sft, odc_accelerate.scripts.dpo, "
-    "odc_accelerate.scripts.grpo"
+    "import accelerate.commands.launch, odc_accelerate.cli.main, odc_accelerate.cli.bootstrap, "
+    "odc_accelerate.scripts.sft, odc_accelerate.scripts.dpo, odc_accelerate.scripts.grpo, trl.scripts.sft"
 )
 
 
