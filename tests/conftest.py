@@ -39,6 +39,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         install_env.start()
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests.helpers import warm_start
+
+    if warm_start.entries:
+        forked = sum(entry.startswith("forked") for entry in warm_start.entries)
+        terminalreporter.write_sep("-", f"warm start: {forked} of {len(warm_start.entries)} Python processes forked")
+        for entry in warm_start.entries:
+            if not entry.startswith("forked"):
+                terminalreporter.write_line(entry)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.helpers import install_env
 

@@ -1,5 +1,20 @@
+import os
+
 import pytest
-from integration_utils import SFT_PARITY, SFT_SAMPLES_PER_STEP, References
+from integration_utils import SFT_PARITY, SFT_SAMPLES_PER_STEP, References, plain_env
+
+from tests.helpers import warm_start
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start_server():
+    """The session's warm-start server (`tests/helpers/warm_start.py`): the Python processes of the jobs these
+    tests launch start as its forks. ODC_TEST_WARM_START=0 starts every one as a fresh interpreter."""
+    if os.environ.get("ODC_TEST_WARM_START") == "0":
+        yield None
+        return
+    yield warm_start.start(plain_env())
+    warm_start.stop()
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import warm_start
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
@@ -21,7 +23,15 @@ LOOP = ROOT / "tests" / "helpers" / "accelerate_loop.py"
 RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
 
 
-def base_env(**extra: str) -> dict[str, str]:
+def base_env(*, warm: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a launched job: this process's without ODC / accelerate settings, one thread per rank,
+    the repository importable, and ``extra``. With ``warm``, its Python processes start as forks of the session's
+    warm-start server (`tests/helpers/warm_start.py`) when it runs."""
+    env = plain_env(**extra)
+    return warm_start.env(env) if warm else env
+
+
+def plain_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     for key in list(env):
         if key.startswith(("ODC_", "ACCELERATE_", "FSDP_")) and key not in ("ODC_CACHE", "ODC_OFFLINE_BPE_RANKS"):

@@ -149,9 +149,10 @@ def test_ctrl_c_of_accelerate_launch_leaves_no_file(tmp_path):
         "examples/sft/train.py", "--odc", "true", "--max_steps", "50", "--logging_steps", "1",
         "--output_dir", str(tmp_path / "out"), "--report_to", "none",
     ]  # fmt: skip
+    # Fresh interpreters (no warm start): the test follows the launcher's own process tree, as Ctrl-C reaches it.
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
-            cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, env=base_env(warm=False), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     ranks: set[int] = set()
     try:
