@@ -209,8 +209,11 @@ def _serve_one(conn: socket.socket, log: str) -> None:
         os._exit(0)
     pid = os.fork()
     if pid == 0:
-        conn.close()
-        _run(command, fds)
+        try:
+            conn.close()
+            _run(command, fds)
+        finally:  # never back into this function's loop
+            os._exit(1)
     for fd in fds:
         os.close(fd)
     _log(log, f"forked {argv}")
@@ -248,6 +251,10 @@ def _log(path: str, line: str) -> None:
 
 
 def serve(path: str, log: str) -> None:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):  # Linux before 5.3: no server, every command starts as usual
+        return
     for name in IMPORTS:
         importlib.import_module(name)
     # The imported objects are never freed: keeping them out of the collector's generations spares every fork from
@@ -270,8 +277,11 @@ def serve(path: str, log: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             if os.fork() == 0:
-                listener.close()
-                _serve_one(conn, log)
+                try:
+                    listener.close()
+                    _serve_one(conn, log)
+                finally:  # never a second server
+                    os._exit(1)
             conn.close()
 
 
