@@ -56,14 +56,17 @@ IMPORTS = (
     "trl.trainer.grpo_trainer",
     "peft",
 )
-# Read after start-up, so they may differ between the server and a command: a launcher sets them per rank.
+# Read after start-up (when a process group, accelerate's state or a trainer is created), so they may differ between
+# the server and a command: launchers set them per job or per rank.
 _PER_PROCESS = {
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED", "PWD", "OLDPWD", "_",
     "PYTEST_CURRENT_TEST",
 }  # fmt: skip
 # TORCH_SYMM_MEM_*: read when symmetric memory is set up (CUDA), which odc_accelerate's launcher configures per job.
-_PER_PROCESS_PREFIXES = ("ODC_", "ACCELERATE_", "FSDP_", "TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "TORCH_SYMM_MEM_")
+_PER_PROCESS_PREFIXES = (
+    "ODC_", "ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "TORCH_SYMM_MEM_",
+)  # fmt: skip
 
 
 # The server's environment before its imports (which may set variables: torch sets TORCHINDUCTOR_CACHE_DIR).
