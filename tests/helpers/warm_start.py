@@ -23,8 +23,10 @@ how many forked.
 from __future__ import annotations
 
 import atexit
+import builtins
 import gc
 import importlib
+import importlib.machinery
 import io
 import json
 import os
@@ -150,15 +152,22 @@ def _run(command: dict, fds: list[int]) -> None:
 
             runpy._run_module_as_main(command["module"], alter_argv=True)
         else:
-            script = os.path.realpath(command["script"])
-            sys.path[0] = os.path.dirname(script)
+            # As a fresh interpreter has it: sys.argv[0] as given, __file__ joined to the working directory,
+            # sys.path[0] the directory of the script with its links resolved.
+            path = os.path.join(os.getcwd(), command["script"])
+            sys.path[0] = os.path.dirname(os.path.realpath(path))
             sys.argv = [command["script"], *command["args"]]
             main = types.ModuleType("__main__")
-            main.__file__ = command["script"]
+            main.__dict__.update(
+                __file__=path,
+                __builtins__=builtins,
+                __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+                __cached__=None,
+            )
             sys.modules["__main__"] = main
-            with open(script, "rb") as f:
+            with open(path, "rb") as f:
                 source = f.read()
-            exec(compile(source, command["script"], "exec"), main.__dict__)
+            exec(compile(source, path, "exec"), main.__dict__)
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except BaseException as exc:

@@ -41,7 +41,9 @@ FINGERPRINT = textwrap.dedent(
     main = sys.modules["__main__"]
     print(json.dumps({
         "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__, "file": __file__,
-        "main_file": getattr(main, "__file__", None), "rank": os.environ.get("RANK"),
+        "main_file": getattr(main, "__file__", None), "code_file": sys._getframe().f_code.co_filename,
+        "main": [type(__builtins__).__name__, type(__loader__).__name__, __spec__, __package__, __cached__],
+        "rank": os.environ.get("RANK"),
         "extra": os.environ.get("ODC_EXTRA"), "streams": streams, "torch_threads": torch.get_num_threads(),
     }))
     sys.stderr.write("to stderr\\n")
@@ -79,12 +81,23 @@ def _outcome(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("code", ["0", "3", "raise"])
-@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
-def test_a_forked_script_runs_as_a_fresh_interpreter_would(server, tmp_path, code, unbuffered):
-    script = tmp_path / f"fingerprint_{code}_{int(unbuffered)}.py"
+# How the command gives the script's path x -u or not x how the script ends: each value of each twice.
+CASES = [
+    ("absolute", False, "0"), ("absolute", True, "3"), ("relative", False, "raise"),
+    ("relative", True, "0"), ("link", False, "3"), ("link", True, "raise"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "unbuffered", "code"), CASES)
+def test_a_forked_script_runs_as_a_fresh_interpreter_would(server, tmp_path, code, unbuffered, given):
+    script = tmp_path / "scripts" / f"fingerprint_{code}_{int(unbuffered)}.py"
+    script.parent.mkdir()
     script.write_text(FINGERPRINT)
-    cmd = [sys.executable, *(["-u"] if unbuffered else []), script, code]
+    # The path as a command gives it: absolute, relative to the working directory, or a link in another folder.
+    path = {"absolute": script, "relative": Path("scripts") / script.name, "link": tmp_path / "link.py"}[given]
+    if given == "link":
+        path.symlink_to(script)
+    cmd = [sys.executable, *(["-u"] if unbuffered else []), path, code]
     seen = {}
     for warm in (False, True):
         out = tmp_path / ("warm" if warm else "cold")
@@ -103,7 +116,7 @@ def test_a_forked_script_runs_as_a_fresh_interpreter_would(server, tmp_path, cod
     assert warm["returncode"] == {"0": 0, "3": 3, "raise": 1}[code]
     assert warm["rest of stdout"] == ["thread done"] and "to stderr" in warm["stderr"]
     assert ("ValueError: raised by the script" in warm["stderr"]) == (code == "raise")
-    assert server.entries().count(f"forked {script}") == 1
+    assert server.entries().count(f"forked {path}") == 1
 
 
 def test_a_forked_module_runs_with_its_arguments(server, tmp_path):
