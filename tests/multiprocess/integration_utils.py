@@ -41,8 +41,16 @@ def plain_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    # No job reads its standard input; /dev/null keeps it open whatever the session's is (a warm start hands the
+    # standard streams over and starts fresh where one is closed).
     return subprocess.run(
-        [str(c) for c in cmd], cwd=ROOT, env=env or base_env(), capture_output=True, text=True, timeout=timeout
+        [str(c) for c in cmd],
+        cwd=ROOT,
+        env=env or base_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from integration_utils import ROOT, base_env
+from integration_utils import base_env, run
 
 from tests.helpers import warm_start
 
@@ -209,13 +209,6 @@ def test_what_a_fork_cannot_reproduce_starts_as_usual(server, tmp_path):
 
 def test_the_integration_jobs_start_warm(server):
     """The suite's jobs, which these tests exist to speed up, do fork: no environment difference crept in."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--help"],
-        cwd=ROOT,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "forked -m accelerate.commands.launch" in server.entries()
