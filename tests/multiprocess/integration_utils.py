@@ -13,6 +13,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,6 +165,29 @@ SFT_SAMPLES_PER_STEP = 5
 # run: measured +0.8e-6 to +2.7e-6 relative with Qwen's full vocabulary, +0.8e-5 to +1.0e-5 with the suite's 8,192
 # ranks (a smaller softmax, larger per-token gradients).
 GRPO_GRAD_NORM_REL = 5e-5
+
+
+# DPO's rewards against one process. A reward is beta * (policy log-prob sum - reference log-prob sum), both sums over
+# a few hundred tokens in fp32. Another batching sums them in another order, so each sum carries noise of order one ulp
+# of its magnitude (|logps|, ~150-300 here), and the reward carries beta times that: an absolute noise that does not
+# shrink with the reward. Measured: up to 0.4 ulp of |logps| (1.1e-6 on a reward of 0.011 with |logps| 246, beta
+# 0.1). The bound below is 2 ulps; a relative bound on the reward itself would flake whenever the reward is small.
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
+DPO_BETA = 0.1  # TRL's default, which the suite's DPO runs keep
+_FP32_ULP = 2.0**-23
+
+
+def assert_dpo_metrics_match(a: dict, b: dict, keys: tuple[str, ...] = DPO_METRICS, beta: float = DPO_BETA) -> None:
+    """Asserts that the DPO metrics of one logged step ``a`` match the reference step ``b`` to fp32 noise."""
+    magnitude = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
+    reward_noise = beta * 2 * _FP32_ULP * magnitude
+    for key in keys:
+        if key.startswith("rewards/") and key != "rewards/accuracies":
+            # a margin is the difference of two rewards: twice the noise of one
+            bound = 2 * reward_noise if key == "rewards/margins" else reward_noise
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=bound), key
+        else:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
 def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):

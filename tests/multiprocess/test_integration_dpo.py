@@ -21,8 +21,10 @@ import json
 import pytest
 import torch
 from integration_utils import (
+    DPO_METRICS,
     ROOT,
     accelerate_launch,
+    assert_dpo_metrics_match,
     assert_same_logits,
     assert_saved_model_is_the_trained_one,
     background,
@@ -63,7 +65,6 @@ COMMON = [
 UNEQUAL = ["--odc_samples_per_step", "5"]
 DUMP = {"ODC_DUMP_PARAMS": "1"}
 COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
-DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +161,7 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
         # per accumulated microbatch, averages them over the step's pairs)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
-        for key in DPO_METRICS:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert_dpo_metrics_match(a, b)
         assert a["num_tokens"] == b["num_tokens"]
     # rewards moved in step 2 (a check that cannot pass with all-zero metrics)
     assert logged_steps(single)[1]["rewards/margins"] != 0.0
@@ -180,7 +180,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly_reference(runs):
         assert all(c == {} for c in r["microbatch_dist_calls"])
     for a, b in zip(logged_steps(pre), logged_steps(live), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-3, abs=1e-6)
+        assert_dpo_metrics_match(a, b, keys=("rewards/margins",))
     a, b = final_params(pre), final_params(live)
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     assert diff / _update(live) <= 1e-4

@@ -21,11 +21,13 @@ import pytest
 import torch
 from integration_utils import (
     CONFIGS,
+    DPO_METRICS,
     GRPO_GRAD_NORM_REL,
     ROOT,
     RUN_EXAMPLE,
     TRAIN,
     accelerate_launch,
+    assert_dpo_metrics_match,
     background,
     base_env,
     check_ok,
@@ -159,11 +161,8 @@ def _same_training(run, single, metrics=()):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # the exact mean over the global batch
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
         assert a["num_tokens"] == b["num_tokens"]
-        for key in metrics:
-            # a DPO margin is a difference of two rewards: the fp32 noise of another reduction order is a larger
-            # share of it (as in test_integration_dpo)
-            rel = 1e-3 if key == "rewards/margins" else 1e-4
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), key
+        if metrics:
+            assert_dpo_metrics_match(a, b, keys=metrics)
     a, b = final_params(run), final_params(single)
     init = torch.load(single / "initial_params.pt")
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
@@ -202,8 +201,7 @@ def test_sft_dynamic_matches_one_process(runs):
 def test_dpo_dynamic_matches_one_process(runs):
     for name in ("dpo", "dpo_single"):
         check_ok(runs["procs"][name])
-    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
-    _same_training(runs["out"]["dpo"], runs["out"]["dpo_single"], metrics)
+    _same_training(runs["out"]["dpo"], runs["out"]["dpo_single"], DPO_METRICS)
     for r in reports(runs["out"]["dpo"], "odc_run_rank"):
         assert r["odc_config"]["plan"] == "dynamic"
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
