@@ -177,10 +177,10 @@ DPO_BETA = 0.1  # TRL's default, which the suite's DPO runs keep
 _FP32_ULP = 2.0**-23
 
 
-def assert_dpo_metrics_match(a: dict, b: dict, keys: tuple[str, ...] = DPO_METRICS, beta: float = DPO_BETA) -> None:
+def assert_dpo_metrics_match(a: dict, b: dict, keys: tuple[str, ...] = DPO_METRICS) -> None:
     """Asserts that the DPO metrics of one logged step ``a`` match the reference step ``b`` to fp32 noise."""
     magnitude = max(abs(b["logps/chosen"]), abs(b["logps/rejected"]))
-    reward_noise = beta * 2 * _FP32_ULP * magnitude
+    reward_noise = DPO_BETA * 2 * _FP32_ULP * magnitude
     for key in keys:
         if key.startswith("rewards/") and key != "rewards/accuracies":
             # a margin is the difference of two rewards: twice the noise of one
