@@ -1,8 +1,9 @@
 """CUDA transport for the GPUs of one node: torch symmetric memory for data, shared memory for control.
 
-Ran once on one H100 (engine parity with one process; ``docs/gpu.md``); what changed since, the accumulate kernel
-among it, has not run on a GPU. Its host-side logic (:mod:`._cuda_plan`) is unit-tested on CPU, its protocol runs the
-engine on CPU over shared memory, and ``scripts/gpu_session.sh`` checks it on a GPU.
+Ran on one H100, two ranks sharing it (``docs/gpu.md``): engine parity with one process, SFT, DPO and GRPO Trainer
+steps, and the accumulate kernel at its current launch parameters; not yet on several GPUs. Its host-side logic
+(:mod:`._cuda_plan`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
+``scripts/gpu_session.sh`` checks it on a GPU.
 
 Data plane. Every rank allocates one segment with torch's symmetric memory (through
 :mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every peer's segment
