@@ -954,3 +954,10 @@ def symmetric_rendezvous(segment: torch.Tensor, group: Any) -> Any:
 def peer_segment(handle: Any, peer: int, nbytes: int) -> torch.Tensor:
     """``peer``'s segment (``nbytes`` uint8 bytes), mapped into this process by a `symmetric_rendezvous` handle."""
     return handle.get_buffer(rank=peer, sizes=(nbytes,), dtype=torch.uint8, storage_offset=0)
+
+
+# ----------------------------------------------------------------- dispatcher modes (the tests' communication counter)
+def torch_dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` (private ``torch.utils._python_dispatch``): the base class of a mode that sees
+    every op the dispatcher runs, as the test helpers' communication counter does."""
+    return _import("torch.utils._python_dispatch", "TorchDispatchMode")

@@ -37,7 +37,7 @@ _METHODS = {
     ),
     "_load_from_checkpoint": ("resume_from_checkpoint",),
     "_track_num_input_tokens": ("inputs",),
-    "_remove_unused_columns": ("dataset",),
+    "_remove_unused_columns": ("dataset", "description"),
     "floating_point_ops": ("inputs",),
 }
 
@@ -52,6 +52,13 @@ def check() -> None:
     for name, params in _METHODS.items():
         method = require(Trainer, name, library=_LIBRARY, where="transformers.Trainer")
         check_signature(method, params, library=_LIBRARY, where=f"transformers.Trainer.{name}")
+
+
+def remove_unused_columns(trainer: Any, dataset: Any, description: str | None = None) -> Any:
+    """``dataset`` as the Trainer's ``_remove_unused_columns`` leaves it: without the columns the model's forward does
+    not accept (unchanged when ``args.remove_unused_columns`` is off). The method is checked by :func:`check`."""
+    method = require(trainer, "_remove_unused_columns", library=_LIBRARY, where=type(trainer).__name__)
+    return method(dataset, description=description)
 
 
 def end_training(trainer: Any) -> None:

@@ -371,6 +371,13 @@ def check_grpo(trainer: Any) -> None:
         require(trainer, attr, library=_LIBRARY, where=where)
 
 
+def generate_and_score_completions(trainer: Any, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Generate and score the completions of ``inputs`` (a batch of prompts) as TRL does: GRPOTrainer's
+    ``_generate_and_score_completions``, which :func:`check_grpo` checks."""
+    method = require(trainer, "_generate_and_score_completions", library=_LIBRARY, where=type(trainer).__name__)
+    return method(inputs)
+
+
 def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     """The ``accelerator.reduce`` / ``gather`` calls GRPOTrainer._compute_loss makes per training microbatch, in call
     order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max")."""

@@ -465,41 +465,14 @@ def test_examples_end_training_falls_back_before_transformers_5_18():
     assert calls == ["accelerator.end_training", "trainer.end"]
 
 
-# ------------------------------------------------------------------------------- internals outside the compat modules
-# A private name of a library, as code outside `_compat` would spell it: (pattern, library).
-_PRIVATE_SPELLINGS = [
-    (r"\._fingerprint\b", "datasets"),
-    (r"\._attn_implementation\b", "transformers"),
-    (r"launch_command_parser|accelerate\.commands\.config import", "accelerate"),
-    (r"fsdp\._fully_shard|_fsdp_common|_fsdp_param\b|_fsdp_collectives", "torch"),
-]
-
-
-def test_no_private_internal_is_read_outside_the_compat_modules():
-    """The package and the test helpers reach these internals only through `odc_accelerate._compat`."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    files = [p for p in (root / "odc_accelerate").rglob("*.py") if "_compat" not in p.parts]
-    files += sorted((root / "tests" / "helpers").glob("*.py"))
-    found = [
-        f"{path.relative_to(root)}:{n}: {line.strip()} ({library})"
-        for path in files
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        for pattern, library in _PRIVATE_SPELLINGS
-        if re.search(pattern, line) and not line.lstrip().startswith("#")
-    ]
-    assert found == []
-
-
 def test_datasets_fingerprint_is_checked_at_start_up(monkeypatch):
     from datasets import Dataset
 
     from odc_accelerate._compat import datasets as dcompat
 
     dcompat.check()  # the installed datasets has it
-    assert dcompat.fingerprint(Dataset.from_dict({"x": [1]})) == Dataset.from_dict({"x": [1]})._fingerprint
+    same = [dcompat.fingerprint(Dataset.from_dict({"x": [1]})) for _ in range(2)]
+    assert isinstance(same[0], str) and same[0] == same[1] != dcompat.fingerprint(Dataset.from_dict({"x": [2]}))
     assert dcompat.fingerprint(object()) is None
     monkeypatch.setattr(dcompat, "fingerprint", lambda dataset: None)
     with pytest.raises(CompatError, match=r"datasets internal `datasets\.Dataset\._fingerprint"):

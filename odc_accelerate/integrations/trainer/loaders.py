@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
+from ..._compat import transformers as tcompat
 from .budget import BudgetRule, token_budget
 from .data import StepCollator, StepDataLoader, StepDataset
 from .dynamic import QueueDataset, keep_queue
@@ -121,7 +122,7 @@ class ODCStepLoaders:
         from ...planning import LengthBalancedBatchSampler
 
         self._odc_streaming = False
-        dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        dataset = tcompat.remove_unused_columns(self, self.train_dataset, description="training")
         lengths = self._odc_lengths(dataset)
         config = self.odc_config
         config.max_tokens_per_microbatch = self._odc_budget(lengths)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..._compat import transformers as tcompat
 from .data import StepCollator, StepDataLoader, StreamStepDataset
 from .dynamic import keep_queue
 
@@ -100,7 +101,7 @@ class ODCStreamLoaders:
             rows = list(itertools.islice(iter(stream), samples_per_step))
             step = StepRows(rows)
             if rows and self.args.remove_unused_columns:
-                step = self._remove_unused_columns(step, description="training")
+                step = tcompat.remove_unused_columns(self, step, description="training")
                 columns = step.column_names
             if len(rows) == samples_per_step:
                 lengths = self._odc_lengths(step)

@@ -238,7 +238,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         # (one generation batch per optimizer step), which TRL sees with its own accumulation count.
         folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
         try:
-            return self._generate_and_score_completions(inputs)
+            return trl_compat.generate_and_score_completions(self, inputs)
         finally:
             args.gradient_accumulation_steps = folded
 
