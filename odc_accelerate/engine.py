@@ -149,24 +149,25 @@ class _ODCReduceScatterHSDP(_ODCReduceScatter):
     odc_defers_all_reduce = True
 
 
-def _free_memory_text(device: torch.device) -> str:
-    """What a refusal says of ``device``'s free memory, after giving back what torch's allocator caches."""
-    if device.type != "cuda":
-        return "the device's free memory is unknown"
-    torch.cuda.empty_cache()
-    return f"{torch.cuda.mem_get_info(device)[0] / 2**20:.1f} MiB is free now that it is released"
+def _out_of_memory(err: BaseException, device: torch.device, what: str, detail: str, advice: str) -> RuntimeError:
+    """The refusal for a CUDA out-of-memory error ``err`` met on this rank in the engine's set-up (caused by ``err``).
 
-
-def _lazy_init_out_of_memory_text(model: torch.nn.Module) -> str:
-    """The refusal for a CUDA out-of-memory error in FSDP2's lazy initialisation, which the engine runs first."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    return (
-        f"FSDP2's lazy initialisation (its CUDA streams and buffers) ran out of GPU memory on rank "
-        f"{dist.get_rank()} when the ODC engine started, before ODC allocated anything; {_free_memory_text(device)}. "
-        "Create the engine (or run the first step) with more GPU memory free: a smaller model or batch, fewer "
-        "other processes on this GPU, or more GPUs to shard over."
+    Its text names this rank by its global rank: peers that raise it too (`model_check.agree_on_model`) say who ran
+    short. Free memory is read after torch's cache is released, as the transport's check reads it; a device other than
+    CUDA has no such reading.
+    """
+    free = memory.free_and_total(device, release_cache=True)[0] if device.type == "cuda" else None
+    text = memory.out_of_memory_text(
+        f"rank {dist.get_rank()}", what, free=free, detail=detail, ran_out="it ran out of GPU memory", advice=advice
     )
+    refusal = RuntimeError(text)
+    refusal.__cause__ = err
+    return refusal
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 class ODCEngine:
@@ -215,7 +216,7 @@ class ODCEngine:
         for mb in my_microbatches:  # the count may differ per rank, including zero
             loss = compute(model, mb)
             loss.backward()
-        engine.pre_optimizer_step()  # .grad now equals FSDP2's for the same total work
+        engine.pre_optimizer_step(optimizer)  # .grad now equals FSDP2's for the same total work
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -266,15 +267,27 @@ class ODCEngine:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
         warn_if_untested("torch", "The FSDP2 internals it reads may behave differently there.")
+        # This rank's out-of-memory refusal met before the ranks agree on the model: carried into that agreement (raised
+        # there on every rank), since a rank that raised alone would leave its peers waiting for it in the agreement's
+        # collective until the process group's timeout.
+        refusal: RuntimeError | None = None
         try:
             compat.lazy_init(model)
         except Exception as err:
+            if not is_out_of_memory(err):
+                raise
             # FSDP2's own set-up (streams, buffers), before ODC allocates anything: with a GPU this full, say so
             # instead of a bare driver error.
-            if is_out_of_memory(err):
-                raise RuntimeError(_lazy_init_out_of_memory_text(model)) from err
-            raise
-        compat.check(model)
+            refusal = _out_of_memory(
+                err,
+                _model_device(model),
+                "FSDP2's lazy initialisation",
+                "its CUDA streams and buffers, made when the ODC engine starts, before ODC allocates anything",
+                "Create the engine (or run the first step) with more GPU memory free: a smaller model or batch, fewer "
+                "other processes on this GPU, or more GPUs to shard over",
+            )
+        if refusal is None:
+            compat.check(model)  # FSDP2's state after its lazy init
         self.model = model
         self.timeout = float(timeout)
         self.sync_every_hook = sync_every_hook
@@ -292,8 +305,27 @@ class ODCEngine:
         self.steps = 0
         self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         self._claimed_step = -1
+        self._optimizer_seen: tuple[Any, bytes, list[list[str]]] | None = None  # (groups' ids, fingerprint, layout)
 
         entries, problem = model_check.served_groups(model)
+        layouts: list[tuple[int, torch.dtype]] = []
+        if refusal is None and problem is None:
+            try:
+                # From FSDP2's metadata, except for parameters with an all-gather extension, whose inputs are built
+                # (one parameter at a time) to learn their size: that much is allocated before the transport has
+                # checked its memory (see `compat.all_gather_input_layout`).
+                layouts = [compat.all_gather_input_layout(group) for _, group in entries]
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                refusal = _out_of_memory(
+                    err,
+                    compat.group_device(entries[0][1]),
+                    "the all-gather inputs of its parameters with an all-gather extension",
+                    "FSDP2's fsdp_pre_all_gather, e.g. float8: built one parameter at a time to learn their sizes, "
+                    "before ODC's memory check",
+                    "Create the engine with more GPU memory free, or shard over more GPUs",
+                )
         # Agree across ranks before raising: a rank that raised alone would leave its peers waiting in the
         # next collective.
         self._pg = compat.shard_group(entries[0][1]) if entries else None
@@ -307,7 +339,7 @@ class ODCEngine:
                 f"{compat.mesh_of(entries[0][1]).size()} of {dist.get_world_size()}. Build the mesh over all ranks."
             )
         # HSDP: the whole job checks together (a refusal on one replica must reach the others).
-        model_check.agree_on_model(entries, problem, group=None if replicate_pg is not None else self._pg)
+        model_check.agree_on_model(entries, refusal or problem, group=None if replicate_pg is not None else self._pg)
         self._device = compat.group_device(entries[0][1])
         if replicate_pg is not None:
             compat.check_hsdp(entries[0][1])
@@ -315,9 +347,7 @@ class ODCEngine:
             hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
 
         specs: dict[str, BufferSpec] = {}
-        for index, (module, group) in enumerate(entries):
-            # From FSDP2's metadata: nothing is allocated before the transport has checked its memory.
-            gather_numel, gather_dtype = compat.all_gather_input_layout(group)
+        for index, ((module, group), (gather_numel, gather_dtype)) in enumerate(zip(entries, layouts, strict=True)):
             rdtype = compat.reduce_dtype(group)
             g = _Group(
                 index=index,
@@ -335,7 +365,9 @@ class ODCEngine:
             specs[f"p{index}"] = BufferSpec(numel=g.gather_numel, dtype=g.gather_dtype)
             if rdtype is not None and not self.frozen:
                 specs[f"g{index}"] = BufferSpec(numel=g.reduce_numel, dtype=rdtype, accumulated=True)
-        specs["touched"] = BufferSpec(numel=len(self._groups), dtype=torch.uint8)
+        # Exchanged at every step's barrier: per group whether this rank's backward reached it, then the fingerprint of
+        # the optimizer's param groups (`pre_optimizer_step`).
+        specs["touched"] = BufferSpec(numel=len(self._groups) + model_check.FINGERPRINT_BYTES, dtype=torch.uint8)
 
         if replicate_pg is not None and not self.frozen:
             layout = [(g.index, g.reduce_numel, g.reduce_dtype) for g in self._groups if f"g{g.index}" in specs]
@@ -388,7 +420,15 @@ class ODCEngine:
             # Closing tells the peers waiting for this rank in a barrier that it will not come.
             self.close()
             if is_out_of_memory(err):
-                raise RuntimeError(self._out_of_memory_text(held)) from err
+                raise _out_of_memory(
+                    err,
+                    self._device,
+                    "ODC's set-up",
+                    f"its transport holds {held / 2**20:.1f} MiB per rank, and publishing the first shards needs room "
+                    "for one parameter's copy at a time",
+                    "Free memory before creating the engine (load the model after it, a smaller batch), accumulate in "
+                    "bf16, or shard over more GPUs",
+                ) from err
             raise
         process_exit.watch(self)
         logger.info(
@@ -403,16 +443,6 @@ class ODCEngine:
             else "",
             self.memory_policy,
             self.memory_summary(),
-        )
-
-    def _out_of_memory_text(self, held: int) -> str:
-        """The refusal for a CUDA out-of-memory error in the engine's own set-up (after the transport's check)."""
-        free = _free_memory_text(self._device)
-        return (
-            f"ODC's set-up ran out of GPU memory on rank {self.rank}: its transport needs {held / 2**20:.1f} MiB per "
-            f"rank plus room to publish the first shards (one parameter's copy at a time), and {free}. Free memory "
-            "before creating the engine (load the model after it, a smaller batch), accumulate in bf16, or shard over "
-            "more GPUs."
         )
 
     # ------------------------------------------------------------------ hooks
@@ -553,31 +583,51 @@ class ODCEngine:
 
     # ------------------------------------------------------------------ step lifecycle
     @torch.no_grad()
-    def pre_optimizer_step(self) -> None:
+    def pre_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Wait for every rank's gradient pushes, then write the step's gradients into ``.grad``.
 
         After this call ``.grad`` equals what FSDP2 would hold for the same total work. Call it once
         per optimizer step, after the last backward and before clipping / ``optimizer.step()``.
+
+        Args:
+            optimizer (`torch.optim.Optimizer`, *optional*):
+                The optimizer about to step. Given, the ranks check that its param groups hold the same parameters,
+                grouped and ordered alike, on every rank (each rank steps its own shard of every parameter, so the
+                shards of one parameter must follow one group's settings). Its fingerprint travels with the flags the
+                ranks exchange at this barrier anyway: the check adds no communication. Ranks that pass none are not
+                compared.
+
+        Raises:
+            ValueError: on every rank, when the optimizers' param groups differ across ranks, saying what to change.
+                The step is lost: only `close` is allowed after it.
         """
         self._check_trainable("pre_optimizer_step")
         if self._state != EngineState.IN_STEP:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
         self._reduce_kept_grads()  # before the barrier: peers wait for these adds
         self._drop_kept_params()  # the optimizer changes the shards: gathered copies would be stale
-        touched = self._buffers["touched"]
-        touched.copy_(torch.tensor([g.touched for g in self._groups], dtype=torch.uint8))
+        fingerprint, layout = self._optimizer_fingerprint(optimizer)  # the sharded parameters are registered again
+        exchanged = self._buffers["touched"]
+        exchanged.copy_(torch.tensor([g.touched for g in self._groups] + list(fingerprint), dtype=torch.uint8))
         self._barrier()  # every rank has pushed all of this step's gradients
         start = time.perf_counter()
-        any_touched = touched.clone()
-        peer_flags = torch.empty_like(touched)
+        rows = exchanged.new_empty((self.world_size, exchanged.numel()))
         for peer in range(self.world_size):
-            if peer != self.rank:
-                self.transport.read(peer, "touched", peer_flags)
-                any_touched |= peer_flags
+            if peer == self.rank:
+                rows[peer].copy_(exchanged)
+            else:
+                self.transport.read(peer, "touched", rows[peer])
+        rows = rows.cpu()  # one device-to-host copy per step, not one per param group
+        n = len(self._groups)
+        refusal = model_check.optimizer_refusal([bytes(row[n:].tolist()) for row in rows], layout)
+        if refusal is not None:  # the same fingerprints on every rank: every rank refuses here
+            self._state = EngineState.BROKEN
+            raise ValueError(refusal)
+        any_touched = rows[:, :n].amax(dim=0)
         if self._replicas is not None:
             self._fold_across_replicas(any_touched)
         else:
-            touched_anywhere = any_touched.tolist()  # one device-to-host copy per step, not one per param group
+            touched_anywhere = any_touched.tolist()
             for g in self._groups:
                 if g.reduce_dtype is None or not touched_anywhere[g.index]:
                     continue
@@ -595,6 +645,17 @@ class ODCEngine:
             g.touched = False
         self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s
         self._state = EngineState.IN_OPTIMIZER
+
+    def _optimizer_fingerprint(self, optimizer: Any) -> tuple[bytes, list[list[str]] | None]:
+        """``optimizer``'s fingerprint and layout (`model_check.optimizer_layout`), read again only when its groups
+        change; all zero and None without an optimizer."""
+        if optimizer is None:
+            return bytes(model_check.FINGERPRINT_BYTES), None
+        key = (id(optimizer), tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups))
+        if self._optimizer_seen is None or self._optimizer_seen[0] != key:
+            layout = model_check.optimizer_layout(self.model, optimizer)
+            self._optimizer_seen = (key, model_check.optimizer_fingerprint(layout), layout)
+        return self._optimizer_seen[1], self._optimizer_seen[2]
 
     def _fold_across_replicas(self, touched: torch.Tensor) -> None:
         """HSDP: sum this rank's owned shards over the replicas (bucketed all-reduces), folding as buckets arrive."""

@@ -198,19 +198,65 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def free_and_total(device: torch.device) -> tuple[int, int]:
-    """This rank's share of free and total memory on ``device``, in bytes.
+def free_and_total(device: torch.device, *, release_cache: bool = False) -> tuple[int, int]:
+    """This rank's share of free and total memory on ``device``, in bytes: every reading of free memory in the package.
 
-    CUDA: the device's free memory plus what torch's caching allocator holds unused, and its total. CPU: available
-    RAM (``MemAvailable``) and total RAM, each divided by the ranks on this host (they share it).
+    CUDA: the device's free memory and its total. What torch's caching allocator holds unused counts as free either
+    way: with ``release_cache`` it is given back first (``torch.cuda.empty_cache()``), so that the figure is what an
+    allocation outside that allocator can get (the 'cuda' transport's segment comes from ``cuMemCreate``, which cannot
+    reuse its blocks) and what an out-of-memory refusal names; without it (``auto``, chosen again after every step)
+    the unused blocks are added to the device's figure rather than released every step. CPU: available RAM
+    (``MemAvailable``) and total RAM, each divided by the ranks on this host (they share it).
     """
     if device.type == "cuda":
+        if release_cache:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            return int(free), int(total)
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(free + cached), int(total)
     info = _meminfo()
     share = local_ranks()
     return info.get("MemAvailable", info.get("MemFree", 0)) // share, info.get("MemTotal", 0) // share
+
+
+def out_of_memory_text(
+    who: str,
+    what: str,
+    *,
+    free: int | None,
+    advice: str,
+    need: int | None = None,
+    detail: str = "",
+    ran_out: str = "",
+) -> str:
+    """The wording of every refusal for too little GPU memory: the 'cuda' transport's check before it allocates, and
+    an out-of-memory error met in FSDP2's lazy initialisation, in the engine's set-up or in the transport's allocation.
+
+    It reads ``"{who} need(s) {need} of GPU memory for {what} ({detail}), but only {free} is free ({ran_out}).
+    {advice}."``, e.g. ``"rank 1 need(s) 130.0 MiB of GPU memory for the 'cuda' ODC transport (...), but only 1.0 MiB
+    is free. Lower the staging pool (...)"``.
+
+    Args:
+        who (`str`): the rank(s) short of memory: ``"rank 1"``, ``"ranks [0, 1] (one GPU)"``.
+        what (`str`): what needs the memory: ``"the 'cuda' ODC transport"``.
+        free (`int` or `None`): bytes free on the GPU, read with `free_and_total` (``release_cache=True``); `None` where
+            the device has no such reading (a CPU rank that emulates a GPU).
+        advice (`str`): what to change, one sentence without its full stop.
+        need (`int`, *optional*): bytes needed, where they are known; else the text says "more".
+        detail (`str`, *optional*): what the need is made of, or when it arises.
+        ran_out (`str`, *optional*): what ran out of memory, for an error already met; empty for a check made before
+            anything is allocated.
+    """
+    amount = f"{need / 2**20:.1f} MiB of GPU memory" if need is not None else "more GPU memory"
+    text = f"{who} need(s) {amount} for {what}"
+    if detail:
+        text += f" ({detail})"
+    text += f", but only {free / 2**20:.1f} MiB is free" if free is not None else ", but how much is free is unknown"
+    if ran_out:
+        text += f" ({ran_out})"
+    return f"{text}. {advice}."
 
 
 def headroom_bytes(headroom: tuple[float, bool], total: int) -> float:

@@ -1,11 +1,15 @@
-"""Set-up checks of an FSDP2 model before `ODCEngine` serves it.
+"""Checks that every rank of an `ODCEngine` agrees on: the FSDP2 model before the engine serves it, and the
+optimizer's param groups at each step.
 
-Every check here runs before the engine's first collective, and a refusal found on some ranks only is raised on
-every rank (`agree_on_model`): a rank that raised alone would leave its peers waiting in the next collective.
+Every model check here runs before the engine's first collective, and a refusal found on some ranks only is raised on
+every rank (`agree_on_model`): a rank that raised alone would leave its peers waiting in the next collective. The
+optimizer check compares fingerprints that the ranks exchange with the step's flags (`optimizer_refusal`).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -77,20 +81,39 @@ def _ranks(group: Any) -> tuple[int, ...]:
     return () if group is None else tuple(dist.get_process_group_ranks(group))
 
 
-def agree_on_model(entries: list[Entry], problem: str | None, group: Any = None) -> None:
-    """Raise on every rank of ``group`` if any rank refused the model or built different groups.
+def agree_on_model(entries: list[Entry], problem: str | Exception | None, group: Any = None) -> None:
+    """Raise on every rank of ``group`` if any rank refused the model, could not set it up, or built different groups.
 
     Collective over ``group``. All ranks must build the same groups in the same order, or reads would mix layers.
+
+    Args:
+        entries: this rank's `served_groups`.
+        problem: this rank's reason to stop, or None. A string refuses the model: a `ValueError` here, and on the
+            peers one naming this rank. An exception is a set-up failure that names its rank in its text (e.g. running
+            out of GPU memory in FSDP2's lazy initialisation): raised as it is here, and with the same type and text on
+            the peers, which would otherwise wait for this rank in their next collective until the process group's
+            timeout. Its type must be importable on every rank (a built-in one is).
     """
-    signature = [(compat.group_fqn(g), compat.group_layout(g), str(compat.reduce_dtype(g))) for _, g in entries]
+    failure = (type(problem), str(problem)) if isinstance(problem, Exception) else None
+    # A rank that stops has nothing to compare (its FSDP2 state may be half initialised): only a refusal is sent.
+    signature = (
+        None
+        if problem is not None
+        else [(compat.group_fqn(g), compat.group_layout(g), str(compat.reduce_dtype(g))) for _, g in entries]
+    )
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (signature, problem), group=group)
+    dist.all_gather_object(gathered, (signature, problem if failure is None else None, failure), group=group)
+    if isinstance(problem, Exception):
+        raise problem
     rank = dist.get_rank(group)
-    problems = [(r, p) for r, (_, p) in enumerate(gathered) if p is not None]
-    if problems:
-        first, text = problems[0]
+    stops = [(r, text, failed) for r, (_, text, failed) in enumerate(gathered) if text is not None or failed]
+    if stops:
+        first, text, failed = stops[0]
+        if failed is not None:
+            kind, message = failed
+            raise kind(message)
         raise ValueError(text if first == rank else f"rank {first} refused the model: {text}")
-    signatures = [s for s, _ in gathered]
+    signatures = [s for s, _, _ in gathered]
     different = [r for r, s in enumerate(signatures) if s != signatures[0]]
     if different:
         first_different = signatures[different[0]]
@@ -106,3 +129,50 @@ def agree_on_model(entries: list[Entry], problem: str | None, group: Any = None)
             f"ODC needs the same FSDP2 model on every rank, but rank(s) {different} differ from rank 0 "
             f"at {where}. Build and wrap the model identically on all ranks."
         )
+
+
+#: bytes of an optimizer fingerprint (`optimizer_fingerprint`); all zero stands for "no optimizer given"
+FINGERPRINT_BYTES = 8
+
+
+def optimizer_layout(model: nn.Module, optimizer: Any) -> list[list[str]]:
+    """The FQNs of each of ``optimizer``'s param groups, in order (a parameter that is not ``model``'s by its shape)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [
+        [names.get(id(p), f"<not in the model: {tuple(p.shape)}>") for p in group["params"]]
+        for group in optimizer.param_groups
+    ]
+
+
+def optimizer_fingerprint(layout: list[list[str]]) -> bytes:
+    """`FINGERPRINT_BYTES` bytes standing for an `optimizer_layout` (never all zero)."""
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=FINGERPRINT_BYTES).digest()
+    return digest if any(digest) else b"\x01" * FINGERPRINT_BYTES
+
+
+def optimizer_refusal(fingerprints: Sequence[bytes], layout: list[list[str]] | None) -> str | None:
+    """Why the ranks' optimizers would step the shards of one parameter under different param groups, or None.
+
+    Args:
+        fingerprints: every rank's `optimizer_fingerprint`, by rank; all zero for a rank that gave no optimizer (not
+            compared). The same on every rank, so every rank refuses together.
+        layout: this rank's `optimizer_layout`, which the text describes (None: this rank gave no optimizer).
+    """
+    given = {r: f for r, f in enumerate(fingerprints) if any(f)}
+    if len(set(given.values())) <= 1:
+        return None
+    first = next(iter(given.values()))  # the lowest rank's
+    same = [r for r, f in given.items() if f == first]
+    different = [r for r, f in given.items() if f != first]
+    here = (
+        "no optimizer given"
+        if layout is None
+        else f"{len(layout)} group(s) of {', '.join(str(len(group)) for group in layout)} parameter(s)"
+    )
+    return (
+        "ODC needs the optimizer's param groups to be the same on every rank (the same parameters, grouped and "
+        "ordered alike): each rank steps its own shard of every parameter, so the shards of one parameter must follow "
+        f"one group's settings. Rank(s) {different} group or order them differently from rank(s) {same} (this rank: "
+        f"{here}). Build the optimizer the same way on every rank: the same "
+        "groups, each listing its parameters in one order (e.g. model.named_parameters() order, not a set's)."
+    )

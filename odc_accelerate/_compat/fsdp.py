@@ -462,14 +462,18 @@ def all_gather_input_layout(group: Any) -> tuple[int, torch.dtype]:
     """(elements, dtype) of `all_gather_input` for ``group``, read from FSDP2's metadata without building it: each
     parameter sends its padded shard in its compute dtype, and a group of several dtypes is sent as bytes.
 
-    Parameters with an all-gather extension (``fsdp_pre_all_gather``) choose their own inputs: the input is built.
+    A parameter with an all-gather extension (``fsdp_pre_all_gather``, e.g. float8) chooses its own inputs, whose sizes
+    only the extension knows: its inputs are built (and dropped) one parameter at a time, so that at most one
+    parameter's inputs exist at once, as in `copy_all_gather_input`. That memory is allocated before the 'cuda'
+    transport's memory check, which needs the sizes.
     """
     _check_sharded(group)
-    params = group.fsdp_params
-    if any(_has_extension(p) for p in params):
-        built = all_gather_input(group)
-        return built.numel(), built.dtype
-    sizes = [(p.padded_sharded_param_size.numel(), p.param_dtype or p.orig_dtype) for p in params]
+    sizes: list[tuple[int, torch.dtype]] = []
+    for p in group.fsdp_params:
+        if _has_extension(p):
+            sizes += [(t.numel(), t.dtype) for t in _get_param_all_gather_inputs(fsdp_params=[p])[0]]
+        else:
+            sizes.append((p.padded_sharded_param_size.numel(), p.param_dtype or p.orig_dtype))
     dtypes = {dtype for _, dtype in sizes}
     if len(dtypes) == 1:
         return sum(n for n, _ in sizes), dtypes.pop()

@@ -12,7 +12,7 @@ engine = get_engine(accelerator)  # an ODCEngine, created when accelerate FSDP2-
 for step_microbatches in dataloader:  # this rank's microbatches of one step; counts may differ per rank
     for mb in step_microbatches:
         accelerator.backward(loss_of(model, mb))
-    engine.pre_optimizer_step()  # one barrier, gradients folded into .grad
+    engine.pre_optimizer_step(optimizer)  # one barrier, gradients folded into .grad
     accelerator.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
@@ -219,13 +219,31 @@ def call_before_end_training(accelerator: Any, fn: Any) -> None:
 
 
 def _close_engine(accelerator: Any) -> None:
+    """Run the before-end callbacks, then close ``accelerator``'s ODC engines, whatever raised before.
+
+    A callback that fails (e.g. a vLLM engine's shutdown) must not leave the engines open: their shared memory would
+    outlive the run, and the peers would wait for this rank's engine. Every callback runs and every engine is closed;
+    then the first error is raised (the others are logged).
+    """
+    error: BaseException | None = None
+
+    def call(fn: Any, what: str) -> None:
+        nonlocal error
+        try:
+            fn()
+        except BaseException as err:  # raised once everything is closed
+            if error is None:
+                error = err
+            else:
+                logger.error("%s failed too at end_training: %r", what, err)
+
     for fn in _BEFORE_END.pop(accelerator, []):
-        fn()
+        call(fn, "A callback before end_training")
     engine = _ENGINES.pop(accelerator, None)
-    if engine is not None:
-        engine.close()
-    for frozen in _FROZEN_ENGINES.pop(accelerator, []):
-        frozen.close()
+    for closing in ([engine] if engine is not None else []) + _FROZEN_ENGINES.pop(accelerator, []):
+        call(closing.close, "Closing an ODC engine")
+    if error is not None:
+        raise error
 
 
 def _release_process_groups(accelerator: Any) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import memory
 from .base import BufferSpec
 
 #: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
@@ -436,7 +437,15 @@ def memory_refusal(
     plan: SegmentPlan, facts: Sequence[DeviceFacts], margin_bytes: int = SETUP_MARGIN_BYTES
 ) -> str | None:
     """Why ``plan`` (plus ``margin_bytes`` per rank for set-up) does not fit in the GPUs' free memory (ranks sharing a
-    GPU add up), or None if it fits. The same text on every rank: every rank decides from the same gathered facts."""
+    GPU add up), or None if it fits. The same text on every rank: every rank decides from the same gathered facts.
+
+    The check runs before the transport allocates anything, but not before everything the engine's set-up allocates:
+    FSDP2's lazy initialisation (its streams and buffers) runs first, and so does reading the size of each parameter
+    whose all-gather inputs an all-gather extension makes (FSDP2's ``fsdp_pre_all_gather``, e.g. float8 training):
+    only the extension knows them, so the engine builds them once, one parameter at a time (at most one parameter's
+    inputs exist at once; they are freed before the check). An out-of-memory error in either is a refusal on every
+    rank, raised where the ranks agree on the model.
+    """
     by_gpu: dict[str, list[int]] = {}
     for rank, f in enumerate(facts):
         by_gpu.setdefault(f.uuid, []).append(rank)
@@ -445,15 +454,22 @@ def memory_refusal(
         free = min(facts[r].free_bytes for r in ranks)
         if need > free:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks} (one GPU)"
-            return out_of_memory_text(who, need, free, plan, margin_bytes)
+            return transport_memory_text(who, need, free, plan, margin_bytes)
     return None
 
 
-def out_of_memory_text(who: str, need: int, free: int, plan: SegmentPlan, margin_bytes: int) -> str:
-    """The refusal for too little GPU memory: what is needed, what is free, and what to change."""
-    return (
-        f"{who} need(s) {_mib(need)} of GPU memory for the 'cuda' ODC transport ({plan.describe()} + "
-        f"{_mib(margin_bytes)} set-up margin per rank), but only {_mib(free)} is free. Lower the staging pool "
-        f"(staging_mib / ${STAGING_ENV}), accumulate in bf16 (accumulate_dtype), shard over more GPUs, or free memory "
-        "before creating the engine"
+def transport_memory_text(
+    who: str, need: int, free: int, plan: SegmentPlan, margin_bytes: int, ran_out: str = ""
+) -> str:
+    """The transport's refusal for too little GPU memory (`odc_accelerate.memory.out_of_memory_text`, with what the
+    transport needs memory for and what to lower); ``ran_out`` says what ran out, after an allocation failed."""
+    return memory.out_of_memory_text(
+        who,
+        "the 'cuda' ODC transport",
+        need=need,
+        detail=f"{plan.describe()} + {_mib(margin_bytes)} set-up margin per rank",
+        free=free,
+        ran_out=ran_out,
+        advice=f"Lower the staging pool (staging_mib / ${STAGING_ENV}), accumulate in bf16 (accumulate_dtype), shard "
+        "over more GPUs, or free memory before creating the engine",
     )

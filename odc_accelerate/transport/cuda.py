@@ -47,6 +47,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from .. import memory
 from . import _setup_watchdog as watchdog
 from ._cuda_plan import (
     OVERLAP_ENV,
@@ -56,9 +57,9 @@ from ._cuda_plan import (
     StagingPool,
     device_refusal,
     memory_refusal,
-    out_of_memory_text,
     plan_segment,
     staging_bytes_setting,
+    transport_memory_text,
 )
 from ._kernels import DEFAULT_SM_SHARE, accumulate_, kernel_available, max_programs
 from .base import BufferSpec, Transport, host_id, is_out_of_memory
@@ -145,10 +146,9 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
     visible = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
     access = tuple(i == index or torch.cuda.can_device_access_peer(index, i) for i in range(count))
     atomics = tuple(True if i == index else _p2p_native_atomics(index, i) for i in range(count))
-    # The segment comes from cuMemCreate, which cannot reuse blocks PyTorch's caching allocator holds unused: give
-    # them back first, so that the free figure is what the allocation can get (a loaded model leaves many behind).
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(index)
+    # The segment comes from cuMemCreate, which cannot reuse blocks PyTorch's caching allocator holds unused: they are
+    # given back first, so that the free figure is what the allocation can get (a loaded model leaves many behind).
+    free, _ = memory.free_and_total(torch.device("cuda", index), release_cache=True)
     return DeviceFacts(
         uuid=visible[index],
         visible=visible,
@@ -361,9 +361,8 @@ class CudaTransport(Transport):
         )
 
     def _free_bytes(self, device: torch.device) -> int:
-        """Free memory on this rank's GPU now (what a refusal names)."""
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info(device)[0])
+        """Free memory on this rank's GPU now, after releasing torch's cache (what a refusal names)."""
+        return memory.free_and_total(device, release_cache=True)[0]
 
     def _report_out_of_memory(self, device: torch.device) -> None:
         """Tell the peers (control plane) that this rank's allocation ran out of memory, and how much was free."""
@@ -382,10 +381,9 @@ class CudaTransport(Transport):
                 free = {r: self._free_of(r) for r in short}
                 who = f"rank {short[0]}" if len(short) == 1 else f"ranks {short}"
                 need = (plan.device_bytes + SETUP_MARGIN_BYTES) * len(short)
-                text = out_of_memory_text(who, need, min(free.values()), plan, SETUP_MARGIN_BYTES)
-                raise RuntimeError(
-                    f"the 'cuda' ODC transport cannot run: {text} (its allocation ran out of GPU memory)"
-                )
+                ran_out = "its allocation ran out of GPU memory"
+                text = transport_memory_text(who, need, min(free.values()), plan, SETUP_MARGIN_BYTES, ran_out=ran_out)
+                raise RuntimeError(f"the 'cuda' ODC transport cannot run: {text}")
             if all(p >= watchdog.ALLOCATED for p in phases):
                 return
             failed = [r for r, p in enumerate(phases) if p == watchdog.FAILED]

@@ -88,9 +88,17 @@ def engine_publish_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) 
     return ""
 
 
+def _out_of_memory(kind: str) -> Exception:
+    """An emulated CUDA out-of-memory error: torch's allocator's (``"allocator"``) or a driver error (``"driver"``)."""
+    if kind == "driver":
+        return RuntimeError("emulated: CUDA error: out of memory")
+    return torch.OutOfMemoryError("emulated: CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
 def lazy_init_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
-    """Build an engine whose FSDP2 lazy initialisation runs out of GPU memory on every rank (as creating FSDP2's CUDA
-    streams did on a nearly full H100: a driver error, not torch's allocator's); return this rank's error text."""
+    """Build an engine whose FSDP2 lazy initialisation runs out of GPU memory on the ranks ``spec["ranks"]`` (default:
+    every rank), as creating FSDP2's CUDA streams did on a nearly full H100 (a driver error, not torch's allocator's);
+    return this rank's error text."""
     from odc_accelerate._compat import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
@@ -100,13 +108,54 @@ def lazy_init_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> st
     model = shard_model(build_model(ToyConfig(), seed=0))
 
     def out_of_memory(module: Any) -> None:
-        if spec["oom_error"] == "driver":
-            raise RuntimeError("emulated: CUDA error: out of memory")
-        raise torch.OutOfMemoryError("emulated: CUDA out of memory. Tried to allocate 2.00 MiB")
+        raise _out_of_memory(spec["oom_error"])
 
-    fsdp_compat.lazy_init = out_of_memory
+    if rank in spec.get("ranks", range(world_size)):
+        fsdp_compat.lazy_init = out_of_memory
     try:
         ODCEngine(model, transport=CpuSegmentsCudaTransport(rank, world_size, timeout=60.0), timeout=60.0)
     except Exception as err:  # the refusal under test
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def extension_layout_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Build an engine over a model whose parameters all have an all-gather extension, emulated: FSDP2's
+    ``fsdp_pre_all_gather`` check answers yes, and FSDP2's own input builder stands for the extension's (same sizes).
+
+    ``spec["oom_rank"]``: that rank runs out of GPU memory building the inputs (the error ``spec["oom_error"]``).
+    Returns this rank's error text (``"error"``), the most parameters one call of the input builder got while the
+    engine was built (``"most_params_per_call"``), and whether each group's layout matches FSDP2's metadata.
+    """
+    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate.engine import ODCEngine
+    from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
+
+    out = Path(spec["dir"])
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    model = shard_model(build_model(ToyConfig(), seed=0))
+    fsdp_compat.lazy_init(model)
+    groups = [g for _, state in fsdp_compat.all_states(model) for g in fsdp_compat.param_groups(state)]
+    from_metadata = [fsdp_compat.all_gather_input_layout(g) for g in groups]  # before the emulation: no extension
+    build = fsdp_compat._get_param_all_gather_inputs
+    most = 0
+
+    def build_inputs(fsdp_params: list[Any]) -> list[list[torch.Tensor]]:
+        nonlocal most
+        most = max(most, len(fsdp_params))
+        if rank == spec.get("oom_rank"):
+            raise _out_of_memory(spec["oom_error"])
+        return build(fsdp_params=fsdp_params)
+
+    fsdp_compat._has_extension = lambda p: True
+    fsdp_compat._get_param_all_gather_inputs = build_inputs
+    result: dict[str, Any] = {"error": ""}
+    try:
+        engine = ODCEngine(model, transport=CpuSegmentsCudaTransport(rank, world_size, timeout=60.0), timeout=60.0)
+    except Exception as err:  # the refusal under test
+        result["error"] = f"{type(err).__name__}: {err}"
+    else:
+        result["layouts_match"] = [(g.gather_numel, g.gather_dtype) for g in engine._groups] == from_metadata
+        engine.close()
+    result["most_params_per_call"] = most
+    return result

@@ -123,10 +123,42 @@ def bad_inputs(rank: int, world_size: int, cases: list[str]) -> dict[str, tuple[
                 second = _outcome(engine.pre_optimizer_step)
                 engine.post_optimizer_step()
             out[case] = (first[0] + " / " + second[0], first[1] + " / " + second[1])
+        elif case in ("optimizer_grouping_differs", "optimizer_order_differs", "optimizer_on_rank0_only"):
+            out[case] = _optimizer_groups_case(case, rank, cfg)
         else:
             raise ValueError(case)
         dist.barrier()
     return out
+
+
+def _optimizer_groups_case(case: str, rank: int, cfg: ToyConfig) -> tuple[str, str]:
+    """One step with the same optimizer groups on every rank (it must pass), then a step whose optimizer is built
+    differently on rank 1: its params grouped otherwise, or one group's order reversed; or rank 1 passes none."""
+    from odc_accelerate.testing.models import token_loss_sum
+
+    model = shard_model(build_model(cfg))
+    params = [p for _, p in model.named_parameters()]
+    ids = torch.randint(0, cfg.vocab, (1, 9), generator=torch.Generator().manual_seed(rank))
+
+    def step(optimizer: torch.optim.Optimizer | None) -> None:
+        token_loss_sum(model, ids)[0].backward()
+        engine.pre_optimizer_step(optimizer)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.post_optimizer_step()
+
+    with ODCEngine(model, timeout=30) as engine:
+        step(torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], lr=0.1))
+        if case == "optimizer_on_rank0_only":
+            return _outcome(lambda: step(torch.optim.SGD(params, lr=0.1) if rank == 0 else None))
+        if rank == 0:
+            groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+        elif case == "optimizer_grouping_differs":
+            groups = [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.1}]
+        else:
+            groups = [{"params": params[:2]}, {"params": params[:1:-1], "weight_decay": 0.1}]
+        return _outcome(lambda: step(torch.optim.SGD(groups, lr=0.1)))
 
 
 def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:

@@ -203,9 +203,9 @@ def _count_sync(trainer: Any, count_dist_calls: Any) -> None:
         return
     original = engine.pre_optimizer_step
 
-    def pre_optimizer_step() -> None:
+    def pre_optimizer_step(optimizer: Any = None) -> None:
         with count_dist_calls() as counts:
-            original()
+            original(optimizer)
         trainer.odc_run_report.sync_dist_calls.append(dict(counts))
 
     engine.pre_optimizer_step = pre_optimizer_step

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from odc_accelerate.testing import launch, read_pids, shm_files_of
-from tests.helpers.cuda_setup import engine_publish_oom_worker, lazy_init_oom_worker, stuck_setup_worker
+from tests.helpers.cuda_setup import (
+    engine_publish_oom_worker,
+    extension_layout_worker,
+    lazy_init_oom_worker,
+    stuck_setup_worker,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,8 +73,9 @@ def test_out_of_memory_in_the_engines_set_up_is_a_refusal_and_its_peer_stops_at_
     # beyond the job's limit: rank 0, waiting for rank 1 in the publish barrier, must stop because rank 1 closed.
     spec = {"dir": str(tmp_path), "timeout": 600.0}
     results = launch(engine_publish_oom_worker, 2, spec, timeout=120)
-    assert results[1].startswith("RuntimeError: ODC's set-up ran out of GPU memory on rank 1: its transport needs")
-    assert "MiB per rank" in results[1] and "shard over more GPUs" in results[1]
+    assert results[1].startswith("RuntimeError: rank 1 need(s) more GPU memory for ODC's set-up (its transport holds")
+    assert "MiB per rank" in results[1] and "it ran out of GPU memory" in results[1], results[1]
+    assert "shard over more GPUs" in results[1], results[1]
     assert "ODC barrier on rank 0: rank 1 (pid" in results[0], results[0]
     assert "closed its transport before reaching barrier #" in results[0], results[0]
     assert shm_files_of(read_pids(tmp_path)) == []
@@ -82,8 +88,45 @@ def test_out_of_memory_in_fsdp2_lazy_init_is_a_refusal_saying_so(tmp_path, oom_e
     results = launch(lazy_init_oom_worker, 2, {"dir": str(tmp_path), "oom_error": oom_error}, timeout=120)
     for rank, text in enumerate(results):
         assert text.startswith(
-            f"RuntimeError: FSDP2's lazy initialisation (its CUDA streams and buffers) ran out of "
-            f"GPU memory on rank {rank} when the ODC engine started"
+            f"RuntimeError: rank {rank} need(s) more GPU memory for FSDP2's lazy initialisation (its CUDA streams and "
+            "buffers, made when the ODC engine starts"
         ), text
-        assert "before ODC allocated anything" in text and "more GPUs to shard over" in text, text
+        assert "before ODC allocates anything" in text and "(it ran out of GPU memory)" in text, text
+        assert "more GPUs to shard over" in text, text
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_one_rank_out_of_memory_in_fsdp2_lazy_init_stops_its_peer_with_the_same_refusal(tmp_path):
+    # Only rank 1's lazy init runs out (its GPU fuller than its peer's). Rank 0 goes on to the ranks' agreement on the
+    # model, where it must raise rank 1's refusal instead of waiting for rank 1 until the process group's timeout
+    # (gloo's default, 30 min: far beyond the job's limit).
+    spec = {"dir": str(tmp_path), "oom_error": "driver", "ranks": [1]}
+    results = launch(lazy_init_oom_worker, 2, spec, timeout=120, allow_failures=True)
+    assert results[1].startswith("RuntimeError: rank 1 need(s) more GPU memory for FSDP2's lazy initialisation"), (
+        results
+    )
+    assert results[0] == results[1], results
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_parameters_with_an_all_gather_extension_are_sized_one_at_a_time_before_the_memory_check(tmp_path):
+    # Only the extension knows its inputs' sizes, so they are built before the transport's memory check: one
+    # parameter's at a time, and the layout equals FSDP2's metadata's (the emulated extension makes FSDP2's inputs).
+    results = launch(extension_layout_worker, 2, {"dir": str(tmp_path)}, timeout=120)
+    for result in results:
+        assert result == {"error": "", "layouts_match": True, "most_params_per_call": 1}, result
+    assert shm_files_of(read_pids(tmp_path)) == []
+
+
+def test_one_rank_out_of_memory_sizing_an_all_gather_extension_stops_every_rank_with_its_refusal(tmp_path):
+    # Rank 1 runs out building an extension's inputs, before the memory check; rank 0 must stop with the same refusal
+    # at the ranks' agreement, not wait for rank 1 in the transport's set-up.
+    spec = {"dir": str(tmp_path), "oom_rank": 1, "oom_error": "allocator"}
+    results = launch(extension_layout_worker, 2, spec, timeout=120, allow_failures=True)
+    texts = [r["error"] if isinstance(r, dict) else r for r in results]
+    assert texts[1].startswith(
+        "RuntimeError: rank 1 need(s) more GPU memory for the all-gather inputs of its parameters with an all-gather "
+        "extension (FSDP2's fsdp_pre_all_gather, e.g. float8: built one parameter at a time"
+    ), texts
+    assert texts[0] == texts[1], texts
     assert shm_files_of(read_pids(tmp_path)) == []

@@ -48,6 +48,22 @@ def test_bad_input_raises_clear_errors_on_every_rank():
                 assert word in message, f"rank {rank} {case}: {word!r} not in {message!r}"
 
 
+def test_optimizer_param_groups_that_differ_across_ranks_are_refused_on_every_rank():
+    # Each case first trains a step with the same groups on every rank (accepted), then rank 1's optimizer groups the
+    # parameters otherwise or orders one group differently: every rank refuses at the step's barrier, saying what to
+    # change. A rank that passes no optimizer is not compared.
+    cases = ["optimizer_grouping_differs", "optimizer_order_differs", "optimizer_on_rank0_only"]
+    results = launch(bad_inputs, 2, cases, timeout=240)
+    for rank, outcomes in enumerate(results):
+        for case in cases[:2]:
+            kind, message = outcomes[case]
+            assert kind == "ValueError", f"rank {rank} {case}: {kind}: {message}"
+            assert "optimizer's param groups to be the same on every rank" in message, message
+            assert "Rank(s) [1] group or order them differently from rank(s) [0]" in message, message
+            assert "(this rank: 2 group(s) of" in message and "model.named_parameters() order" in message, message
+        assert outcomes["optimizer_on_rank0_only"] == ("no error", ""), outcomes
+
+
 def test_hpz_reshard_after_forward_int_is_refused():
     results = launch(bad_inputs, 4, ["hpz"], timeout=240)
     for outcomes in results:

@@ -93,8 +93,9 @@ def test_trainer_refuses_sync_each_batch_with_a_policy_that_keeps_gradients():
         steps = []
         loop.odc_engine = SimpleNamespace(
             memory_choices=lambda: {"<root>": choice, "layers.0": "neither"},
-            pre_optimizer_step=lambda: steps.append(1),
+            pre_optimizer_step=lambda optimizer: steps.append(1),
         )
+        loop.optimizer = None  # a Trainer has the attribute from __init__ on
         loop.odc_config = SimpleNamespace(memory_policy=choice)
         loop.odc_step_timer = SimpleNamespace(compute=lambda device: contextlib.nullcontext())
         loop.args = SimpleNamespace(device="cpu")

@@ -54,3 +54,36 @@ def test_plugin_env_fallbacks(monkeypatch):
     assert (p.transport, p.timeout, p.max_tokens_per_microbatch, p.plan) == ("shm", 12.5, 2048, "lockstep")
     assert p.source == "default"  # enable was not set anywhere: the plugin's own default
     assert ODCPlugin(transport="network").transport == "network"  # explicit beats the environment
+
+
+def test_end_training_closes_the_engines_when_a_callback_before_it_fails(monkeypatch):
+    """A before-end callback that raises (e.g. vLLM's shutdown) skips neither the later callbacks nor closing the ODC
+    engines (the trained model's and the frozen ones); its error is raised once they are closed."""
+    from odc_accelerate.integrations import accelerate as integration
+
+    class Engine:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Accelerator:  # the key the engines are registered under (weakly referenced)
+        pass
+
+    accelerator, engine, frozen = Accelerator(), Engine(), Engine()
+    monkeypatch.setitem(integration._ENGINES, accelerator, engine)
+    monkeypatch.setitem(integration._FROZEN_ENGINES, accelerator, [frozen])
+    calls = []
+
+    def shutdown() -> None:
+        calls.append("shutdown")
+        raise RuntimeError("vLLM engine shutdown failed")
+
+    integration.call_before_end_training(accelerator, shutdown)
+    integration.call_before_end_training(accelerator, lambda: calls.append("next callback"))
+    with pytest.raises(RuntimeError, match="vLLM engine shutdown failed"):
+        integration._close_engine(accelerator)
+    assert engine.closed and frozen.closed
+    assert calls == ["shutdown", "next callback"]
+    assert accelerator not in integration._ENGINES and accelerator not in integration._FROZEN_ENGINES

@@ -157,7 +157,9 @@ class ODCStepLoop:
         if metrics is not None:
             self._odc_finalize_metrics(metrics)
         if engine is not None:
-            engine.pre_optimizer_step()  # before the Trainer's grad-norm / clipping
+            # Before the Trainer's grad-norm / clipping; the ranks also check that their optimizers group the
+            # parameters alike.
+            engine.pre_optimizer_step(self.optimizer)
         return total
 
     def _odc_gather(self) -> Any:
