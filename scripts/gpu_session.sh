@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU procedure as one command, on a machine with one NVIDIA GPU and no network:
 #   bash scripts/gpu_session.sh OUT_DIR               every case in turn, within ~8 minutes
-#   bash scripts/gpu_session.sh OUT_DIR --device cpu  the dry run: the cases that exist on CPU
-# Further options go to tests/helpers/gpu_session.py (--cases check:parity,trainer:grpo,...; --budget-s SECONDS).
+#   bash scripts/gpu_session.sh OUT_DIR --device cpu  the dry run: the cases that exist on CPU (or --device=cpu)
+# Further options go to tests/helpers/gpu_session.py (--cases check:parity,trainer:grpo,...; --budget-s SECONDS),
+# each as "--name value" or "--name=value"; any other option is refused before anything runs.
 # Cases, each in its own processes under its own timeout, never two at once: environment; the engine-level checks
 # (refusals, parity, memory, memory_policy, speed: tests/helpers/gpu_check.py); the Trainer-level checks (sft_fp32,
 # dpo_fp32, sft_bf16, grpo: tests/helpers/gpu_trainer.py); calibration (python -m benchmarks.calibration) with the
@@ -13,17 +14,48 @@
 # into /tmp/odc_site (no network, no dependency resolution) and puts them first on PYTHONPATH (not for the dry run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${1:?usage: bash scripts/gpu_session.sh OUT_DIR [--device cpu] [--cases ...]}"
-shift
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [--device cuda|cpu] [--cases LIST] [--budget-s SECONDS]"
+refuse() {
+  echo "gpu_session.sh: $1" >&2
+  echo "$usage" >&2
+  exit 2
+}
+out="${1:-}"
 case "$out" in
-  -*) echo "usage: bash scripts/gpu_session.sh OUT_DIR [--device cpu] [--cases ...]" >&2; exit 2 ;;
+  "" | -*) refuse "the first argument is the output folder" ;;
+esac
+shift
+# The options, read here (not only by gpu_session.py) because the device decides whether the wheels are installed.
+device=cuda
+options=()
+while (($#)); do
+  case "$1" in
+    --device=*) device="${1#*=}" ;;
+    --device)
+      (($# >= 2)) || refuse "--device needs a value (cuda or cpu)"
+      device="$2"
+      shift
+      ;;
+    --cases=* | --budget-s=*) options+=("$1") ;;
+    --cases | --budget-s)
+      (($# >= 2)) || refuse "$1 needs a value"
+      options+=("$1" "$2")
+      shift
+      ;;
+    *) refuse "unknown option '$1'" ;;
+  esac
+  shift
+done
+case "$device" in
+  cuda | cpu) ;;
+  *) refuse "--device is cuda or cpu, not '$device'" ;;
 esac
 # python3 first: the GPU machines have no `python`.
 python="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONUNBUFFERED=1
 # The wheels are for the GPU image's Python (3.12, scripts/gpu_wheelhouse.sh); the CPU dry run, and any other Python,
 # use their environment as it is.
-if [[ " $* " != *" --device cpu "* ]] && compgen -G ".whl/*.whl" >/dev/null \
+if [[ "$device" != cpu ]] && compgen -G ".whl/*.whl" >/dev/null \
   && "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/odc_site .whl/*.whl
   export PYTHONPATH="/tmp/odc_site${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,4 +63,4 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Symmetric memory's rendezvous opens a Unix socket under TMPDIR: keep the path short and shared by both ranks.
 export TMPDIR="${TMPDIR:-/tmp}"
-exec "$python" -m tests.helpers.gpu_session --out "$out" "$@"
+exec "$python" -m tests.helpers.gpu_session --out "$out" --device "$device" ${options[@]+"${options[@]}"}

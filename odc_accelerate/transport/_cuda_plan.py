@@ -337,6 +337,9 @@ class DeviceFacts:
         free_bytes (`int`): free memory on this rank's GPU.
         settings (`tuple`): the transport's settings on this rank (staging bytes, accumulator dtype); segments must be
             laid out identically on every rank.
+        accumulate_kernel (`bool`): the accumulate kernel can run on this rank: available, and it compiled, launched
+            and summed exactly at set-up (`odc_accelerate.transport._kernels.probe`).
+        accumulate_kernel_reason (`str`): why it can or cannot run here.
     """
 
     host: str
@@ -350,6 +353,8 @@ class DeviceFacts:
     deterministic: bool = False
     free_bytes: int = 0
     settings: tuple = ()
+    accumulate_kernel: bool = False
+    accumulate_kernel_reason: str = ""
 
 
 def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
@@ -425,6 +430,20 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
                     "machine"
                 )
     return None
+
+
+def accumulate_kernel_agreement(facts: Sequence[DeviceFacts]) -> tuple[bool, str]:
+    """Whether every rank adds with the accumulate kernel, and why (not), from every rank's gathered facts.
+
+    The kernel only if it can run on every rank; else the first rank where it cannot names the reason. Every rank
+    decides from the same facts, so all take the same path: the path decides the memory plan (the fallback's staging
+    pool), which the memory check compares across ranks.
+    """
+    for rank, f in enumerate(facts):
+        if not f.accumulate_kernel:
+            reason = f.accumulate_kernel_reason or "the accumulate kernel was not checked"
+            return False, reason if len(facts) == 1 else f"rank {rank}: {reason}"
+    return True, facts[0].accumulate_kernel_reason
 
 
 #: GPU memory each rank must have free beyond the plan when the transport is set up: the first use of its kernels

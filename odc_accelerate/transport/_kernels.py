@@ -9,13 +9,14 @@ with this GPU's own. It reads no index vector and stages nothing for the cast: o
 unused).
 
 Triton is imported on first use, so the package imports without it (torch's CPU wheels come without Triton).
-`kernel_available` says whether the kernel can run for a device and accumulator dtype, and why not; the transport
-falls back to ``index_add_`` where it cannot. CPU tensors run the kernel under Triton's interpreter
-(``TRITON_INTERPRET=1``): slow, for checking its logic in tests.
+`kernel_available` says whether the kernel can run for a device and accumulator dtype, and why not, without compiling;
+`probe` then compiles and launches it once on a scratch area, so that a Triton toolchain problem (no C compiler for
+its launcher, no ptxas) shows at set-up. The transport falls back to ``index_add_`` where either says no. CPU tensors
+run the kernel under Triton's interpreter (``TRITON_INTERPRET=1``): slow, for checking its logic in tests.
 
 Launch parameters: `BLOCK` elements per program and loop iteration, `NUM_WARPS` warps per program, and a grid of at
-most ``sm_share`` x the GPU's SMs programs (default `DEFAULT_SM_SHARE`), each looping over the blocks: the adds run
-while the backward pass computes, and a capped grid leaves most SMs to it.
+most ``sm_share`` x the GPU's SMs programs (default `default_sm_share` of the source dtype), each looping over the
+blocks: the adds run while the backward pass computes, and a capped grid leaves the other SMs to it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,10 +35,17 @@ import torch
 BLOCK = 8192
 #: warps per program
 NUM_WARPS = 4
-#: share of the GPU's SMs the grid may cover, the default of `max_programs` and of the transport's
-#: ``accumulate_sm_share``. On one H100 a quarter reached 0.78 (fp32 source) and 0.61 (bf16) of the non-atomic add's
-#: bandwidth, half 0.84 and 0.96: a quarter leaves three quarters of the SMs to the backward pass
+#: share of the GPU's SMs the grid may cover when adding an fp32 source (`default_sm_share`). Chosen from the sweep
+#: stored in ``benchmarks/gpu/h100-2026-11-27/accumulate_sweep.json`` (one H100, Triton 3.6, 256 MiB, `BLOCK` 8192, 4
+#: warps; the non-atomic ``add_`` ran at 1002 GB/s of fp32 source and 485 of bf16): a quarter of the SMs (33
+#: programs) adds 779 GB/s of fp32 source, 0.78 of ``add_``, and half only 843 (0.84); the speed case of
+#: ``speed_results.json`` beside it measured 0.73-0.78 at a quarter. A quarter leaves three quarters of the SMs to the
+#: backward pass the adds run beside.
 DEFAULT_SM_SHARE = 0.25
+#: share of the SMs for a 16-bit (bf16, fp16) source. The same sweep: a quarter of the SMs adds only 296 GB/s of bf16
+#: source, 0.61 of ``add_`` (0.59 in ``speed_results.json``), half 464 GB/s, 0.96 (0.94), and all of them 478 (0.99):
+#: half gains 57% over a quarter for a bf16 source, against 8% for an fp32 one
+DEFAULT_SM_SHARE_16BIT = 0.5
 #: programs under Triton's interpreter (CPU tensors): more than one, so that the grid-stride loop is exercised
 INTERPRETER_PROGRAMS = 3
 #: elements per launch: offsets stay within int32 (one add of more elements takes several launches)
@@ -45,6 +54,10 @@ MAX_LAUNCH_NUMEL = 2**30
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: accumulator dtypes the kernel adds into
 ACCUMULATOR_DTYPES = (torch.float32, torch.bfloat16)
+#: elements of the set-up `probe`: a whole block (the unmasked loop) and a ragged tail (the masked add)
+PROBE_NUMEL = BLOCK + 5
+#: programs of the set-up `probe`: two, so that the tail is added by a program other than the first
+PROBE_PROGRAMS = 2
 #: the oldest Triton whose interpreter runs the kernel: 3.6's turns the grid-stride loop's bounds into Python ints with
 #: ``int()`` of a 1-element array, which numpy 2.4 refuses (3.7 squeezes it first); compiled GPU kernels are unaffected
 INTERPRETER_MIN_TRITON = (3, 7)
@@ -162,6 +175,50 @@ def kernel_available(device: torch.device | str, dtype: torch.dtype = torch.floa
     return True, f"Triton {triton.__version__} on sm_{major}{minor}"
 
 
+def probe(
+    device: torch.device | str, dtype: torch.dtype = torch.float32, src_dtypes: Sequence[torch.dtype] = ()
+) -> str | None:
+    """Compile and launch the kernel once on a scratch area of ``device``, and check its sum.
+
+    `kernel_available` compiles nothing: a Triton that cannot build the kernel or its launcher (no C compiler, ptxas
+    missing, a driver that cannot load the binary) would otherwise fail in the first backward pass. Each source dtype
+    is one compiled variant; Triton also specialises on the length's divisibility by 16, so a later call may still
+    compile another variant, with the same toolchain that ran here.
+
+    Args:
+        device (`torch.device` or `str`): where the accumulators live (CPU tensors run under Triton's interpreter).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`): the accumulators' dtype.
+        src_dtypes (`Sequence[torch.dtype]`, *optional*): the dtypes of the sources that will be added; defaults to
+            ``dtype``.
+
+    Returns:
+        `str | None`: None when every launch ran and summed exactly, else a sentence saying what failed.
+    """
+    device = torch.device(device)
+    for src_dtype in src_dtypes or (dtype,):
+        try:
+            # Small integers: exact in every source and accumulator dtype, so any difference is a wrong sum.
+            src = (torch.arange(PROBE_NUMEL, device=device) % 7 - 3).to(src_dtype)
+            dst = torch.zeros(PROBE_NUMEL, dtype=dtype, device=device)
+            accumulate_(dst, src, programs=PROBE_PROGRAMS)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # a launch's failure shows here, not later
+            exact = torch.equal(dst, src.to(dtype))
+        except Exception as err:  # whatever Triton, its compiler or the driver raise: the caller falls back
+            lines = str(err).strip().splitlines()
+            detail = f"{type(err).__name__}: {lines[0][:300]}" if lines else type(err).__name__
+            return f"the accumulate kernel failed its set-up probe ({src_dtype} into {dtype} on {device}): {detail}"
+        if not exact:
+            return f"the accumulate kernel's set-up probe ({src_dtype} into {dtype} on {device}) summed wrongly"
+    return None
+
+
+def default_sm_share(src_dtype: torch.dtype) -> float:
+    """The default share of the SMs for adding a ``src_dtype`` source: `DEFAULT_SM_SHARE` for 4-byte sources,
+    `DEFAULT_SM_SHARE_16BIT` for 16-bit ones (each per the sweep their comments cite)."""
+    return DEFAULT_SM_SHARE_16BIT if src_dtype.itemsize == 2 else DEFAULT_SM_SHARE
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -173,8 +230,8 @@ def max_programs(device: torch.device | str, sm_share: float = DEFAULT_SM_SHARE)
     Raises:
         ValueError: ``sm_share`` is not in (0, 1].
     """
-    if not 0 < sm_share <= 1:
-        raise ValueError(f"sm_share must be in (0, 1], got {sm_share}")
+    if isinstance(sm_share, bool) or not isinstance(sm_share, int | float) or not 0 < sm_share <= 1:
+        raise ValueError(f"sm_share must be in (0, 1], got {sm_share!r}")
     device = torch.device(device)
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
@@ -186,17 +243,20 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, programs: int | None = 
     """``dst += src`` with system-scope atomic adds, the cast from ``src``'s dtype done in registers.
 
     Safe against concurrent adds into ``dst`` from other processes and GPUs (relaxed atomics: the sum is exact up to
-    the order of floating-point additions). Enqueued on the current stream; returns ``dst``.
+    the order of floating-point additions). Enqueued on the current stream; returns ``dst``. Every precondition is
+    checked before anything is launched: the kernel itself reads and writes raw pointers, unchecked.
 
     Args:
-        dst (`torch.Tensor`): 1-D contiguous accumulator, fp32 or bf16 (possibly a peer's mapped memory).
+        dst (`torch.Tensor`): 1-D contiguous accumulator, fp32 or bf16 (possibly a peer's mapped memory), on a CUDA
+            device (or on CPU, run by Triton's interpreter).
         src (`torch.Tensor`): as many elements as ``dst`` (any shape, contiguous), fp32, bf16 or fp16, on the same
-            device.
-        programs (`int`, *optional*): grid cap; defaults to `max_programs` of ``dst``'s device.
+            device, and not overlapping ``dst`` in memory.
+        programs (`int`, *optional*): grid cap, at least 1; defaults to `max_programs` of ``dst``'s device at
+            `default_sm_share` of ``src``'s dtype.
 
     Raises:
-        TypeError: a dtype the kernel does not handle.
-        ValueError: shapes, layouts or devices that do not match.
+        TypeError: a dtype the kernel does not handle, or a grid cap that is not an `int`.
+        ValueError: shapes, layouts, devices or memory that do not fit the kernel, or a grid cap below 1.
         RuntimeError: ``torch.use_deterministic_algorithms(True)`` is on (atomic adds sum in varying order), or
             Triton is not installed.
     """
@@ -205,26 +265,38 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, programs: int | None = 
     if src.dtype not in SOURCE_DTYPES:
         raise TypeError(f"accumulate_ reads fp32, bf16 or fp16 sources, got {src.dtype}")
     if dst.dim() != 1 or not dst.is_contiguous():
-        raise ValueError(f"accumulate_ needs a 1-D contiguous accumulator, got shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"accumulate_ needs a 1-D contiguous accumulator, got shape {tuple(dst.shape)} and strides {dst.stride()}"
+        )
     if src.numel() != dst.numel():
         raise ValueError(f"accumulate_ of {src.numel()} elements into an accumulator of {dst.numel()}")
     if not src.is_contiguous():
         raise ValueError("accumulate_ needs a contiguous source (it reads it in place, without staging)")
     if src.device != dst.device:
         raise ValueError(f"accumulate_ from {src.device} into {dst.device}: both must be on one device")
+    if dst.device.type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"accumulate_ runs on CUDA tensors (CPU tensors under Triton's interpreter), got {dst.device.type} tensors"
+        )
+    # The kernel reads src while other programs write dst: overlapping memory would read partly summed values.
+    n = dst.numel()
+    if n and dst.data_ptr() < src.data_ptr() + src.nbytes and src.data_ptr() < dst.data_ptr() + dst.nbytes:
+        raise ValueError("accumulate_ reads src while it adds into dst: the two must not overlap in memory")
+    if programs is not None:
+        if isinstance(programs, bool) or not isinstance(programs, int):
+            raise TypeError(f"programs must be an int, got {type(programs).__name__}")
+        if programs < 1:
+            raise ValueError(f"programs must be >= 1, got {programs}")
     if torch.are_deterministic_algorithms_enabled():
         raise RuntimeError(
             "accumulate_ adds with atomics, whose order varies from run to run, but "
             "torch.use_deterministic_algorithms(True) is on"
         )
-    n = dst.numel()
     if n == 0:
         return dst
     interpret = dst.device.type != "cuda"
     kernel = _kernel(interpret)
-    cap = programs if programs is not None else max_programs(dst.device)
-    if cap < 1:
-        raise ValueError(f"programs must be >= 1, got {cap}")
+    cap = programs if programs is not None else max_programs(dst.device, default_sm_share(src.dtype))
     src = src.reshape(-1)
     for start in range(0, n, MAX_LAUNCH_NUMEL):
         stop = min(start + MAX_LAUNCH_NUMEL, n)

@@ -13,11 +13,13 @@ after ``rendezvous``. A segment holds the rank's published shards and its gradie
   is already there, so nothing waits for the peer and the host does not block;
 * ``accumulate(owner, name, src)`` adds ``src`` straight into the owner's accumulator with atomic adds over the peer
   mapping: the accumulate kernel (:mod:`._kernels`, Triton) reads ``src`` in its own dtype, casts in registers and
-  adds with system-scope vector atomics, staging nothing. Where Triton cannot run (not installed, a GPU older than
-  sm_80, a bf16 accumulator before sm_90) the fallback, said once in the log and named by ``accumulate_path``, is
-  ``index_add_`` (its CUDA kernel uses device-scope ``atomicAdd``) in chunks through a staging pool of fixed size (the
-  index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own adds use the same atomic
-  path, since peers add into the same memory at the same time.
+  adds with system-scope vector atomics, staging nothing. Each rank compiles and launches it once at set-up on a
+  scratch area (`._kernels.probe`) and the ranks exchange the outcome with their device facts: where Triton cannot
+  run on some rank (not installed, a GPU older than sm_80, a bf16 accumulator before sm_90, a failed compile or
+  launch) every rank takes the fallback, said once in the log and named by ``accumulate_path`` and
+  ``accumulate_reason``: ``index_add_`` (its CUDA kernel uses device-scope ``atomicAdd``) in chunks through a staging
+  pool of fixed size (the index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own
+  adds use the same atomic path, since peers add into the same memory at the same time.
 
 Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less), + on the fallback the
 staging pool (``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their
@@ -39,10 +41,11 @@ plan's claims are the control plane's too (host memory: the ranks share a host).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,13 +58,15 @@ from ._cuda_plan import (
     DeviceFacts,
     SegmentPlan,
     StagingPool,
+    accumulate_kernel_agreement,
+    accumulator_dtype,
     device_refusal,
     memory_refusal,
     plan_segment,
     staging_bytes_setting,
     transport_memory_text,
 )
-from ._kernels import DEFAULT_SM_SHARE, accumulate_, kernel_available, max_programs
+from ._kernels import accumulate_, kernel_available, max_programs, probe
 from .base import BufferSpec, Transport, host_id, is_out_of_memory
 from .shm import ShmTransport
 
@@ -75,14 +80,46 @@ KERNEL_PATH, FALLBACK_PATH = "kernel", "index_add_"
 _said: set[tuple[str, str]] = set()  # accumulate paths already logged by this process
 
 
-def choose_accumulate_path(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """The accumulate path for accumulators of ``dtype`` on ``device`` and why; logged once per process.
+def local_accumulate_kernel(
+    device: torch.device,
+    accumulated: Sequence[BufferSpec],
+    accumulate_dtype: torch.dtype | None = None,
+    enabled: bool = True,
+) -> tuple[bool, str]:
+    """Whether this rank can add ``accumulated`` buffers with the accumulate kernel, and why (not); no collective.
 
-    The kernel where `._kernels.kernel_available` says it can run, else the ``index_add_`` fallback (logged at
-    WARNING: it moves about twice the bytes per element, needs the staging pool, and its atomics are of device scope,
-    which the 'cuda' transport relies on NVLink to perform at the owner for adds arriving from peers).
+    `._kernels.kernel_available` first (it compiles nothing), then `._kernels.probe`, which compiles the kernel for
+    every source dtype and launches it on a scratch area: a Triton that cannot compile or launch shows here, at
+    set-up, instead of in the first backward pass. A failed probe is logged at WARNING on this rank.
     """
+    if not accumulated:
+        return False, "nothing is accumulated"
+    if not enabled:
+        return False, "accumulate_kernel=False"
+    try:
+        dtype = accumulator_dtype(accumulated[0].dtype, accumulate_dtype)
+    except ValueError as err:  # `plan_segment` raises it on every rank once the facts are gathered
+        return False, str(err)
     ok, why = kernel_available(device, dtype)
+    if not ok:
+        return False, why
+    problem = probe(device, dtype, sorted({spec.dtype for spec in accumulated}, key=str))
+    if problem is not None:
+        logger.warning("cuda transport: %s; every rank will add gradients with index_add_", problem)
+        return False, problem
+    return True, why
+
+
+def choose_accumulate_path(facts: Sequence[DeviceFacts]) -> tuple[str, str]:
+    """The accumulate path every rank takes, decided from every rank's gathered facts, and why; logged once per
+    process.
+
+    The kernel where it passed `local_accumulate_kernel` on every rank (`._cuda_plan.accumulate_kernel_agreement`),
+    else the ``index_add_`` fallback (logged at WARNING: it moves about twice the bytes per element, needs the staging
+    pool, and its atomics are of device scope, which the 'cuda' transport relies on NVLink to perform at the owner for
+    adds arriving from peers).
+    """
+    ok, why = accumulate_kernel_agreement(facts)
     path = KERNEL_PATH if ok else FALLBACK_PATH
     if (path, why) not in _said:
         _said.add((path, why))
@@ -161,11 +198,17 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
 
 
 def gather_device_facts(
-    group: dist.ProcessGroup | None, world_size: int, device: torch.device, settings: tuple = ()
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    device: torch.device,
+    settings: tuple = (),
+    *,
+    local: DeviceFacts | None = None,
 ) -> list[DeviceFacts]:
-    """Collective over ``group``: every rank's `DeviceFacts`, indexed by rank."""
+    """Collective over ``group``: every rank's `DeviceFacts`, indexed by rank (this rank's are ``local`` if given,
+    else `local_device_facts`)."""
     facts: list[DeviceFacts] = [None] * world_size  # type: ignore[list-item]
-    dist.all_gather_object(facts, local_device_facts(device, settings), group=group)
+    dist.all_gather_object(facts, local or local_device_facts(device, settings), group=group)
     return facts
 
 
@@ -185,10 +228,12 @@ class CudaTransport(Transport):
         accumulate_dtype (`torch.dtype`, *optional*): dtype of the gradient accumulators. By default 16-bit reduce
             dtypes are widened to fp32 (a whole step is summed before the fold); pass e.g. ``torch.bfloat16`` to keep
             them narrow and save memory.
-        accumulate_sm_share (`float`, *optional*, defaults to `._kernels.DEFAULT_SM_SHARE`): share of the GPU's SMs
-            the accumulate kernel's grid may cover; the rest are left to the backward pass it runs beside.
-        accumulate_kernel (`bool`, *optional*, defaults to `True`): add with the accumulate kernel where it can run;
-            `False` keeps the ``index_add_`` fallback (to compare the two, or to step around a kernel problem).
+        accumulate_sm_share (`float`, *optional*): share of the GPU's SMs the accumulate kernel's grid may cover; the
+            rest are left to the backward pass it runs beside. Defaults to `._kernels.default_sm_share` of each
+            gradient's dtype: a quarter of the SMs for fp32 gradients, half for bf16 and fp16 ones.
+        accumulate_kernel (`bool`, *optional*, defaults to `True`): add with the accumulate kernel where it compiles
+            and runs on every rank; `False` keeps the ``index_add_`` fallback (to compare the two, or to step around a
+            kernel problem).
 
     Buffers registered with ``accumulated=True`` come back in the accumulator dtype, which may be wider than
     registered; the engine's fold divides in that dtype and then casts to the parameters' dtype.
@@ -206,15 +251,17 @@ class CudaTransport(Transport):
         *,
         staging_mib: float | None = None,
         accumulate_dtype: torch.dtype | None = None,
-        accumulate_sm_share: float = DEFAULT_SM_SHARE,
+        accumulate_sm_share: float | None = None,
         accumulate_kernel: bool = True,
     ) -> None:
         super().__init__(rank, world_size, timeout)
-        if not 0 < accumulate_sm_share <= 1:
+        if accumulate_sm_share is not None and not 0 < accumulate_sm_share <= 1:
             raise ValueError(f"accumulate_sm_share must be in (0, 1], got {accumulate_sm_share}")
         self._sm_share = accumulate_sm_share
         self._use_kernel = accumulate_kernel
-        self._programs: int | None = None  # the accumulate kernel's grid cap, set by `register`
+        # The accumulate kernel's grid cap, set by `register` from ``accumulate_sm_share``; None: the kernel's default
+        # for each gradient's dtype.
+        self._programs: int | None = None
         #: how gradients are added (`KERNEL_PATH` or `FALLBACK_PATH`; None before ``register`` or without
         #: accumulators), and why that path
         self.accumulate_path: str | None = None
@@ -262,8 +309,11 @@ class CudaTransport(Transport):
         if device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         # Every check below is made on every rank from the same gathered facts, so all ranks refuse together before
-        # any of them enters the symmetric-memory rendezvous (which has no timeout and raises inside C++).
-        facts = self._gather_facts(device)
+        # any of them enters the symmetric-memory rendezvous (which has no timeout and raises inside C++). The facts
+        # carry whether the accumulate kernel compiled and ran here, so that all ranks take the same accumulate path.
+        accumulated = [spec for spec in specs.values() if spec.accumulated]
+        kernel = local_accumulate_kernel(device, accumulated, self._accumulate_dtype, self._use_kernel)
+        facts = self._gather_facts(device, kernel)
         reason = device_refusal(facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
@@ -272,12 +322,9 @@ class CudaTransport(Transport):
         pad = compat.symmetric_signal_pad_bytes()
         plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad, staged=False)
         if plan.accumulated:
-            if self._use_kernel:
-                self.accumulate_path, self.accumulate_reason = choose_accumulate_path(device, plan.cast_dtype)
-            else:
-                self.accumulate_path, self.accumulate_reason = FALLBACK_PATH, "accumulate_kernel=False"
+            self.accumulate_path, self.accumulate_reason = choose_accumulate_path(facts)
             if self.accumulate_path == KERNEL_PATH:
-                self._programs = max_programs(device, self._sm_share)
+                self._programs = max_programs(device, self._sm_share) if self._sm_share is not None else None
             else:  # the fallback adds through the staging pool: plan it
                 plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad)
         reason = memory_refusal(plan, facts)
@@ -311,10 +358,16 @@ class CudaTransport(Transport):
         )
         return dict(self._views[self.rank])
 
-    def _gather_facts(self, device: torch.device) -> list[DeviceFacts]:
-        """Collective: every rank's device facts (the checks run on them before anything is allocated)."""
+    def _local_facts(self, device: torch.device, kernel: tuple[bool, str]) -> DeviceFacts:
+        """This rank's device facts, with ``kernel``: whether it can add with the accumulate kernel, and why (not)."""
         settings = (self._staging_bytes, str(self._accumulate_dtype))
-        return gather_device_facts(self._group, self.world_size, device, settings)
+        facts = local_device_facts(device, settings)
+        return dataclasses.replace(facts, accumulate_kernel=kernel[0], accumulate_kernel_reason=kernel[1])
+
+    def _gather_facts(self, device: torch.device, kernel: tuple[bool, str]) -> list[DeviceFacts]:
+        """Collective: every rank's device facts (the checks run on them before anything is allocated)."""
+        local = self._local_facts(device, kernel)
+        return gather_device_facts(self._group, self.world_size, device, local=local)
 
     def _set_phase(self, phase: int) -> None:
         if self._phase is not None:

@@ -5,7 +5,8 @@ on one GPU time-slice it, so a figure taken while the peer also runs would inclu
 (64 MiB to 1 GiB of source on a GPU; tiny on CPU) and source dtype (fp32, bf16), ``dst`` an fp32 accumulator:
 
 * ``index_add_``: the fallback, ``index_add_`` in chunks through the transport's staging pool (its default size);
-* ``kernel``: the accumulate kernel, ``accumulate_`` (`odc_accelerate.transport._kernels`), at its default grid cap;
+* ``kernel``: the accumulate kernel, ``accumulate_`` (`odc_accelerate.transport._kernels`), at its default grid cap
+  for the source's dtype;
 * ``add_``: ``dst.add_(src)``, the same fused cast-and-add without atomics (the ceiling for adding in place);
 * ``copy``: ``buf.copy_(src)``, a plain copy of the source (what pulling a peer's slice costs);
 * ``copy_then_add``: ``buf.copy_(src); dst.add_(buf)`` (what a pull reduction costs).
@@ -30,6 +31,12 @@ from odc_accelerate.transport._kernels import accumulate_, kernel_available, max
 PATHS = ("index_add_", "kernel", "add_", "copy", "copy_then_add")
 GPU_SIZES_MIB = (64, 256, 1024)
 SM_SHARES = (0.125, 0.25, 0.5, 1.0)
+#: the speed check, per source dtype: the kernel at its default grid (`_kernels.default_sm_share`) adds at least this
+#: share of the non-atomic ``add_``'s GB/s at the largest size. On the H100 the grid was chosen on
+#: (``benchmarks/gpu/h100-2026-11-27``: ``accumulate_sweep.json``, and ``speed_results.json``'s grid rows) the default
+#: grid reached 0.73-0.78 with an fp32 source (a quarter of the SMs) and 0.94-0.96 with a bf16 one (half); each goal
+#: sits at least 10% below the lowest of them, room for run-to-run noise.
+KERNEL_OVER_ADD_GOAL = {"float32": 0.65, "bfloat16": 0.8}
 
 
 def _timer(device: torch.device):
@@ -159,9 +166,9 @@ def measure(
         ),
         "accumulate paths: the kernel ran": all(r["kernel_available"] for r in ranks),
     }
-    # At the largest size, per rank and source dtype: faster than index_add_, and >= 0.6 of the fused add_ (the goal).
-    # How much faster than index_add_ is reported, not bounded: on an H100 index_add_ alone adds ~440 GB/s of fp32
-    # source and any in-place add tops out near 1000 (12 bytes moved per 4 read at ~3 TB/s; docs/gpu.md).
+    # At the largest size, per rank and source dtype: faster than index_add_, and at least `KERNEL_OVER_ADD_GOAL` of
+    # the fused add_. How much faster than index_add_ is reported, not bounded: on an H100 index_add_ alone adds ~440
+    # GB/s of fp32 source and any in-place add tops out near 1000 (12 bytes moved per 4 read at ~3 TB/s; docs/gpu.md).
     largest = [row for r in ranks for row in r["sizes"] if row["mib"] == max(spec["sizes_mib"])]
     ratios = [
         {
@@ -176,20 +183,28 @@ def measure(
         checks["kernel faster than index_add_ (largest size, each rank and dtype)"] = bool(ratios) and all(
             x["kernel_over_index_add"] > 1 for x in ratios
         )
-        checks["kernel >= 0.6 x the non-atomic add_ (largest size, each rank and dtype)"] = bool(ratios) and all(
-            x["kernel_over_add"] >= 0.6 for x in ratios
-        )
+        goals = ", ".join(f"{dtype} {goal:g}" for dtype, goal in KERNEL_OVER_ADD_GOAL.items())
+        checks[f"kernel at its default grid >= {goals} x the non-atomic add_ (largest size, each rank)"] = bool(
+            ratios
+        ) and all(x["kernel_over_add"] >= KERNEL_OVER_ADD_GOAL[x["src_dtype"]] for x in ratios)
     return {"ranks": ranks, "ratios_largest_size": ratios, "checks": checks}
 
 
 def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """The 'cuda' transport's protocol on CPU (`gpu_check.CpuSegmentsCudaTransport`) with the kernel or with the
-    ``index_add_`` fallback: its path, memory report, and every rank's bf16 slices summed into each owner's fp32
-    accumulator."""
-    from odc_accelerate.transport import BufferSpec
+    ``index_add_`` fallback: its path and why, memory report, and every rank's bf16 slices summed into each owner's
+    fp32 accumulator. On rank ``spec["broken_kernel_rank"]`` (if given) the kernel cannot be built, as where Triton
+    finds no C compiler: its set-up probe fails there."""
+    from odc_accelerate.transport import BufferSpec, _kernels
 
     from .gpu_check import CpuSegmentsCudaTransport
 
+    if rank == spec.get("broken_kernel_rank"):
+
+        def no_compiler(interpret: bool) -> Any:
+            raise RuntimeError("emulated: Failed to find C compiler. Please specify via CC environment variable.")
+
+        _kernels._kernel = no_compiler
     numel = spec["numel"]
     transport = CpuSegmentsCudaTransport(rank, world_size, timeout=60.0, accumulate_kernel=spec["kernel"])
     own = transport.register({"g": BufferSpec(numel=numel, dtype=torch.bfloat16, accumulated=True)})
@@ -201,6 +216,7 @@ def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> 
     )
     out = {
         "path": transport.accumulate_path,
+        "reason": transport.accumulate_reason,
         "report": transport.memory_report(),
         "exact": bool(torch.equal(own["g"].double(), expected)),
     }

@@ -123,11 +123,21 @@ class CpuSegmentsCudaTransport(CudaTransport):
         self._shm: ShmTransport | None = None
         self.free_bytes = free_bytes  # the stated free memory of each emulated GPU
 
-    def _gather_facts(self, device: torch.device) -> list[DeviceFacts]:
+    def _local_facts(self, device: torch.device, kernel: tuple[bool, str]) -> DeviceFacts:
+        # Each rank its own emulated GPU, every one visible and peer-accessible with native atomics; gathered from
+        # every rank as on GPUs, with whether the accumulate kernel passed its set-up probe here.
         gpus = tuple(f"cpu-{r}" for r in range(self.world_size))
         yes = (True,) * self.world_size
-        free = self.free_bytes
-        return [DeviceFacts(host="cpu", uuid=g, visible=gpus, access=yes, atomics=yes, free_bytes=free) for g in gpus]
+        return DeviceFacts(
+            host="cpu",
+            uuid=gpus[self.rank],
+            visible=gpus,
+            access=yes,
+            atomics=yes,
+            free_bytes=self.free_bytes,
+            accumulate_kernel=kernel[0],
+            accumulate_kernel_reason=kernel[1],
+        )
 
     def _free_bytes(self, device: torch.device) -> int:
         return self.free_bytes

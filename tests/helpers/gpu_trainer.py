@@ -7,8 +7,11 @@ the test-only switch ``ODC_TEST_SHARED_GPU=1`` (`shared_gpu.py`: accelerate's ba
 default FSDP2 mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), on CPU too. Cases:
 
 * ``sft_fp32`` / ``dpo_fp32``: 5 samples per optimizer step, so the ranks run different numbers of microbatches,
-  against TRL's own trainer in one process on the same steps (`tests/helpers/trl_reference.py`): per-step loss and
-  final weights must match to fp32 rounding;
+  against TRL's own trainer in one process on the same steps (`tests/helpers/trl_reference.py`): both start from the
+  same weights, the learning rate moves every weight tensor on both sides, and the per-step loss and the weight
+  updates (final weights - initial weights) must match to fp32 rounding, the updates' difference measured against
+  the update's own norm, as the CPU parity tests measure it (a difference measured against the weights would hide a
+  wrong gradient behind a small update);
 * ``sft_bf16``: the same with bf16 mixed precision on both sides (FSDP2's bf16 parameters against TRL's autocast):
   the differences are reported, and checked against a loose bound only (the two compute in bf16 differently);
 * ``grpo``: the GRPO example for 3 steps: it trains with finite losses and makes no torch.distributed call during
@@ -39,8 +42,10 @@ RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
 TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"
 PRESETS = ROOT / "odc_accelerate" / "cli" / "accelerate_configs"
 SAMPLES_PER_STEP = 5
-FP32_TOLERANCE = 1e-4  # relative; what the CPU parity tests allow for fp32 summation order
-BF16_TOLERANCE = 5e-2  # relative; bf16 keeps 8 bits of mantissa and the two sides round at different points
+#: relative to the norm of the update (loss: to the loss); what the CPU parity tests allow for fp32 summation order
+FP32_TOLERANCE = 1e-4
+#: relative, as above; bf16 keeps 8 bits of mantissa and the two sides round at different points
+BF16_TOLERANCE = 5e-2
 
 COMMON = [
     "--max_steps",
@@ -62,6 +67,8 @@ COMMON = [
     "--odc_samples_per_step",
     str(SAMPLES_PER_STEP),
 ]
+# Plain SGD at these rates moves every weight tensor of the tiny model on both sides (checked: a tensor that does not
+# move tells nothing about its gradient); DPO's gradients are beta (0.1) times smaller than a language-model loss's.
 ARGS = {
     "sft": ["--max_length", "128", "--learning_rate", "0.5"],
     "dpo": ["--max_length", "64", "--learning_rate", "0.2"],
@@ -144,10 +151,35 @@ def _peak_memory_per_step(out: Path) -> list[float | None]:
     return [h.get("odc/peak_mem_mb_max") for h in state["log_history"] if "loss" in h]
 
 
-def _max_rel(a: dict, b: dict) -> float:
-    if a.keys() != b.keys():
-        return math.inf
-    return max(float((a[k].float() - b[k].float()).abs().max() / (b[k].float().abs().max() + 1e-12)) for k in a)
+def compare_updates(odc_out: Path, ref_out: Path) -> dict[str, Any]:
+    """ODC's weight updates against the reference's: both runs' ``initial_params.pt`` and ``final_params.pt``.
+
+    Returns ``same_start`` (identical initial weights), ``unmoved`` (tensors whose update is zero on either side),
+    ``update_rel`` (norm of the difference of the two updates over the norm of the reference's update, over every
+    tensor: what the CPU parity tests bound) and ``update_max_rel_per_tensor`` (the same per tensor, the largest;
+    reported: a tensor with a tiny update, e.g. a norm's weight, shows fp32 rounding of the weight itself there).
+    """
+    import torch
+
+    def load(out: Path, name: str) -> dict[str, torch.Tensor]:
+        return {k: v.double() for k, v in torch.load(out / name).items()}
+
+    start, ref_start = load(odc_out, "initial_params.pt"), load(ref_out, "initial_params.pt")
+    final, ref_final = load(odc_out, "final_params.pt"), load(ref_out, "final_params.pt")
+    if not start.keys() == ref_start.keys() == final.keys() == ref_final.keys():
+        return {"same_start": False, "unmoved": [], "update_rel": math.inf, "update_max_rel_per_tensor": math.inf}
+    update = {k: final[k] - start[k] for k in final}
+    ref_update = {k: ref_final[k] - ref_start[k] for k in ref_final}
+    unmoved = sorted(k for k in update if not update[k].any() or not ref_update[k].any())
+    diff = {k: float((update[k] - ref_update[k]).norm()) for k in update}
+    norm = {k: float(ref_update[k].norm()) for k in ref_update}
+    total = math.sqrt(sum(n * n for n in norm.values()))
+    return {
+        "same_start": all(torch.equal(start[k], ref_start[k]) for k in start),
+        "unmoved": unmoved,
+        "update_rel": math.sqrt(sum(d * d for d in diff.values())) / total if total else math.inf,
+        "update_max_rel_per_tensor": max((diff[k] / norm[k] if norm[k] else math.inf) for k in diff),
+    }
 
 
 def _reports(out: Path) -> list[dict]:
@@ -183,8 +215,6 @@ def case_parity(trainer: str, device: str, precision: str, work: Path, logs: lis
     checks["reference run finished"] = not _failed(f"{name} reference", ref, logs)
     if not (checks["ODC run finished"] and checks["reference run finished"]):
         return result
-    import torch
-
     reports = _reports(odc_out)
     transport = "CudaTransport" if device == "cuda" else "ShmTransport"
     result["transports"] = [r.get("transport") for r in reports]
@@ -198,13 +228,18 @@ def case_parity(trainer: str, device: str, precision: str, work: Path, logs: lis
     loss_rel = max(
         (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses, strict=False)), default=math.inf
     )
-    params_rel = _max_rel(torch.load(odc_out / "final_params.pt"), torch.load(ref_out / "final_params.pt"))
-    result["loss_max_rel"], result["params_max_rel"] = loss_rel, params_rel
+    updates = compare_updates(odc_out, ref_out)
+    result["loss_max_rel"] = loss_rel
+    result.update(updates)
     tolerance = FP32_TOLERANCE if precision == "fp32" else BF16_TOLERANCE
     result["tolerance"] = tolerance
     checks["same number of logged steps"] = len(losses) == len(ref_losses) == 2
     checks[f"per-step loss within {tolerance:g} of TRL's in one process"] = loss_rel <= tolerance
-    checks[f"final weights within {tolerance:g} of TRL's in one process"] = params_rel <= tolerance
+    checks["both runs start from the same weights"] = updates["same_start"]
+    checks["training moved every weight tensor, in both runs"] = not updates["unmoved"]
+    checks[f"weight updates within {tolerance:g} of TRL's in one process (relative to the update's norm)"] = (
+        updates["update_rel"] <= tolerance
+    )
     checks["nothing left in /dev/shm"] = _shm_files() <= shm_before
     return result
 
@@ -274,7 +309,7 @@ def _main(args: argparse.Namespace, cases: list[str], out: Path, work: Path) -> 
     lines = [f"device {args.device}"]
     for c in cases:
         r = results[c]
-        keys = ("loss_max_rel", "params_max_rel", "odc_wall_s", "wall_s", "peak_mem_mb_per_step")
+        keys = ("loss_max_rel", "update_rel", "unmoved", "odc_wall_s", "wall_s", "peak_mem_mb_per_step")
         figures = {k: r[k] for k in keys if k in r}
         lines.append(f"{c}: {figures}")
         lines += [f"  [{'ok' if ok else 'FAIL'}] {k}" for k, ok in r["checks"].items()]

@@ -32,6 +32,13 @@ class LoopArguments:
     loss_types: str | None = field(
         default=None, metadata={"help": "Comma-separated loss types trained one after the other (OUT/<type>)."}
     )
+    kl_free_loss_types: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated loss types trained after --loss_types with beta=0 (no KL term, no reference "
+            "model), into OUT/<type>_beta0."
+        },
+    )
 
 
 def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
@@ -97,11 +104,15 @@ def main(argv: list[str] | None = None) -> None:
 
         trainer_cls = ODCGRPOTrainer
     loss_types = loop_args.loss_types.split(",") if loop_args.loss_types else [args.loss_type]
+    # (loss type, extra arguments, output folder) of each training run, one after the other in this process group
+    runs = [(loss_type, [], loss_type) for loss_type in loss_types]
+    if loop_args.kl_free_loss_types:
+        runs += [(t, ["--beta", "0"], f"{t}_beta0") for t in loop_args.kl_free_loss_types.split(",")]
     root = args.output_dir
-    for i, loss_type in enumerate(loss_types):
-        if len(loss_types) > 1:  # fresh arguments: a trainer may change its own (gradient accumulation)
+    for i, (loss_type, extra, folder) in enumerate(runs):
+        if len(runs) > 1:  # fresh arguments: a trainer may change its own (gradient accumulation); the last one wins
             _, args = parser.parse_args_into_dataclasses(
-                [*argv, "--loss_type", loss_type, "--output_dir", os.path.join(root, loss_type)]
+                [*argv, "--loss_type", loss_type, *extra, "--output_dir", os.path.join(root, folder)]
             )
             args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
         trainer = trainer_cls(
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         trainer.train()
         _save(trainer, initial)
-        if i < len(loss_types) - 1 and not loop_args.reference:
+        if i < len(runs) - 1 and not loop_args.reference:
             # The next trainer prepares a new model in the same process group: free this one's ODC engines.
             from odc_accelerate.integrations.accelerate import get_engine, get_frozen_engines
 

@@ -10,9 +10,13 @@ import uuid
 import pytest
 import torch
 
+from odc_accelerate.transport._kernels import BLOCK, INTERPRETER_PROGRAMS
+
 pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
 
-NUMEL = 3 * 2048 + 5  # three whole blocks and a ragged tail
+# More whole blocks than the interpreter's programs, so that one program loops over two of them, and a ragged tail
+WHOLE_BLOCKS = INTERPRETER_PROGRAMS + 1
+NUMEL = WHOLE_BLOCKS * BLOCK + 5
 ROUNDS = 12
 
 
@@ -35,6 +39,8 @@ def _adder(path: str, rank: int, start: mp.Barrier) -> None:
 
 
 def test_two_processes_adding_into_one_shared_tensor_give_the_exact_sum():
+    # the sizes cover the kernel's three code paths: the unmasked loop, a program's second pass through it, the tail
+    assert NUMEL // BLOCK == WHOLE_BLOCKS > INTERPRETER_PROGRAMS and NUMEL % BLOCK
     path = f"/dev/shm/odc-accumulate-kernel-{uuid.uuid4().hex}"
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(2)
@@ -86,3 +92,19 @@ def test_the_cuda_transport_protocol_accumulates_exactly_on_either_path(kernel):
     assert {r["path"] for r in ranks} == {"kernel" if kernel else "index_add_"}
     staging = [r["report"]["staging"] for r in ranks]
     assert staging == [0, 0] if kernel else all(s >= 5000 * 8 for s in staging)  # int32 index + fp32 cast chunk
+
+
+def test_a_kernel_failing_its_set_up_probe_on_one_rank_sends_every_rank_to_index_add_():
+    # Rank 1 cannot build the kernel (as where Triton finds no C compiler): its set-up probe fails, the ranks learn it
+    # with their device facts, and both add with the fallback, naming rank 1's reason; nothing fails at the first add.
+    from odc_accelerate.testing import launch
+    from tests.helpers.accumulate_bench import transport_paths_worker
+
+    spec = {"numel": 5000, "kernel": True, "broken_kernel_rank": 1}
+    ranks = launch(transport_paths_worker, 2, spec, env={"TRITON_INTERPRET": "1"})
+    assert [r["path"] for r in ranks] == ["index_add_", "index_add_"]
+    assert ranks[0]["reason"] == ranks[1]["reason"]
+    assert ranks[0]["reason"].startswith("rank 1: the accumulate kernel failed its set-up probe"), ranks[0]["reason"]
+    assert "Failed to find C compiler" in ranks[0]["reason"]
+    assert all(r["exact"] for r in ranks)
+    assert all(r["report"]["staging"] >= 5000 * 8 for r in ranks)  # the fallback's pool, planned on both ranks

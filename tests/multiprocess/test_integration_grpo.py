@@ -9,7 +9,8 @@ Module-scoped runs:
 * ``parity_odc``: fixed completions (`tests.helpers.grpo_loop`, a seeded stand-in for generation) trained
   with ODC on 2 ranks under a small token budget, so ranks run different numbers of microbatches; loss types grpo
   (a mean over sequences), bnpo (over the microbatch's tokens) and dapo (over the step's tokens), ``beta > 0`` (the
-  reference model on its gather-only engine).
+  reference model on its gather-only engine); then grpo again with ``beta=0``, the control of the gradient norm's
+  tolerance (no KL term).
 * ``parity_single``: plain `trl.GRPOTrainer`, one process, the same completions as one microbatch: the ground truth.
 * ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
 """
@@ -43,6 +44,8 @@ COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
 PARITY = [
     "--loss_types",
     ",".join(LOSS_TYPES),
+    "--kl_free_loss_types",
+    "grpo",
     "--beta",
     "0.1",
     "--bf16",
@@ -210,6 +213,24 @@ def test_unequal_microbatches_match_one_process(runs, loss_type):
     for r in reports(odc_dir, "odc_run_rank"):
         assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+
+
+def test_without_the_kl_term_the_gradient_norm_matches_one_process_to_1e_5(runs):
+    # The control of GRPO_GRAD_NORM_REL (5e-5, allowing for the fp32 noise of the KL term): with beta=0 there is no
+    # KL term and no reference model, and the gradient norm is held to 1e-5.
+    check_ok(runs["procs"]["parity_odc"])
+    check_ok(runs["procs"]["parity_single"])
+    odc_dir, ref_dir = runs["out"]["parity_odc"] / "grpo_beta0", runs["out"]["parity_single"] / "grpo_beta0"
+    odc = [h for h in json.loads((odc_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    ref = [h for h in json.loads((ref_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    assert len(odc) == len(ref) == 2
+    assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
+    for mine, truth in zip(odc, ref, strict=True):
+        assert "kl" not in mine and "kl" not in truth  # TRL logs the KL term only when beta > 0
+        assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=1e-5)
+    for r in reports(odc_dir, "odc_run_rank"):
+        assert r["engine"] == "ODCEngine" and r["reference_engine"] is None
 
 
 def test_inexact_option_is_refused_before_training(runs):

@@ -1,0 +1,84 @@
+"""The GPU procedure's one command, ``scripts/gpu_session.sh``, reads its own options: either spelling of
+``--device cpu`` is the dry run (no wheels installed), and an unknown option is refused before anything runs.
+
+The script runs unchanged from a copy of the repository's layout (its ``scripts/`` folder and a ``.whl/`` folder with
+one wheel) with ``$PYTHON`` set to a stand-in that records each call and succeeds, reporting Python 3.12 (the version
+the wheels are for): the calls show whether the wheels were installed and what the session driver was given.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = "-m tests.helpers.gpu_session"
+INSTALL = "-m pip install"
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_session.sh", root / "scripts")
+    (root / ".whl").mkdir()
+    (root / ".whl" / "trl-0.0-py3-none-any.whl").write_bytes(b"")
+    fake = tmp_path / "python3"
+    # one line per call; `-c` (the version check) exits 0, i.e. "this is Python 3.12"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> "{tmp_path / "calls.log"}"\n')
+    fake.chmod(0o755)
+    return root
+
+
+def _session(layout: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    env = {**os.environ, "PYTHON": str(layout.parent / "python3")}
+    cmd = ["bash", str(layout / "scripts" / "gpu_session.sh"), "OUT", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    log = layout.parent / "calls.log"
+    return proc, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("spelling", [["--device", "cpu"], ["--device=cpu"]], ids=["space", "equals"])
+def test_either_spelling_of_device_cpu_is_the_dry_run(layout, spelling):
+    proc, calls = _session(layout, *spelling, "--cases=check:parity", "--budget-s", "60")
+    assert proc.returncode == 0, proc.stderr
+    assert not any(INSTALL in call for call in calls), calls  # the dry run installs no wheels
+    assert calls[-1] == f"{DRIVER} --out OUT --device cpu --cases=check:parity --budget-s 60"
+
+
+@pytest.mark.parametrize("spelling", [[], ["--device", "cuda"], ["--device=cuda"]], ids=["default", "space", "equals"])
+def test_a_gpu_session_installs_the_wheels_first(layout, spelling):
+    proc, calls = _session(layout, *spelling)
+    assert proc.returncode == 0, proc.stderr
+    assert [call.split(" .whl/")[0] for call in calls if INSTALL in call] == [
+        f"{INSTALL} -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/odc_site"
+    ]
+    assert calls[-1] == f"{DRIVER} --out OUT --device cuda"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices=cpu"], "unknown option '--devices=cpu'"),
+        (["--device", "cpu", "--dry-run"], "unknown option '--dry-run'"),
+        (["--device=gpu"], "--device is cuda or cpu, not 'gpu'"),
+        (["--device"], "--device needs a value"),
+        (["--cases"], "--cases needs a value"),
+    ],
+)
+def test_an_unknown_option_or_value_is_refused_before_anything_runs(layout, args, message):
+    proc, calls = _session(layout, *args)
+    assert proc.returncode == 2
+    assert f"gpu_session.sh: {message}" in proc.stderr and "usage: bash scripts/gpu_session.sh" in proc.stderr
+    assert calls == []  # neither the wheels nor the session driver ran
+
+
+def test_the_output_folder_comes_first(layout):
+    env = {**os.environ, "PYTHON": str(layout.parent / "python3")}
+    cmd = ["bash", str(layout / "scripts" / "gpu_session.sh"), "--device=cpu"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "the first argument is the output folder" in proc.stderr
