@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import check_signature, patch_attribute, require, warn_if_untested
+from . import check_signature, import_attr, patch_attribute, require, warn_if_untested
 
 _LIBRARY = "transformers"
 
@@ -198,3 +198,16 @@ def guard_trainer_train(check: Callable[[Any], None]) -> None:
         return train
 
     patch_attribute(Trainer, "train", wrap, library=_LIBRARY, where="transformers.Trainer")
+
+
+def checkpoint_weights(model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` (full tensors under ``model``'s own parameter names) renamed and laid out as a checkpoint of
+    ``model`` stores them: transformers' ``revert_weight_conversion``, what ``save_pretrained`` applies (transformers
+    5 fuses some weights in memory, e.g. a MoE layer's experts into ``experts.gate_up_proj`` / ``experts.down_proj``,
+    which checkpoints and generation engines keep per expert). A model without conversions gets ``weights`` back.
+
+    The conversions are whole-tensor renames and splits, so a subset of the model's weights (one FSDP unit) converts
+    on its own as long as it holds every source of each conversion."""
+    revert = import_attr("transformers.core_model_loading", "revert_weight_conversion", library=_LIBRARY)
+    check_signature(revert, ("model", "state_dict"), library=_LIBRARY, where="revert_weight_conversion")
+    return revert(model=model, state_dict=weights)

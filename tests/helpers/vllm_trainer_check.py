@@ -6,11 +6,13 @@ On the trainer's `VLLMGeneration` instance (whose ``sync_weights`` is ODC's per-
 
 * every weight sync and every vLLM ``generate`` call runs inside the torch.distributed call counter
   (`tests.helpers.dist_counter`): ``sync_dist_calls`` / ``generation_dist_calls``, one entry per call;
-* after every sync, outside the counter, the engine's greedy tokens for two fixed prompts are compared with greedy
-  decoding by a Hugging Face model holding the trained weights gathered with DTensor's own collectives (with PEFT,
-  the adapters merged into them by PEFT's ``merge_and_unload`` in this process) (every rank
-  syncs once per step, at the same point): ``checks``, one entry per sync with the engine's tokens before the sync
-  (those of the previous check: the weights do not change in between) and after it, and HF's;
+* after every sync, outside the counter, the engine is compared with a Hugging Face model holding the trained weights
+  gathered with DTensor's own collectives (with PEFT, the adapters merged into them by PEFT's ``merge_and_unload`` in
+  this process) (every rank syncs once per step, at the same point): the log-probability of every token of
+  `CHECK_PROMPTS` prompts (``logprob_max_diff``, to be within `LOGPROB_TOLERANCE`: a wrong tensor anywhere in the
+  engine shows there, where a few greedy tokens may not), and greedy decoding of them: ``checks``, one entry per sync
+  with the engine's tokens before the sync (those of the previous check: the weights do not change in between) and
+  after it, and HF's;
 * every ``generate`` call's prompts, completions and vLLM log-probs are recorded (``rollouts``), so that a one-process
   run can train on exactly these completions (`tests/helpers/grpo_vllm_replay.py`);
 * the engine's shutdown at the end of the run is recorded (``shutdown``: whether the job's process group was still
@@ -31,13 +33,47 @@ from typing import Any
 import torch
 
 CHECK_TOKENS = 8  # greedy tokens compared after each sync
+#: Largest difference, in nats, between vLLM's prompt log-probabilities and the gathered model's, at any position of the
+#: check prompts, for fp32 engines holding the same weights (measured: 1e-6 to 2e-6 on the tiny models; a wrong tensor
+#: anywhere in the engine shows as 0.07 to 6 nats).
+LOGPROB_TOLERANCE = 1e-4
+CHECK_PROMPTS = 3
+CHECK_PROMPT_WORDS = 24
 
 
 def _check_prompts(tokenizer: Any) -> list[list[int]]:
     from odc_accelerate.data import offline_texts
 
-    texts = [" ".join(t.split()[:8]) for t in offline_texts()[:2]]
+    texts = [" ".join(t.split()[:CHECK_PROMPT_WORDS]) for t in offline_texts()[:CHECK_PROMPTS]]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def vllm_prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """vLLM's log-probability of every prompt token after the first, given the tokens before it (its raw logits)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        [o.prompt_logprobs[t][p[t]].logprob for t in range(1, len(p))] for o, p in zip(outputs, prompts, strict=True)
+    ]
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """The same log-probabilities from a Hugging Face model (float32)."""
+    out = []
+    for prompt in prompts:
+        logits = model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out.append([float(logprobs[t - 1, prompt[t]]) for t in range(1, len(prompt))])
+    return out
+
+
+def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    """The largest difference over every position of every prompt (both must cover the same positions)."""
+    assert [len(x) for x in a] == [len(y) for y in b], "log-probabilities of different prompt lengths"
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
 def _vllm_greedy(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
@@ -98,12 +134,27 @@ class VLLMTrainerCheck:
         llm = self.trainer.vllm_generation.llm
         # Between two syncs the engine's weights do not change: the previous check's tokens are its tokens before.
         before = self.checks[-1]["vllm"] if self.checks else _vllm_greedy(llm, self._prompts)
+        stale = vllm_prompt_logprobs(llm, self._prompts)
         with count() as calls:
             original()
         self.sync_dist_calls.append(dict(calls))
         after = _vllm_greedy(llm, self._prompts)
-        hf = _hf_greedy(self._gathered_model(), self._prompts)
-        self.checks.append({"step": int(self.trainer.state.global_step), "before": before, "vllm": after, "hf": hf})
+        reference = self._gathered_model()
+        hf = _hf_greedy(reference, self._prompts)
+        trained = hf_prompt_logprobs(reference, self._prompts)
+        logprobs = max_logprob_difference(vllm_prompt_logprobs(llm, self._prompts), trained)
+        self.checks.append(
+            {
+                "step": int(self.trainer.state.global_step),
+                "before": before,
+                "vllm": after,
+                "hf": hf,
+                "logprob_max_diff": logprobs,
+                # the engine before this sync against the weights it syncs: what the check sees of a stale engine
+                "stale_logprob_max_diff": max_logprob_difference(stale, trained),
+                "positions": sum(len(p) - 1 for p in self._prompts),
+            }
+        )
 
     def generate(self, original: Any, count: Any, *args: Any, **kwargs: Any) -> Any:
         with count() as calls:

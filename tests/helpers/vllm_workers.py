@@ -28,16 +28,17 @@ VLLM_ENV = {
 MODEL_SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
-def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
-    """The test's tiny Qwen2 (float32, sdpa, random init from ``seed``) and the offline tokenizer."""
+def tiny_model_and_tokenizer(seed: int = 0, tied: bool = False) -> tuple[Any, Any]:
+    """The test's tiny Qwen2 (float32, sdpa, random init from ``seed``) and the offline tokenizer; with ``tied``, its
+    LM head is the input embedding (``tie_word_embeddings``, as Qwen2.5 0.5B-3B)."""
     from transformers import AutoModelForCausalLM, set_seed
 
     from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
 
     set_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        tiny_qwen2_config(**MODEL_SHAPE), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    config = tiny_qwen2_config(**MODEL_SHAPE)
+    config.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model, load_offline_tokenizer()
 
 
@@ -70,8 +71,10 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     greedily from this rank's prompts, all inside a torch.distributed call counter; then gather the trained model with
     DTensor collectives (outside the counter) and generate the same prompts with HF.
 
-    Returns the token ids of vLLM before and after the sync and of HF, the calls counted, the sync's figures, whether
-    ODC's full parameters equal DTensor's gather bit for bit, and the state after shutting the engine down.
+    Returns the token ids of vLLM before and after the sync and of HF, the largest difference between vLLM's and HF's
+    log-probabilities of every position of the check prompts before the step, after the sync, and between the stale
+    engine and the trained model, the calls counted, the sync's figures, whether ODC's full parameters equal DTensor's
+    gather bit for bit, and the state after shutting the engine down.
     """
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -82,6 +85,8 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     from odc_accelerate.integrations.vllm import iter_full_parameters, shutdown_vllm, sync_vllm_weights
     from odc_accelerate.testing.models import world_mesh
 
+    from .vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
+
     path, max_tokens = spec["path"], spec.get("max_tokens", 16)
     (spec["pid_dir"] / f"rank{rank}.pid").write_text(str(os.getpid()))
     out: dict[str, Any] = {}
@@ -90,6 +95,7 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    model_copy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     mesh = world_mesh("cpu")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -103,6 +109,9 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = prompts_of(rank)
     out["vllm_initial"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    check_prompts = [tokenizer(" ".join(t.split()[:24]))["input_ids"] for t in offline_texts()[:3]]
+    initial = vllm_prompt_logprobs(llm, check_prompts)
+    out["logprobs_initial"] = max_logprob_difference(initial, hf_prompt_logprobs(model_copy, check_prompts))
 
     # One optimizer step through the engine; the ranks run different numbers of microbatches.
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-2))
@@ -143,6 +152,10 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
         for name, p in reference.named_parameters():
             p.copy_(full[name])
     out["hf"] = _hf_greedy(reference, tokenizer, prompts, max_tokens)
+    trained = hf_prompt_logprobs(reference, check_prompts)
+    out["logprobs_synced"] = max_logprob_difference(vllm_prompt_logprobs(llm, check_prompts), trained)
+    out["logprobs_stale"] = max_logprob_difference(initial, trained)
+    out["full_names"] = len(full)
 
     shutdown_vllm(llm)
     out["dist_after_shutdown"] = dist.is_initialized()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odc_accelerate.integrations.vllm import _lora_layers
+from odc_accelerate.integrations.vllm import check_vllm_sync_model
 from odc_accelerate.testing import launch
 from tests.helpers.peft_workers import merged_full_parameters, tiny_lora_model
 
@@ -43,10 +43,16 @@ def test_lora_weights_are_merged_as_peft_merges_them():
     [
         ({"use_dora": True}, "uses DoRA"),
         ({"lora_bias": True}, "LoRA bias"),
-        ({"target_modules": ["embed_tokens"]}, "LoRA on Embedding"),
+        ({"target_modules": ["embed_tokens"]}, "LoRA on an embedding"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        # aLoRA: a LoRA variant (``lora_variant``), which PEFT merges by its own rule
+        ({"alora_invocation_tokens": [5, 6]}, "the LoRA variant ALoraLinearVariant"),
+        # LoRA on a bare parameter (target_parameters): PEFT's ParamWrapper, not a linear layer
+        ({"target_modules": [], "target_parameters": ["mlp.up_proj.weight"]}, "ParamWrapper layer"),
     ],
 )
 def test_adapters_the_sync_cannot_merge_are_refused_by_name(change, message):
+    """Refused from the model alone (`check_vllm_sync_model`: before any engine is built), naming the layer."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -55,5 +61,29 @@ def test_adapters_the_sync_cannot_merge_are_refused_by_name(change, message):
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32))
     model = get_peft_model(model, LoraConfig(**{**LORA, **change}))
-    with pytest.raises(NotImplementedError, match=message):
-        _lora_layers(model)
+    with pytest.raises(NotImplementedError, match=message) as err:
+        check_vllm_sync_model(model)
+    assert str(err.value).startswith("base_model.model.")  # names the layer or parameter
+
+
+def test_plain_lora_tied_and_dense_models_pass_the_set_up_check():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from odc_accelerate.testing.models import tiny_causal_lm_config
+    from tests.helpers.peft_workers import LORA
+
+    for kind in ("untied", "tied"):
+        model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, hidden_size=32))
+        check_vllm_sync_model(model)
+        check_vllm_sync_model(get_peft_model(model, LoraConfig(**LORA)))
+
+
+def test_mixture_of_experts_models_are_refused_by_name():
+    from transformers import AutoModelForCausalLM
+
+    from odc_accelerate.testing.models import tiny_causal_lm_config
+
+    model = AutoModelForCausalLM.from_config(tiny_causal_lm_config("moe", hidden_size=32))
+    with pytest.raises(NotImplementedError, match=r"Qwen3MoeForCausalLM is a mixture-of-experts model \(4 experts"):
+        check_vllm_sync_model(model)

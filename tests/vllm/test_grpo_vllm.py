@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from odc_accelerate.testing import shm_files_of
+from tests.helpers.vllm_trainer_check import LOGPROB_TOLERANCE
 from tests.multiprocess.integration_utils import ROOT, RUN_EXAMPLE, base_env, check_ok, reports, run
 
 TRAIN = ROOT / "examples" / "grpo" / "train.py"
@@ -105,12 +106,16 @@ def test_peft_adapters_sync_as_merged_weights(peft_run):
         where = f"rank {r['rank']}"
         assert r["sync_dist_calls"] == [{}] * 2 and r["generation_dist_calls"] == [{}] * 2, where
         for c in r["checks"]:
-            # vLLM's greedy tokens equal HF's on PEFT's own merge of the trained adapters (gathered with DTensor)
+            # vLLM's log-probabilities of every prompt position and its greedy tokens equal HF's on PEFT's own merge
+            # of the trained adapters (gathered with DTensor)
+            assert c["logprob_max_diff"] < LOGPROB_TOLERANCE, f"{where}, sync before step {c['step'] + 1}: {c}"
             assert c["vllm"] == c["hf"], f"{where}, sync before step {c['step'] + 1}: {c}"
         assert r["checks"][1]["before"] != r["checks"][1]["vllm"], f"{where}: the trained adapters changed nothing"
+        assert r["checks"][1]["stale_logprob_max_diff"] > 10 * LOGPROB_TOLERANCE, r["checks"][1]
         for s in r["syncs"]:
             # the base model's 27 tensors under its own names (no adapter tensor reaches the engine)
             assert s["units"] == 4 and s["parameters"] == 27 and s["bytes"] == MODEL_BYTES, s
+            assert s["loaded"] > 0, s  # every engine parameter loaded (the sync raises otherwise)
         assert r["shutdown"]["process_group_kept"] and r["shutdown"]["engine_core_shut_down"], r["shutdown"]
     assert shm_files_of([r["pid"] for r in ranks]) == []
 
@@ -179,14 +184,19 @@ def test_after_every_sync_the_engine_holds_the_trained_weights(runs):
         where = f"rank {r['rank']}"
         assert [c["step"] for c in r["checks"]] == [0, 1, 2], where
         for c in r["checks"]:
-            # vLLM's greedy tokens equal HF's on the trained model gathered with DTensor's collectives
+            # vLLM's log-probabilities of every position of the check prompts, and its greedy tokens, equal HF's on
+            # the trained model gathered with DTensor's collectives
+            assert c["logprob_max_diff"] < LOGPROB_TOLERANCE, f"{where}, sync before step {c['step'] + 1}: {c}"
             assert c["vllm"] == c["hf"], f"{where}, sync before step {c['step'] + 1}: {c}"
+        # a stale engine differs from the trained model by far more than the tolerance: the check can see it
+        assert all(c["stale_logprob_max_diff"] > 10 * LOGPROB_TOLERANCE for c in r["checks"][1:]), r["checks"]
         # the first sync loads the initial weights again; each later one changes what the engine generates (so the
         # comparison above would catch a sync that did nothing)
         assert r["checks"][0]["before"] == r["checks"][0]["vllm"], where
         assert all(c["before"] != c["vllm"] for c in r["checks"][1:]), where
         for s in r["syncs"]:
             assert s["units"] == 4 and s["parameters"] == 27 and s["bytes"] == MODEL_BYTES, s
+            assert s["loaded"] > 0, s  # every engine parameter loaded (the sync raises otherwise)
 
 
 def test_engines_shut_down_keeping_the_process_group_and_nothing_left_in_shm(runs):

@@ -116,6 +116,10 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         # sharded or any completion generated.
         config = ODCConfig.from_sources(args=self.args)
         check_grpo_args(self.args, config)
+        if config.enable and getattr(self.args, "use_vllm", False):
+            from ..vllm import check_vllm_sync_model
+
+            check_vllm_sync_model(self.model)  # before TRL builds the engine: a model whose sync would be wrong
         super().create_accelerator_and_postprocess()
 
     def get_train_dataloader(self) -> Any:
