@@ -96,6 +96,13 @@ def _hf_greedy(model: Any, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _load_all(model: Any, full: dict[str, torch.Tensor]) -> None:
+    """Load every parameter; a tied LM head, which ``named_parameters`` lists once (as the embedding), comes with it."""
+    missing, unexpected = model.load_state_dict(full, strict=False)
+    tied = {name for name in missing if name.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
+    assert not unexpected and set(missing) == tied, (missing, unexpected)
+
+
 class VLLMTrainerCheck:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -121,13 +128,13 @@ class VLLMTrainerCheck:
 
             base = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32, attn_implementation="sdpa")
             reference = get_peft_model(base, model.peft_config["default"])
-            reference.load_state_dict(full, strict=True)
+            _load_all(reference, full)
             return reference.merge_and_unload().eval()
         if self._reference is None:
             self._reference = AutoModelForCausalLM.from_config(
                 model.config, dtype=torch.float32, attn_implementation="sdpa"
             ).eval()
-        self._reference.load_state_dict(full, strict=True)
+        _load_all(self._reference, full)
         return self._reference
 
     def sync(self, original: Any, count: Any) -> None:
