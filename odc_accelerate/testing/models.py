@@ -1,9 +1,13 @@
-"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data."""
+"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging Face
+causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -124,3 +128,88 @@ def make_steps(plan: list[list[list[int]]], vocab: int, seed: int) -> list[list[
         [[torch.randint(0, vocab, (1, length + 1), generator=gen) for length in rank_plan] for rank_plan in step]
         for step in plan
     ]
+
+
+# ------------------------------------------------------------------------------------------ tiny Hugging Face models
+#: The kinds of tiny causal LMs `tiny_causal_lm_config` builds: the offline default (untied Qwen2), a Llama 3.2-shaped
+#: model whose LM head is the input embedding (as Qwen2.5 0.5B-3B, Llama 3.2 1B/3B and Gemma ship), and a Qwen3-MoE
+#: (experts fused as transformers 5 stores them: ``experts.gate_up_proj`` / ``experts.down_proj``).
+TINY_MODEL_KINDS = ("untied", "tied", "moe")
+
+
+def tiny_causal_lm_config(kind: str = "untied", hidden_size: int = 64) -> Any:
+    """A small `transformers` config of ``kind`` (one of `TINY_MODEL_KINDS`), random init, sized for CPU runs and
+    for the vocabulary of `odc_accelerate.data.load_offline_tokenizer` (``ODC_OFFLINE_BPE_RANKS`` shrinks it).
+
+    * ``"untied"``: `odc_accelerate.data.tiny_qwen2_config` (the scripts' offline default).
+    * ``"tied"``: a `LlamaConfig` shaped as Llama 3.2 (grouped-query attention, no biases, ``llama3`` RoPE scaling,
+      ``tie_word_embeddings=True``): ``lm_head.weight`` is ``model.embed_tokens.weight``.
+    * ``"moe"``: a `Qwen3MoeConfig` with 4 experts, 2 per token, every layer sparse. The router's auxiliary loss keeps
+      the architecture's coefficient (TRL's trainers turn it on from it unless ``router_aux_loss_coef=0``).
+    """
+    from odc_accelerate.data import offline_bpe_ranks, offline_vocab_size, tiny_qwen2_config
+
+    if kind not in TINY_MODEL_KINDS:
+        raise ValueError(f"Unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_MODEL_KINDS)}.")
+    if kind == "untied":
+        return tiny_qwen2_config(hidden_size=hidden_size)
+    eos = offline_bpe_ranks()  # <|endoftext|>, the first special token after the kept ranks
+    common = dict(
+        vocab_size=offline_vocab_size(),
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=4096,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    if kind == "tied":
+        from transformers import LlamaConfig
+
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        common["max_position_embeddings"] = 131072  # as Llama 3.2: above the scaling's original 8,192
+        return LlamaConfig(
+            intermediate_size=4 * hidden_size,
+            rope_parameters=rope,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            **common,
+        )
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        intermediate_size=4 * hidden_size,
+        moe_intermediate_size=hidden_size,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        **common,
+    )
+
+
+def save_tiny_causal_lm(kind: str, path: str | os.PathLike, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Build the tiny model of ``kind`` (`tiny_causal_lm_config`) in fp32 with ``seed`` and save it, with the offline
+    tokenizer, to ``path``: a folder the scripts load with ``--model_name_or_path path`` (no network). Returns the
+    folder."""
+    from transformers import AutoModelForCausalLM, set_seed
+
+    from odc_accelerate.data import load_offline_tokenizer
+
+    set_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, hidden_size), dtype=torch.float32)
+    out = Path(path)
+    model.save_pretrained(out)
+    load_offline_tokenizer().save_pretrained(out)
+    return out
