@@ -5,7 +5,7 @@ on one GPU time-slice it, so a figure taken while the peer also runs would inclu
 (64 MiB to 1 GiB of source on a GPU; tiny on CPU) and source dtype (fp32, bf16), ``dst`` an fp32 accumulator:
 
 * ``index_add_``: the fallback, ``index_add_`` in chunks through the transport's staging pool (its default size);
-* ``kernel``: the accumulate kernel, ``accumulate_`` (`odc_accelerate.transport._kernels`), at its default grid cap
+* ``kernel``: the accumulate kernel, ``accumulate_`` (`odc_accelerate.transport.cuda.kernels`), at its default grid cap
   for the source's dtype;
 * ``add_``: ``dst.add_(src)``, the same fused cast-and-add without atomics (the ceiling for adding in place);
 * ``copy``: ``buf.copy_(src)``, a plain copy of the source (what pulling a peer's slice costs);
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from odc_accelerate.testing import launch
-from odc_accelerate.transport._cuda_plan import DEFAULT_STAGING_MIB, StagingPool
-from odc_accelerate.transport._kernels import accumulate_, kernel_available, max_programs
+from odc_accelerate.transport.cuda.kernels import accumulate_, kernel_available, max_programs
+from odc_accelerate.transport.cuda.plan import DEFAULT_STAGING_MIB, StagingPool
 
 PATHS = ("index_add_", "kernel", "add_", "copy", "copy_then_add")
 GPU_SIZES_MIB = (64, 256, 1024)
 SM_SHARES = (0.125, 0.25, 0.5, 1.0)
-#: the speed check, per source dtype: the kernel at its default grid (`_kernels.default_sm_share`) adds at least this
+#: the speed check, per source dtype: the kernel at its default grid (`kernels.default_sm_share`) adds at least this
 #: share of the non-atomic ``add_``'s GB/s at the largest size. On the H100 the grid was chosen on
 #: (``benchmarks/gpu/h100-2026-11-27``: ``accumulate_sweep.json``, and ``speed_results.json``'s grid rows) the default
 #: grid reached 0.73-0.78 with an fp32 source (a quarter of the SMs) and 0.94-0.96 with a bf16 one (half); each goal
@@ -195,7 +195,8 @@ def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> 
     ``index_add_`` fallback: its path and why, memory report, and every rank's bf16 slices summed into each owner's
     fp32 accumulator. On rank ``spec["broken_kernel_rank"]`` (if given) the kernel cannot be built, as where Triton
     finds no C compiler: its set-up probe fails there."""
-    from odc_accelerate.transport import BufferSpec, _kernels
+    from odc_accelerate.transport import BufferSpec
+    from odc_accelerate.transport.cuda import kernels
 
     from .gpu_check import CpuSegmentsCudaTransport
 
@@ -204,7 +205,7 @@ def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> 
         def no_compiler(interpret: bool) -> Any:
             raise RuntimeError("emulated: Failed to find C compiler. Please specify via CC environment variable.")
 
-        _kernels._kernel = no_compiler
+        kernels._kernel = no_compiler
     numel = spec["numel"]
     transport = CpuSegmentsCudaTransport(rank, world_size, timeout=60.0, accumulate_kernel=spec["kernel"])
     own = transport.register({"g": BufferSpec(numel=numel, dtype=torch.bfloat16, accumulated=True)})

@@ -3,7 +3,7 @@
     python -m tests.helpers.accumulate_sweep [--mib 256] [--out sweep.json]
     TRITON_INTERPRET=1 python -m tests.helpers.accumulate_sweep --device cpu     (the dry run: tiny, checks only)
 
-For fp32 and bf16 sources into an fp32 accumulator, it times the kernel (`odc_accelerate.transport._kernels`) at
+For fp32 and bf16 sources into an fp32 accumulator, it times the kernel (`odc_accelerate.transport.cuda.kernels`) at
 every ``BLOCK`` x ``num_warps`` x grid size below, against ``dst.add_(src)`` (the non-atomic fused add, the ceiling)
 in the same run. Every figure is GB/s of source: the median of `REPEATS` timings, each of `CALLS` calls between CUDA
 events, after a warm-up. Each configuration's sum is checked exact once (bf16-representable sources, zeroed
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from odc_accelerate.transport import _kernels
+from odc_accelerate.transport.cuda import kernels
 from tests.helpers.accumulate_bench import _timer
 
 BLOCKS = (2048, 8192)
@@ -87,7 +87,7 @@ def _sweep_dtype(kernel: Any, device: torch.device, dtype: torch.dtype, mib: flo
 
 def sweep(device: torch.device, mib: float) -> dict[str, Any]:
     """Both source dtypes; ``rows`` holds every figure, ``ptx_atomics`` the atomic instructions compiled."""
-    kernel = _kernels._kernel(device.type != "cuda")
+    kernel = kernels._kernel(device.type != "cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     rows, ptx = [], {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -37,7 +37,7 @@ class StuckSetupTransport(CpuSegmentsCudaTransport):
 
     def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
         if self.rank == 1 and self.mode == "fail":
-            from odc_accelerate.transport._setup_watchdog import RENDEZVOUS
+            from odc_accelerate.transport.cuda.watchdog import RENDEZVOUS
 
             while self._phase_of(0) < RENDEZVOUS:  # fail once rank 0 is blocked in the rendezvous
                 time.sleep(0.01)

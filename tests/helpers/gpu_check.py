@@ -52,7 +52,7 @@ import torch.distributed as dist
 from odc_accelerate.testing import launch
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
 from odc_accelerate.transport import BufferSpec, CudaTransport, ShmTransport
-from odc_accelerate.transport._cuda_plan import DeviceFacts
+from odc_accelerate.transport.cuda import DeviceFacts
 
 OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 SMALL = dict(vocab=128, dim=64, heads=4, layers=3)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from odc_accelerate.transport._kernels import BLOCK, INTERPRETER_PROGRAMS
+from odc_accelerate.transport.cuda.kernels import BLOCK, INTERPRETER_PROGRAMS
 
 pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
 
@@ -28,7 +28,7 @@ def _source(rank: int) -> torch.Tensor:
 
 
 def _adder(path: str, rank: int, start: mp.Barrier) -> None:
-    from odc_accelerate.transport._kernels import accumulate_
+    from odc_accelerate.transport.cuda.kernels import accumulate_
 
     torch.set_num_threads(1)
     shared = torch.from_file(path, shared=True, size=NUMEL, dtype=torch.float32)

@@ -18,8 +18,8 @@ A use is:
   of an arbitrary object (``module._fsdp_param_group``) cannot be known from the source.
 
 Not uses: dunders (``__version__``), the project's own private names (``odc_accelerate._compat``,
-``odc_accelerate.transport._kernels``, an attribute of a class imported from the project), other libraries' private
-names (``sys._getframe``, ``_pytest``), and an override calling the library method it overrides
+``odc_accelerate.transport.cuda.kernels._kernel``, an attribute of a class imported from the project), other
+libraries' private names (``sys._getframe``, ``_pytest``), and an override calling the library method it overrides
 (``super()._generate(...)`` inside ``def _generate``): the overridden methods and their parameters are checked by
 ``_compat`` (``_compat.transformers.check``, ``_compat.trl.check_grpo``).
 """
@@ -491,7 +491,7 @@ def test_walker_leaves_dunders_the_projects_names_and_other_libraries_alone():
     source = """
         import os, sys
         import torch
-        import odc_accelerate.transport._kernels
+        import odc_accelerate.transport.cuda.kernels
         from _pytest.monkeypatch import MonkeyPatch
         from odc_accelerate._compat import fsdp
         from odc_accelerate.engine import _private_helper
@@ -504,7 +504,7 @@ def test_walker_leaves_dunders_the_projects_names_and_other_libraries_alone():
 
         def f(module, t):
             torch.__version__, torch.nn.Module.__init__, sys._getframe(), os._exit
-            module._own_attribute, fsdp._record_reduce_params, odc_accelerate.transport._kernels.BLOCK
+            module._own_attribute, fsdp._record_reduce_params, odc_accelerate.transport.cuda.kernels._kernel
             ODCAcceleratorSetup._build_accelerator_args(t)  # the project's own override
             torch.distributed  # public
     """

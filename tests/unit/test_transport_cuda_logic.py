@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
-from odc_accelerate.transport._cuda_plan import (
+from odc_accelerate.transport.cuda import cuda_unavailable_reason, local_device_facts
+from odc_accelerate.transport.cuda.plan import (
     ALIGN,
     DEFAULT_STAGING_MIB,
     MAX_DEFAULT_STAGING_MIB,
@@ -28,7 +29,6 @@ from odc_accelerate.transport._cuda_plan import (
     plan_segment,
     staging_bytes_setting,
 )
-from odc_accelerate.transport.cuda import cuda_unavailable_reason, local_device_facts
 
 MiB = 2**20
 SPECS = {
@@ -327,7 +327,7 @@ def test_symmetric_memory_backend_and_multicast_switch_without_a_gpu(monkeypatch
 
 
 def test_peer_atomics_query_is_unknown_without_a_driver():
-    from odc_accelerate.transport.cuda import _p2p_native_atomics
+    from odc_accelerate.transport.cuda.transport import _p2p_native_atomics
 
     if torch.cuda.is_available():
         pytest.skip("a GPU driver is present")

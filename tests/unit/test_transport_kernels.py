@@ -1,4 +1,4 @@
-"""The cuda transport's accumulate kernel (`odc_accelerate.transport._kernels`) on CPU, under Triton's interpreter.
+"""The cuda transport's accumulate kernel (`odc_accelerate.transport.cuda.kernels`) on CPU, under Triton's interpreter.
 
 Exact against a float64 reference for every source dtype into an fp32 accumulator, at block and launch edges; where
 it may run and why not; the transport's choice of path; and, where the installed Triton can compile for sm_90 without
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from odc_accelerate.transport import BufferSpec, cuda
-from odc_accelerate.transport import _kernels as kernels
-from odc_accelerate.transport._cuda_plan import DeviceFacts, accumulate_kernel_agreement, plan_segment
-from odc_accelerate.transport._kernels import BLOCK, accumulate_, kernel_available
+from odc_accelerate.transport import BufferSpec
+from odc_accelerate.transport.cuda import kernels
+from odc_accelerate.transport.cuda import transport as cuda
+from odc_accelerate.transport.cuda.kernels import BLOCK, accumulate_, kernel_available
+from odc_accelerate.transport.cuda.plan import DeviceFacts, accumulate_kernel_agreement, plan_segment
 
 pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INTERPRET = "TRITON_INTERPRET"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The tests that run the kernel under the interpreter need a Triton whose interpreter can (3.7 on; torch 2.11's CUDA
-# wheels pin 3.6, whose interpreter cannot with numpy 2.4: see `_kernels.INTERPRETER_MIN_TRITON`).
+# wheels pin 3.6, whose interpreter cannot with numpy 2.4: see `kernels.INTERPRETER_MIN_TRITON`).
 runs_kernel = pytest.mark.skipif(kernels.interpreter_problem() is not None, reason=str(kernels.interpreter_problem()))
 
 

@@ -2,7 +2,7 @@
 
 Ran on one H100, two ranks sharing it (``docs/gpu.md``): engine parity with one process, SFT, DPO and GRPO Trainer
 steps, and the accumulate kernel at its current launch parameters; not yet on several GPUs. Its host-side logic
-(:mod:`._cuda_plan`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
+(:mod:`.plan`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
 ``scripts/gpu_session.sh`` checks it on a GPU.
 
 Data plane. Every rank allocates one segment with torch's symmetric memory (through
@@ -12,9 +12,9 @@ after ``rendezvous``. A segment holds the rank's published shards and its gradie
 * ``read(peer, name, out)`` is ``out.copy_(peer_view)`` enqueued on the caller's current stream: the published shard
   is already there, so nothing waits for the peer and the host does not block;
 * ``accumulate(owner, name, src)`` adds ``src`` straight into the owner's accumulator with atomic adds over the peer
-  mapping: the accumulate kernel (:mod:`._kernels`, Triton) reads ``src`` in its own dtype, casts in registers and
+  mapping: the accumulate kernel (:mod:`.kernels`, Triton) reads ``src`` in its own dtype, casts in registers and
   adds with system-scope vector atomics, staging nothing. Each rank compiles and launches it once at set-up on a
-  scratch area (`._kernels.probe`) and the ranks exchange the outcome with their device facts: where Triton cannot
+  scratch area (`.kernels.probe`) and the ranks exchange the outcome with their device facts: where Triton cannot
   run on some rank (not installed, a GPU older than sm_80, a bf16 accumulator before sm_90, a failed compile or
   launch) every rank takes the fallback, said once in the log and named by ``accumulate_path`` and
   ``accumulate_reason``: ``index_add_`` (its CUDA kernel uses device-scope ``atomicAdd``) in chunks through a staging
@@ -30,7 +30,7 @@ memory does not fit. Multicast (NVLS) is never bound for
 the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
-dead-peer detection) and holds each rank's set-up phase, which a watchdog (:mod:`._setup_watchdog`) reads while the
+dead-peer detection) and holds each rank's set-up phase, which a watchdog (:mod:`.watchdog`) reads while the
 symmetric-memory allocation and rendezvous run: they have no timeout, so a rank failing or stalling there ends its
 blocked peers with a message naming it. ``flush`` waits for this rank's own queued GPU work on the streams it used
 (its reads, adds and publishes land), not the whole device; ``barrier`` flushes, then meets the peers on the host,
@@ -50,9 +50,12 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import memory
-from . import _setup_watchdog as watchdog
-from ._cuda_plan import (
+from ... import memory
+from ..base import BufferSpec, Transport, host_id, is_out_of_memory
+from ..shm import ShmTransport
+from . import watchdog
+from .kernels import accumulate_, kernel_available, max_programs, probe
+from .plan import (
     OVERLAP_ENV,
     SETUP_MARGIN_BYTES,
     DeviceFacts,
@@ -66,16 +69,13 @@ from ._cuda_plan import (
     staging_bytes_setting,
     transport_memory_text,
 )
-from ._kernels import accumulate_, kernel_available, max_programs, probe
-from .base import BufferSpec, Transport, host_id, is_out_of_memory
-from .shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-_PHASE = "setup_phase"  # control plane: how far this rank got in set-up (`_setup_watchdog`)
+_PHASE = "setup_phase"  # control plane: how far this rank got in set-up (`.watchdog`)
 _FREE = "setup_free"  # control plane: this rank's free GPU bytes when its allocation ran out of memory
 _P2P_NATIVE_ATOMIC = 3  # CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED (cudaDevP2PAttrNativeAtomicSupported)
-#: the accumulate paths: the Triton kernel (`._kernels.accumulate_`), or ``index_add_`` through the staging pool
+#: the accumulate paths: the Triton kernel (`.kernels.accumulate_`), or ``index_add_`` through the staging pool
 KERNEL_PATH, FALLBACK_PATH = "kernel", "index_add_"
 _said: set[tuple[str, str]] = set()  # accumulate paths already logged by this process
 
@@ -88,7 +88,7 @@ def local_accumulate_kernel(
 ) -> tuple[bool, str]:
     """Whether this rank can add ``accumulated`` buffers with the accumulate kernel, and why (not); no collective.
 
-    `._kernels.kernel_available` first (it compiles nothing), then `._kernels.probe`, which compiles the kernel for
+    `.kernels.kernel_available` first (it compiles nothing), then `.kernels.probe`, which compiles the kernel for
     every source dtype and launches it on a scratch area: a Triton that cannot compile or launch shows here, at
     set-up, instead of in the first backward pass. A failed probe is logged at WARNING on this rank.
     """
@@ -114,7 +114,7 @@ def choose_accumulate_path(facts: Sequence[DeviceFacts]) -> tuple[str, str]:
     """The accumulate path every rank takes, decided from every rank's gathered facts, and why; logged once per
     process.
 
-    The kernel where it passed `local_accumulate_kernel` on every rank (`._cuda_plan.accumulate_kernel_agreement`),
+    The kernel where it passed `local_accumulate_kernel` on every rank (`.plan.accumulate_kernel_agreement`),
     else the ``index_add_`` fallback (logged at WARNING: it moves about twice the bytes per element, needs the staging
     pool, and its atomics are of device scope, which the 'cuda' transport relies on NVLink to perform at the owner for
     adds arriving from peers).
@@ -146,7 +146,7 @@ def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False: no usable GPU or driver"
-    from .._compat import fsdp as compat  # imported here: the CPU transports need no FSDP2 internals
+    from ..._compat import fsdp as compat  # imported here: the CPU transports need no FSDP2 internals
 
     return compat.symmetric_memory_unavailable_reason()
 
@@ -176,7 +176,7 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
     )
     if problem:
         return DeviceFacts(problem=problem, **common)
-    from .._compat import fsdp as compat
+    from ..._compat import fsdp as compat
 
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     count = torch.cuda.device_count()
@@ -229,7 +229,7 @@ class CudaTransport(Transport):
             dtypes are widened to fp32 (a whole step is summed before the fold); pass e.g. ``torch.bfloat16`` to keep
             them narrow and save memory.
         accumulate_sm_share (`float`, *optional*): share of the GPU's SMs the accumulate kernel's grid may cover; the
-            rest are left to the backward pass it runs beside. Defaults to `._kernels.default_sm_share` of each
+            rest are left to the backward pass it runs beside. Defaults to `.kernels.default_sm_share` of each
             gradient's dtype: a quarter of the SMs for fp32 gradients, half for bf16 and fp16 ones.
         accumulate_kernel (`bool`, *optional*, defaults to `True`): add with the accumulate kernel where it compiles
             and runs on every rank; `False` keeps the ``index_add_`` fallback (to compare the two, or to step around a
@@ -317,7 +317,7 @@ class CudaTransport(Transport):
         reason = device_refusal(facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
-        from .._compat import fsdp as compat
+        from ..._compat import fsdp as compat
 
         pad = compat.symmetric_signal_pad_bytes()
         plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad, staged=False)
@@ -461,7 +461,7 @@ class CudaTransport(Transport):
 
     def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Collective (every rank of the group calls it): this rank's zeroed segment in symmetric memory."""
-        from .._compat import fsdp as compat
+        from ..._compat import fsdp as compat
 
         own = compat.symmetric_segment(nbytes, device, self._group or dist.group.WORLD)
         own.zero_()
@@ -469,7 +469,7 @@ class CudaTransport(Transport):
 
     def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
         """Collective: the rendezvous; every rank's segment mapped into this process, indexed by rank."""
-        from .._compat import fsdp as compat
+        from ..._compat import fsdp as compat
 
         self._handle = compat.symmetric_rendezvous(own, self._group or dist.group.WORLD)
         return [

@@ -1,14 +1,14 @@
 """Host-side plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
 
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
-device, so the unit tests exercise it on CPU; :mod:`odc_accelerate.transport.cuda` supplies the GPU facts, the
+device, so the unit tests exercise it on CPU; :mod:`.transport` supplies the GPU facts, the
 symmetric-memory segment and the streams.
 
 The design (see ``docs/transports.md``): every rank's segment holds its published shards and its gradient
 accumulators, and a sender adds its slice straight into the owner's accumulator with native atomic adds over the peer
 mapping. The adds take one of two paths:
 
-* the accumulate kernel (:mod:`._kernels`, Triton): reads the gradient in its own dtype, casts in registers and adds
+* the accumulate kernel (:mod:`.kernels`, Triton): reads the gradient in its own dtype, casts in registers and adds
   with system-scope atomics; it needs no device memory of its own (``staged=False``: no pool);
 * the fallback where Triton cannot run, ``index_add_`` (its CUDA kernel uses ``atomicAdd``) through a staging pool of
   a fixed, configurable size: the index vector ``index_add_`` needs and one chunk of the accumulator's dtype for
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import memory
-from .base import BufferSpec
+from ... import memory
+from ..base import BufferSpec
 
 #: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
 #: accumulate kernel's 16-byte vector reductions need every accumulator view 16-byte aligned (the segment's base is).
@@ -338,7 +338,7 @@ class DeviceFacts:
         settings (`tuple`): the transport's settings on this rank (staging bytes, accumulator dtype); segments must be
             laid out identically on every rank.
         accumulate_kernel (`bool`): the accumulate kernel can run on this rank: available, and it compiled, launched
-            and summed exactly at set-up (`odc_accelerate.transport._kernels.probe`).
+            and summed exactly at set-up (`.kernels.probe`).
         accumulate_kernel_reason (`str`): why it can or cannot run here.
     """
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .base import BufferSpec, ODCTimeoutError, Transport
+from ..base import BufferSpec, ODCTimeoutError, Transport
 
 logger = logging.getLogger(__name__)
 
