@@ -1,7 +1,7 @@
 """Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
 
 Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
-serve four things:
+serve five things:
 
 * **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
   with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
@@ -19,6 +19,9 @@ serve four things:
 * **PEFT models.** ``accelerate.utils.fsdp_utils._find_final_norm`` is wrapped so that the FSDP2 wrapping groups a
   PEFT model's LM head with its final norm, as accelerate does for plain models (otherwise TRL's fused LM head
   all-gathers it per microbatch).
+* **Tied embeddings.** Within the wrapped ``fsdp2_prepare_model``, a model whose LM head is its input embedding gets
+  both in one FSDP2 group (accelerate 1.14 left the head to the root: refused by torch 2.13, silently untied before),
+  and the tie is checked afterwards (:func:`_tied_embeddings_in_one_group`).
 
 The command line (``odc-accelerate launch`` / ``config``) reads, without patching, accelerate's ``accelerate launch``
 parser (:func:`launch_parser`: where the training script and its arguments start, ``--module``, ``--no_python``) and
@@ -31,10 +34,11 @@ The tested accelerate versions are ``TESTED["accelerate"]`` in :mod:`odc_acceler
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +46,13 @@ from ..validation import str_to_bool
 from . import (
     CompatError,
     check_signature,
+    installed_version,
     is_patched,
     missing_message,
     patch_attribute,
     require,
     restore_attribute,
+    tested_text,
     warn_if_untested,
 )
 
@@ -316,12 +322,68 @@ def _wrap_find_final_norm(original: Callable) -> Callable:
 def _wrap_prepare_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: Any) -> Any:
-        model = original(accelerator=accelerator, model=model)
+        with _tied_embeddings_in_one_group(model):
+            model = original(accelerator=accelerator, model=model)
         if _CALLBACKS.on_prepared is not None:
             _CALLBACKS.on_prepared(accelerator, model)
         return model
 
     return fsdp2_prepare_model
+
+
+def _tied_embeddings(model: Any) -> tuple[Any, Any] | None:
+    """``(input embedding, output embedding)`` of ``model`` when they share one weight (``tie_word_embeddings``),
+    else `None`."""
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(inputs, "weight", None)
+    if weight is None or outputs is None or getattr(outputs, "weight", None) is not weight:
+        return None
+    return inputs, outputs
+
+
+@contextlib.contextmanager
+def _tied_embeddings_in_one_group(model: Any) -> Iterator[None]:
+    """Within the block (``fsdp2_prepare_model``), the FSDP2 group holding a tied input embedding holds the output
+    embedding too; after it, the two still share one (sharded) parameter, or `CompatError` is raised.
+
+    A tied weight must be sharded by one ``fully_shard`` call that holds both modules: FSDP2 replaces the parameter on
+    every module of its group that holds it. accelerate 1.14 puts only the input embedding in the tail group
+    ``[final_norm, embedding]`` and leaves the LM head to the root, so the tail replaces ``embed_tokens.weight`` with
+    its sharded parameter and ``lm_head.weight`` keeps the original one: torch 2.13 refuses that ("shared with a
+    parameter already managed by another FSDP group"), and older torch trains the two as separate weights, silently
+    untied. accelerate 1.15 groups ``[final_norm, embedding, lm_head]`` itself (nothing to add then). accelerate
+    imports ``fully_shard`` from ``torch.distributed.fsdp`` inside the function, so that name is wrapped for the
+    block: a module list holding the input embedding but not the output embedding gets it appended.
+    """
+    tied = _tied_embeddings(model)
+    if tied is None:
+        yield
+        return
+    import torch.distributed.fsdp as fsdp
+
+    inputs, outputs = tied
+    original = fsdp.fully_shard
+
+    @functools.wraps(original)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(module, (list, tuple)) and any(m is inputs for m in module):
+            if not any(m is outputs for m in module):
+                module = [*module, outputs]
+        return original(module, *args, **kwargs)
+
+    fsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = original
+    if inputs.weight is not outputs.weight:
+        raise CompatError(
+            f"accelerate's FSDP2 wrapping (fsdp2_prepare_model, accelerate {installed_version(_LIBRARY)}) untied the "
+            f"input and output embeddings of {type(model).__name__} (tie_word_embeddings): they would train as two "
+            "weights. odc_accelerate is tested with accelerate "
+            f"{tested_text(_LIBRARY)}; install one of those, or load the model with tie_word_embeddings=False."
+        )
 
 
 def _wrap_end_training(original: Callable) -> Callable:

@@ -33,6 +33,8 @@ What the mixin changes, and why:
   the next one when it is free and loads and collates only what it claims (see `dynamic`).
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
   time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
+* **Refused under a plan:** a mixture-of-experts router's auxiliary loss (TRL's ``router_aux_loss_coef``, on by
+  default for such models), a function of which samples share a microbatch (`setup.check_router_aux_loss`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
   sampler is deterministic (seed, epoch, step) and a stream is read in its own order, so skipping the trained steps
   resumes the exact data order.
@@ -48,7 +50,7 @@ from ..accelerate import enable
 from .callback import ODCCallback
 from .loaders import ODCStepLoaders
 from .resume import ODCResume
-from .setup import ODCAcceleratorSetup
+from .setup import ODCAcceleratorSetup, check_router_aux_loss
 from .step import ODCStepLoop
 from .streaming import ODCStreamLoaders
 
@@ -80,4 +82,10 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
         self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
         super().__init__(*args, **kwargs)
+        if self.odc_config.balanced and getattr(self, "aux_loss_enabled", False):
+            # TRL's own decision, should it differ from the one `create_accelerator_and_postprocess` refused from
+            # the model's config and the arguments (then nothing has trained yet either).
+            check_router_aux_loss(
+                self.model, self.args, self.odc_config, coef=getattr(self, "router_aux_loss_coef", None)
+            )
         self.add_callback(ODCCallback(self))

@@ -18,7 +18,7 @@ from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCAcceleratorSetup"]
+__all__ = ["ODCAcceleratorSetup", "check_router_aux_loss", "router_aux_loss_coef"]
 
 # How to launch what ODC needs, with what an installed package offers (its presets and config writer).
 LAUNCH_HINT = (
@@ -53,6 +53,9 @@ class ODCAcceleratorSetup:
             self.args.gradient_accumulation_steps = 1
         if not config.enable and self.args.process_index == 0:
             self._odc_warn_if_off(config)
+        if config.balanced:
+            # Before the accelerator exists: nothing is sharded, no log-prob precomputed, no completion generated.
+            check_router_aux_loss(getattr(self, "model", None), self.args, config)
         super().create_accelerator_and_postprocess()
         if config.enable:
             from accelerate.utils import DistributedType
@@ -179,6 +182,65 @@ class ODCAcceleratorSetup:
             memory,
             config.metrics,
         )
+
+
+def router_aux_loss_coef(model: Any, args: Any) -> float:
+    """The weight of the router's auxiliary (load-balancing) loss a trainer adds to ``model``'s loss, 0.0 when none.
+
+    A mixture-of-experts config that can return its router logits has ``output_router_logits``. TRL's trainers (whose
+    arguments have ``router_aux_loss_coef``) add the loss for such a model unless the coefficient is 0, taking the
+    config's own coefficient when the argument is unset; `transformers.Trainer` gets it from the model's forward,
+    which adds it when the config has ``output_router_logits=True``.
+
+    Args:
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`, *optional*):
+            The model being trained (a PEFT model reads its base model's config).
+        args (`transformers.TrainingArguments`):
+            The training arguments (TRL's configs have ``router_aux_loss_coef``).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return 0.0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not hasattr(text, "output_router_logits"):
+        return 0.0  # no router returning logits: not a mixture of experts with a load-balancing loss
+    if hasattr(args, "router_aux_loss_coef"):
+        coef = args.router_aux_loss_coef
+        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if text.output_router_logits else 0.0
+
+
+def check_router_aux_loss(model: Any, args: Any, config: ODCConfig, coef: float | None = None) -> None:
+    """Refuse a router auxiliary loss (`router_aux_loss_coef`) under a plan, naming the model and what to change.
+
+    The load-balancing loss of a mixture-of-experts router is a function of the whole microbatch (the fraction of its
+    tokens routed to each expert times their mean router probability), added once per microbatch. It is not a sum over
+    samples, so no per-microbatch weight makes it independent of which samples share a microbatch; a plan chooses
+    the microbatches (several samples per microbatch, different numbers per rank), and the Trainer's loop, folded to
+    one accumulation step, would add it once per microbatch of the step instead of averaging it.
+
+    Args:
+        coef (`float`, *optional*):
+            The coefficient the trainer decided on (TRL's ``router_aux_loss_coef`` once its loss is on); default:
+            `router_aux_loss_coef` of ``model`` and ``args``.
+    """
+    coef = router_aux_loss_coef(model, args) if coef is None else coef
+    if coef == 0.0:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = f"{type(base).__name__} ({getattr(base.config, 'model_type', 'unknown model type')})"
+    fix = (
+        "Pass --router_aux_loss_coef 0 to train without it (TRL's trainers turn it on for mixture-of-experts models "
+        "unless it is 0)"
+        if hasattr(args, "router_aux_loss_coef")
+        else "Load the model with output_router_logits=False to train without it"
+    )
+    raise ValueError(
+        f"{name} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) once per "
+        "microbatch: a function of which samples share the microbatch, which cannot be made exact when the "
+        f"{config.plan!r} plan chooses the microbatches and ranks run different numbers of them. {fix}, or run "
+        "without --odc / --odc_plan to keep it."
+    )
 
 
 #: Said in the banner when the dynamic plan runs under the memory policy ``neither``.

@@ -104,11 +104,6 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
             # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
             trl_compat.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
-        if self.odc_config.balanced and self.aux_loss_enabled:
-            raise ValueError(
-                "The model's router auxiliary loss (output_router_logits) is averaged per microbatch, which cannot be "
-                "made exact when ranks run different microbatches. Turn it off, or run without --odc / --odc_plan."
-            )
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
