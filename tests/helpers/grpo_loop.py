@@ -39,6 +39,10 @@ class LoopArguments:
             "model), into OUT/<type>_beta0."
         },
     )
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A saved model (e.g. `save_tiny_causal_lm`'s); default: the offline tiny Qwen2, seed 0."},
+    )
 
 
 def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
@@ -78,18 +82,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((LoopArguments, GRPOConfig if reference else ODCGRPOConfig))
     loop_args, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = load_offline_tokenizer()
-    set_seed(0)
-    config = tiny_qwen2_config(hidden_size=32)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
-    from accelerate import PartialState
+    if loop_args.model_name_or_path:
+        path = loop_args.model_name_or_path
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        set_seed(0)
+        config = tiny_qwen2_config(hidden_size=32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
+        from accelerate import PartialState
 
-    state = PartialState()
-    path = os.path.join(args.output_dir, "init_model")
-    with state.main_process_first():
-        if state.is_main_process:
-            model.save_pretrained(path)
+        state = PartialState()
+        path = os.path.join(args.output_dir, "init_model")
+        with state.main_process_first():
+            if state.is_main_process:
+                model.save_pretrained(path)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
 
     from datasets import Dataset

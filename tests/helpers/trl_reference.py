@@ -4,7 +4,7 @@
         (any SFTConfig / DPOConfig argument)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
-examples build them) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
+examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
 each optimizer step accumulates ``samples_per_step`` samples through TRL's own gradient accumulation and
 normalisation. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
@@ -26,7 +26,9 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, set_seed
 
 
-def _model(seed: int) -> AutoModelForCausalLM:
+def _model(seed: int, path: str | None = None) -> AutoModelForCausalLM:
+    if path is not None:  # as the scripts load --model_name_or_path (TRL's default dtype for a path is float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     from odc_accelerate.data import tiny_qwen2_config
 
     config = tiny_qwen2_config()
@@ -54,6 +56,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("trainer", choices=["sft", "dpo"])
     parser.add_argument("--samples_per_step", type=int, required=True)
+    parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
     own, rest = parser.parse_known_args(argv)
     config_class, trainer_class = (SFTConfig, SFTTrainer) if own.trainer == "sft" else (DPOConfig, DPOTrainer)
     # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
@@ -65,16 +68,19 @@ def main(argv: list[str]) -> None:
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    tokenizer = load_offline_tokenizer()
+    tokenizer = load_offline_tokenizer()  # as saved beside a --model_name_or_path model (`save_tiny_causal_lm`)
     # TRL 1.15's fused LM head is a Triton kernel whatever the device: on CPU it takes the torch path TRL 1.16 has
     # (as the ODC trainers do; nothing changes on TRL 1.16)
     with trl_compat.fused_lm_head_torch_path(own.trainer):
         if own.trainer == "sft":
             trainer = InStepOrder(
-                model=_model(args.seed), args=args, train_dataset=offline_sft_dataset(), processing_class=tokenizer
+                model=_model(args.seed, own.model_name_or_path),
+                args=args,
+                train_dataset=offline_sft_dataset(),
+                processing_class=tokenizer,
             )
         else:
-            policy, reference = _model(args.seed), _model(args.seed)
+            policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
             trainer = InStepOrder(
                 model=policy,
                 ref_model=reference,

@@ -192,6 +192,21 @@ def assert_dpo_metrics_match(a: dict, b: dict, keys: tuple[str, ...] = DPO_METRI
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
+# The models the parity runs train besides the offline default (tiny untied Qwen2): a tied one and a mixture of experts,
+# saved by the session's `tiny_model` fixture (conftest.py) and passed with --model_name_or_path.
+MODEL_KINDS = ("untied", "tied", "moe")
+
+
+def model_args(tiny_model: Callable[..., Path], kind: str, hidden_size: int = 64) -> list[str]:
+    """The script arguments that train the ``kind`` model (one of `MODEL_KINDS`; none for the offline default). The
+    MoE model trains without its router's auxiliary loss, which ODC refuses under a plan (its value depends on which
+    samples share a microbatch: `odc_accelerate.integrations.trainer.setup.check_router_aux_loss`)."""
+    if kind == "untied":
+        return []
+    args = ["--model_name_or_path", str(tiny_model(kind, hidden_size))]
+    return [*args, "--router_aux_loss_coef", "0"] if kind == "moe" else args
+
+
 def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):
     head = (
         [sys.executable, "-m", "accelerate.commands.launch"]
@@ -254,13 +269,16 @@ def assert_same_logits(model, reference, out: Path, sentence: str) -> None:
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def assert_saved_model_is_the_trained_one(out: Path, sentence: str) -> None:
+def assert_saved_model_is_the_trained_one(out: Path, sentence: str, kind: str = "untied") -> None:
     """``out`` loads with ``from_pretrained`` (no missing or unexpected weights), holds exactly the final weights
-    (``final_params.pt``) and gives the logits of the offline model built with them."""
+    (``final_params.pt``) and gives the logits of the model of ``kind`` (`MODEL_KINDS`) built from its config with
+    them. A tied model's saved file holds the LM head only as the input embedding (or as an equal copy of it), and
+    it loads tied."""
     import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.testing.models import tiny_causal_lm_config
 
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -270,6 +288,15 @@ def assert_saved_model_is_the_trained_one(out: Path, sentence: str) -> None:
     assert loaded.keys() == trained.keys()
     for name, expected in trained.items():
         assert torch.equal(loaded[name], expected), name
-    reference = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
-    reference.load_state_dict(trained, strict=True)
+    reference = AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind), dtype=torch.float32)
+    # named_parameters lists a tied weight once (under the input embedding's name); the state dict has both names
+    missing, unexpected = reference.load_state_dict(trained, strict=False)
+    tied = kind == "tied"
+    assert not unexpected and missing == (["lm_head.weight"] if tied else []), (missing, unexpected)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) is tied
+    if tied:  # the file itself: no LM head apart from the trained embedding
+        saved = load_file(out / "model.safetensors")
+        embedding = saved["model.embed_tokens.weight"]
+        assert torch.equal(embedding, trained["model.embed_tokens.weight"])
+        assert torch.equal(saved.get("lm_head.weight", embedding), embedding)
     assert_same_logits(model, reference, out, sentence)

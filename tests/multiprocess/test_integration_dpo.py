@@ -12,6 +12,10 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
   precomputed reference log-probs, the ODC run the on-the-fly reference model (both paths under both backends
   are covered between this pair and the ones above).
 * ``odc_peft``: ``--odc true --use_peft`` (LoRA; the reference is the policy with its adapters disabled).
+* ``odc_tied`` / ``odc_moe``: ``odc`` on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the
+  session's `tiny_model`, ``--model_name_or_path``), each against TRL's trainer in one process on that model;
+  ``odc_peft_tied`` / ``odc_peft_moe``: ``odc_peft`` on them, the MoE's LoRA on its attention, router and fused experts
+  (``--lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pytest
 import torch
 from integration_utils import (
     DPO_METRICS,
+    MODEL_KINDS,
     ROOT,
     accelerate_launch,
     assert_dpo_metrics_match,
@@ -32,6 +37,7 @@ from integration_utils import (
     final_params,
     logged_steps,
     max_rel,
+    model_args,
     reports,
     results,
     shm_leftovers,
@@ -65,17 +71,37 @@ COMMON = [
 UNEQUAL = ["--odc_samples_per_step", "5"]
 DUMP = {"ODC_DUMP_PARAMS": "1"}
 COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
+PEFT = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
+# PEFT has no default LoRA targets for Qwen3-MoE: every linear layer, and the experts' fused weights through PEFT's
+# parameter LoRA (which needs lora_dropout 0)
+MOE_LORA = ["--lora_target_modules", "all-linear", "--lora_dropout", "0", "--lora_target_parameters"]
+MOE_LORA += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+# The run names of each model kind: the offline default's ("odc", "single", "odc_peft"), else "<name>_<kind>".
+def _name(name: str, kind: str) -> str:
+    return name if kind == "untied" else f"{name}_{kind}"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
+def runs(tmp_path_factory, references, tiny_model):
     root = tmp_path_factory.mktemp("dpo")
     shm_before = shm_leftovers()
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
+    names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "odc_peft"))
     out = {name: root / name for name in names}
     procs = {}
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
     plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
+    for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
+        model = model_args(tiny_model, kind)
+        name, single, peft = _name("odc", kind), _name("single", kind), _name("odc_peft", kind)
+        procs[name] = background(accelerate_launch, *odc, *COMMON, *UNEQUAL, *model, "--output_dir", out[name], **DUMP)
+        procs[single], out[single] = references.start("dpo", 5, *COMMON, *model)
+        lora = [*PEFT, *(MOE_LORA if kind == "moe" else [])]
+        procs[peft] = background(
+            accelerate_launch, *odc, *COMMON, *UNEQUAL, *model, *lora, "--output_dir", out[peft], **COUNT, **DUMP
+        )
     procs["odc"] = background(
         accelerate_launch,
         *odc,
@@ -100,9 +126,8 @@ def runs(tmp_path_factory, references):
     fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_plan", "lockstep"]
     procs["plain_fp32"] = background(accelerate_launch, *plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
     procs["odc_fp32"] = background(accelerate_launch, *odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
-    peft = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
     procs["odc_peft"] = background(
-        accelerate_launch, *odc, *COMMON, *UNEQUAL, *peft, "--output_dir", out["odc_peft"], **COUNT, **DUMP
+        accelerate_launch, *odc, *COMMON, *UNEQUAL, *PEFT, "--output_dir", out["odc_peft"], **COUNT, **DUMP
     )
     return {"out": out, "procs": results(procs), "shm_before": shm_before}
 
@@ -152,10 +177,11 @@ def test_plain_fsdp2_reference_forwards_are_collectives(runs):
         assert all(sum(c.values()) > 0 for c in r["microbatch_dist_calls"])
 
 
-def test_unequal_counts_match_trls_own_trainer_in_one_process(runs):
-    check_ok(runs["procs"]["odc"])
-    check_ok(runs["procs"]["single"])
-    odc, single = runs["out"]["odc"], runs["out"]["single"]
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
+    check_ok(runs["procs"][_name("odc", kind)])
+    check_ok(runs["procs"][_name("single", kind)])
+    odc, single = runs["out"][_name("odc", kind)], runs["out"][_name("single", kind)]
     for a, b in zip(logged_steps(odc), logged_steps(single), strict=True):
         # the mean over every pair of the global batch, and DPO's per-pair metrics of the whole step (TRL, one pair
         # per accumulated microbatch, averages them over the step's pairs)
@@ -212,9 +238,10 @@ def test_fp32_odc_matches_plain_fsdp2(runs):
     assert _update(plain) > 0
 
 
-def test_peft_lora_policy_trains_adapters_only_without_collectives(runs):
-    check_ok(runs["procs"]["odc_peft"])
-    out = runs["out"]["odc_peft"]
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_peft_lora_policy_trains_adapters_only_without_collectives(runs, kind):
+    check_ok(runs["procs"][_name("odc_peft", kind)])
+    out = runs["out"][_name("odc_peft", kind)]
     for r in reports(out, "odc_run_rank"):
         assert r["engine"] == "ODCEngine"
         assert r["reference_engine"] is None  # no separate reference model: adapters disabled on the policy
@@ -228,35 +255,43 @@ def test_peft_lora_policy_trains_adapters_only_without_collectives(runs):
     assert final.keys() == init.keys()
     lora = [k for k in final if "lora_" in k]
     assert lora and any(not torch.equal(final[k], init[k]) for k in lora)
+    if kind == "moe":  # the adapters of the fused experts trained too
+        assert any(".experts." in k and not torch.equal(final[k], init[k]) for k in lora), lora
     for k in final:
         if "lora_" not in k:
             assert torch.equal(final[k], init[k]), f"frozen base weight {k} changed"
 
 
-def _offline_base():
-    """The example's offline policy before training, rebuilt as examples/dpo/train.py builds it (seed 0)."""
+def _base(tiny_model, kind: str):
+    """The policy a run of ``kind`` starts from: the offline default rebuilt as examples/dpo/train.py builds it (seed
+    0), else the session's saved model."""
     from transformers import AutoModelForCausalLM, set_seed
 
     from odc_accelerate.data import tiny_qwen2_config
 
+    if kind != "untied":
+        return AutoModelForCausalLM.from_pretrained(tiny_model(kind), dtype=torch.float32)
     set_seed(0)
     return AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
 
 
-def test_odc_dpo_run_saves_a_model_that_loads_with_transformers(runs):
-    check_ok(runs["procs"]["odc"])
-    assert_saved_model_is_the_trained_one(runs["out"]["odc"], "Preference optimization with on-demand communication.")
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_odc_dpo_run_saves_a_model_that_loads_with_transformers(runs, kind):
+    check_ok(runs["procs"][_name("odc", kind)])
+    sentence = "Preference optimization with on-demand communication."
+    assert_saved_model_is_the_trained_one(runs["out"][_name("odc", kind)], sentence, kind)
 
 
-def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
-    # With PEFT, save_model writes the adapter only: it loads onto the base the example starts from.
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_peft_run_saves_an_adapter_that_loads_with_peft(runs, tiny_model, kind):
+    # With PEFT, save_model writes the adapter only: it loads onto the base the run starts from.
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    check_ok(runs["procs"]["odc_peft"])
-    out = runs["out"]["odc_peft"]
+    check_ok(runs["procs"][_name("odc_peft", kind)])
+    out = runs["out"][_name("odc_peft", kind)]
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
-    model = PeftModel.from_pretrained(_offline_base(), out)
+    model = PeftModel.from_pretrained(_base(tiny_model, kind), out)
     trained, init = final_params(out), torch.load(out / "initial_params.pt")
     loaded = {name: p.detach() for name, p in model.named_parameters()}
     assert loaded.keys() == trained.keys()
@@ -264,8 +299,10 @@ def test_peft_run_saves_an_adapter_that_loads_with_peft(runs):
         if "lora_" not in name:  # the rebuilt base is the one the run started from
             assert torch.equal(loaded[name], init[name]), name
         assert torch.equal(loaded[name], expected), name
-    reference = get_peft_model(_offline_base(), LoraConfig.from_pretrained(out))
-    reference.load_state_dict(trained, strict=True)
+    reference = get_peft_model(_base(tiny_model, kind), LoraConfig.from_pretrained(out))
+    # named_parameters lists a tied weight once (under the input embedding's name); the state dict has both names
+    missing, unexpected = reference.load_state_dict(trained, strict=False)
+    assert not unexpected and missing == (["base_model.model.lm_head.weight"] if kind == "tied" else []), missing
     assert_same_logits(model, reference, out, "Preference optimization with on-demand communication.")
 
 

@@ -12,6 +12,8 @@ Module-scoped runs:
   reference model on its gather-only engine); then grpo again with ``beta=0``, the control of the gradient norm's
   tolerance (no KL term).
 * ``parity_single``: plain `trl.GRPOTrainer`, one process, the same completions as one microbatch: the ground truth.
+* ``parity_odc_tied`` / ``parity_single_tied``, ``parity_odc_moe`` / ``parity_single_moe``: the same pair, loss type
+  grpo only, on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the session's `tiny_model`).
 * ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
 """
 
@@ -24,12 +26,14 @@ import pytest
 import torch
 from integration_utils import (
     GRPO_GRAD_NORM_REL,
+    MODEL_KINDS,
     ROOT,
     RUN_EXAMPLE,
     accelerate_launch,
     background,
     base_env,
     check_ok,
+    model_args,
     reports,
     results,
     run,
@@ -69,11 +73,36 @@ PARITY = [
 ]
 
 
+def _one_loss_type(args: list[str], loss_type: str) -> list[str]:
+    """``args`` training ``loss_type`` alone: without the loop's ``--loss_types`` / ``--kl_free_loss_types``."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--loss_types", "--kl_free_loss_types"):
+            skip = True
+        else:
+            kept.append(arg)
+    return [*kept, "--loss_type", loss_type]
+
+
+# The parity runs of each model kind: the offline default's train every LOSS_TYPES (OUT/<type>), the others grpo alone
+PARITY_RUNS = [("untied", loss_type) for loss_type in LOSS_TYPES] + [(kind, "grpo") for kind in MODEL_KINDS[1:]]
+
+
+def _parity_dirs(runs, kind: str, loss_type: str):
+    """The output folders of the ODC run and of its one-process reference for ``kind`` and ``loss_type``."""
+    if kind == "untied":
+        return runs["out"]["parity_odc"] / loss_type, runs["out"]["parity_single"] / loss_type
+    return runs["out"][f"parity_odc_{kind}"], runs["out"][f"parity_single_{kind}"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("grpo")
     shm_before = shm_leftovers()
     names = ("example_odc", "example_fsdp2", "parity_odc", "parity_single", "bad_entropy")
+    names += tuple(f"parity_{which}_{kind}" for kind in MODEL_KINDS[1:] for which in ("odc", "single"))
     out = {name: root / name for name in names}
     procs = {}
     procs["example_odc"] = background(
@@ -128,6 +157,28 @@ def runs(tmp_path_factory):
         + [out["parity_single"]],
         env=base_env(),
     )
+    for kind in MODEL_KINDS[1:]:
+        parity = [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32)]
+        procs[f"parity_odc_{kind}"] = background(
+            accelerate_launch,
+            CONFIGS / "odc_cpu.yaml",
+            RUN_EXAMPLE,
+            LOOP,
+            "--odc",
+            "true",
+            "--odc_max_tokens_per_microbatch",
+            "40",
+            "--per_device_train_batch_size",
+            "8",
+            *parity,
+            "--output_dir",
+            out[f"parity_odc_{kind}"],
+            **COUNT,
+        )
+        reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *parity]
+        procs[f"parity_single_{kind}"] = background(
+            run, [*reference, "--output_dir", out[f"parity_single_{kind}"]], env=base_env()
+        )
     procs["bad_entropy"] = background(
         accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
@@ -190,11 +241,12 @@ def test_plain_fsdp2_generation_syncs_every_decode_step(runs):
         assert calls and all(sum(c.values()) > 0 for c in calls), calls
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_unequal_microbatches_match_one_process(runs, loss_type):
-    check_ok(runs["procs"]["parity_odc"])
-    check_ok(runs["procs"]["parity_single"])
-    odc_dir, ref_dir = runs["out"]["parity_odc"] / loss_type, runs["out"]["parity_single"] / loss_type
+@pytest.mark.parametrize("kind, loss_type", PARITY_RUNS)
+def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
+    suffix = "" if kind == "untied" else f"_{kind}"
+    check_ok(runs["procs"][f"parity_odc{suffix}"])
+    check_ok(runs["procs"][f"parity_single{suffix}"])
+    odc_dir, ref_dir = _parity_dirs(runs, kind, loss_type)
     odc = json.loads((odc_dir / "losses.json").read_text())["log_history"]
     ref = json.loads((ref_dir / "losses.json").read_text())["log_history"]
     odc, ref = [h for h in odc if "loss" in h], [h for h in ref if "loss" in h]
