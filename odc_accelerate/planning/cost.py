@@ -164,9 +164,10 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
 
     Reads Llama-style names (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``vocab_size``) and falls back to GPT-2 names (``n_layer``, ``n_embd``,
-    ``n_inner``, ``n_head``). Multimodal configs use their text config. For mixture-of-experts configs with
-    ``num_experts_per_tok`` and ``moe_intermediate_size`` the MLP counts the active experts (plus a shared expert
-    when ``shared_expert_intermediate_size`` is set).
+    ``n_inner``, ``n_head``). Multimodal configs use their text config. For mixture-of-experts configs (with
+    ``num_experts_per_tok``) the MLP counts the active experts, each ``moe_intermediate_size`` wide (Qwen-MoE,
+    DeepSeek) or, without it, ``intermediate_size`` wide (Mixtral, OLMoE, GPT-OSS), plus the shared experts
+    (``shared_expert_intermediate_size`` wide, or ``n_shared_experts`` experts). A config with 0 experts is dense.
 
     Args:
         config (`PretrainedConfig` or `dict` or object):
@@ -204,9 +205,14 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
     if intermediate is None:
         intermediate = 4 * hidden
     experts_per_tok = get("num_experts_per_tok")
-    moe_intermediate = get("moe_intermediate_size")
-    if experts_per_tok and moe_intermediate:
-        intermediate = experts_per_tok * moe_intermediate + (get("shared_expert_intermediate_size") or 0)
+    experts = first("num_experts", "num_local_experts", "n_routed_experts")
+    if experts_per_tok and experts != 0:
+        # Each token runs its top-k experts. Qwen-MoE and DeepSeek name one expert's width moe_intermediate_size
+        # (intermediate_size is their dense MLP's); Mixtral, OLMoE and GPT-OSS have none, and their intermediate_size
+        # is one expert's width. Shared experts run for every token: Qwen2-MoE gives their width, DeepSeek a count.
+        expert = get("moe_intermediate_size") or intermediate
+        shared = (get("shared_expert_intermediate_size") or 0) + (get("n_shared_experts") or 0) * expert
+        intermediate = experts_per_tok * expert + shared
     if gated_mlp is None:
         gated_mlp = get("model_type") not in _UNGATED_MODEL_TYPES
     return flops_cost(

@@ -326,6 +326,37 @@ def test_model_derived_cost_against_published_7b_fit():
     assert flops_cost(28, 3584, 18944, 28, 28, 152064).linear > ours.linear
 
 
+def test_mixture_of_experts_configs_count_their_active_experts():
+    """The MLP of a MoE config costs its top-k experts (and shared experts), whatever the family names them."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    dense = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    # Qwen3-MoE: intermediate_size is the dense MLP's, moe_intermediate_size one expert's; 2 of 4 experts per token
+    qwen3 = Qwen3MoeConfig(
+        intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **dims
+    )
+    assert cost_from_config(qwen3) == flops_cost(intermediate_size=2 * 32, **dense)
+    # Mixtral (and OLMoE, GPT-OSS): no moe_intermediate_size, intermediate_size is one expert's width
+    mixtral = MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **dims)
+    assert cost_from_config(mixtral) == flops_cost(intermediate_size=2 * 32, **dense)
+    # Qwen2-MoE: a shared expert of its own width for every token; DeepSeek: n_shared_experts experts
+    qwen2 = Qwen2MoeConfig(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **dims,
+    )
+    assert cost_from_config(qwen2) == flops_cost(intermediate_size=2 * 32 + 48, **dense)
+    deepseek = {**dims, "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8}
+    deepseek.update(num_experts_per_tok=2, n_shared_experts=1)
+    assert cost_from_config(deepseek) == flops_cost(intermediate_size=3 * 32, **dense)
+    # no experts: the dense MLP
+    assert cost_from_config({**deepseek, "n_routed_experts": 0}) == flops_cost(intermediate_size=96, **dense)
+
+
 def test_cost_from_config_errors_and_dicts():
     with pytest.raises(ValueError, match="could not read"):
         cost_from_config({"hidden_size": 8})
