@@ -220,9 +220,18 @@ def check_router_aux_loss(model: Any, args: Any, config: ODCConfig, coef: float 
     one accumulation step, would add it once per microbatch of the step instead of averaging it.
 
     Args:
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`, *optional*):
+            The model being trained.
+        args (`transformers.TrainingArguments`):
+            The training arguments.
+        config (`ODCConfig`):
+            The resolved ODC settings (their plan is named).
         coef (`float`, *optional*):
             The coefficient the trainer decided on (TRL's ``router_aux_loss_coef`` once its loss is on); default:
             `router_aux_loss_coef` of ``model`` and ``args``.
+
+    Raises:
+        `ValueError`: the loss is on; the message names the model and the setting that turns it off.
     """
     coef = router_aux_loss_coef(model, args) if coef is None else coef
     if coef == 0.0:
@@ -237,9 +246,8 @@ def check_router_aux_loss(model: Any, args: Any, config: ODCConfig, coef: float 
     )
     raise ValueError(
         f"{name} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) once per "
-        "microbatch: a function of which samples share the microbatch, which cannot be made exact when the "
-        f"{config.plan!r} plan chooses the microbatches and ranks run different numbers of them. {fix}, or run "
-        "without --odc / --odc_plan to keep it."
+        f"microbatch: a function of which samples share the microbatch, which the {config.plan!r} plan chooses, so "
+        f"it cannot be made exact. {fix}, or run without --odc / --odc_plan to keep it."
     )
 
 
