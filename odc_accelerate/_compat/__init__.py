@@ -51,8 +51,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: (major, minor) versions of each library that odc_accelerate was tested with, by import name (README, "Supported
-#: versions"). pyproject.toml's ranges start at the oldest one; any other version runs with a warning (once).
+#: (major, minor) versions of each library that odc_accelerate was tested with, by import name (docs/versions.md).
+#: pyproject.toml's ranges start at the oldest one; any other version runs with a warning (once).
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "torch": ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)),
     "accelerate": ((1, 14), (1, 15)),
