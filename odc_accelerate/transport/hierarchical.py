@@ -2,7 +2,8 @@
 
 Ranks are grouped by host identity (:func:`host_id`). Within a host with more than one rank a
 :class:`~odc_accelerate.transport.shm.ShmTransport` over a sub-group holds every local rank's buffers; a
-:class:`~odc_accelerate.transport.network.NetworkTransport` over all ranks serves those same buffers to other hosts.
+:class:`~odc_accelerate.transport.network.NetworkTransport` over all ranks serves those same buffers to other hosts
+(`NetworkTransport.serve`, with this transport's add and its locking).
 
 * ``read`` / ``accumulate`` to a rank on this host go through shared memory; to other hosts through TCP;
 * an add into this rank's buffer can come from three places at once: this rank's training thread, a local peer
@@ -109,7 +110,7 @@ class HierarchicalTransport(Transport):
         self._net = NetworkTransport(
             self.rank, self.world_size, timeout=self.timeout, group=self._group, address=self._address
         )
-        self._net._register(specs, buffers, add_fn=self._add_own)
+        self._net.serve(specs, buffers, add=self._add_own)
         logger.info(
             "hierarchical transport up: rank %d/%d, %d host(s) %s, shared memory with ranks %s",
             self.rank,

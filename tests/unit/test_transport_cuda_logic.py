@@ -327,7 +327,7 @@ def test_symmetric_memory_backend_and_multicast_switch_without_a_gpu(monkeypatch
 
 
 def test_peer_atomics_query_is_unknown_without_a_driver():
-    from odc_accelerate.transport.cuda.transport import _p2p_native_atomics
+    from odc_accelerate.transport.cuda.device import _p2p_native_atomics
 
     if torch.cuda.is_available():
         pytest.skip("a GPU driver is present")

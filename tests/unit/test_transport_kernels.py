@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from odc_accelerate.transport import BufferSpec
-from odc_accelerate.transport.cuda import kernels
-from odc_accelerate.transport.cuda import transport as cuda
+from odc_accelerate.transport import BufferSpec, CudaTransport
+from odc_accelerate.transport.cuda import device, kernels
 from odc_accelerate.transport.cuda.kernels import BLOCK, accumulate_, kernel_available
 from odc_accelerate.transport.cuda.plan import DeviceFacts, accumulate_kernel_agreement, plan_segment
 
@@ -157,28 +156,28 @@ def test_grid_cap_setting():
         with pytest.raises(ValueError, match="sm_share must be in"):
             kernels.max_programs("cpu", share)
     with pytest.raises(ValueError, match="accumulate_sm_share must be in"):
-        cuda.CudaTransport(0, 2, accumulate_sm_share=0)
+        CudaTransport(0, 2, accumulate_sm_share=0)
 
 
 @runs_kernel
 def test_transport_picks_the_kernel_where_it_runs_and_says_so_once(interpret, monkeypatch, caplog):
-    monkeypatch.setattr(cuda, "_said", set())
+    monkeypatch.setattr(device, "_said", set())
     cpu = torch.device("cpu")
     fp32 = [BufferSpec(numel=64, dtype=torch.float32, accumulated=True)]
-    with caplog.at_level(logging.INFO, logger=cuda.logger.name):
-        ok, why = cuda.local_accumulate_kernel(cpu, fp32)  # probed: compiled (interpreted) and launched
+    with caplog.at_level(logging.INFO, logger=device.logger.name):
+        ok, why = device.local_accumulate_kernel(cpu, fp32)  # probed: compiled (interpreted) and launched
         assert ok and "interpreter" in why
-        assert cuda.choose_accumulate_path([_facts(ok, why)] * 2)[0] == cuda.KERNEL_PATH
-        ok, why = cuda.local_accumulate_kernel(cpu, fp32, accumulate_dtype=torch.bfloat16)
+        assert device.choose_accumulate_path([_facts(ok, why)] * 2)[0] == device.KERNEL_PATH
+        ok, why = device.local_accumulate_kernel(cpu, fp32, accumulate_dtype=torch.bfloat16)
         assert not ok and "bf16" in why
         for _ in range(2):
-            path, said = cuda.choose_accumulate_path([_facts(True, "fine"), _facts(ok, why)])
-            assert path == cuda.FALLBACK_PATH and said == f"rank 1: {why}"
+            path, said = device.choose_accumulate_path([_facts(True, "fine"), _facts(ok, why)])
+            assert path == device.FALLBACK_PATH and said == f"rank 1: {why}"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "index_add_" in warnings[0].getMessage() and "bf16" in warnings[0].getMessage()
     assert any(r.levelno == logging.INFO and "Triton kernel" in r.getMessage() for r in caplog.records)
-    assert cuda.local_accumulate_kernel(cpu, fp32, enabled=False) == (False, "accumulate_kernel=False")
-    assert cuda.local_accumulate_kernel(cpu, []) == (False, "nothing is accumulated")
+    assert device.local_accumulate_kernel(cpu, fp32, enabled=False) == (False, "accumulate_kernel=False")
+    assert device.local_accumulate_kernel(cpu, []) == (False, "nothing is accumulated")
 
 
 def _facts(ok: bool, why: str) -> DeviceFacts:

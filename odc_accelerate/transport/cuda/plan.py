@@ -1,7 +1,7 @@
 """Host-side plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
 
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
-device, so the unit tests exercise it on CPU; :mod:`.transport` supplies the GPU facts, the
+device, so the unit tests exercise it on CPU; :mod:`.device` supplies the GPU facts, :mod:`.transport` the
 symmetric-memory segment and the streams.
 
 The design (see ``docs/transports.md``): every rank's segment holds its published shards and its gradient
