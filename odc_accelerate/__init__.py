@@ -15,6 +15,7 @@ _LAZY = {
     "ODCTimeoutError": "odc_accelerate.transport.base",
     "loss_scale": "odc_accelerate.loss",
     "LengthBalancedBatchSampler": "odc_accelerate.planning",
+    "PlanName": "odc_accelerate.planning",
     "plan_step": "odc_accelerate.planning",
     # Hugging Face integrations (importing them patches nothing; see `odc_accelerate.integrations.accelerate.enable`)
     "ODCPlugin": "odc_accelerate.integrations.accelerate",
@@ -44,6 +45,7 @@ __all__ = [
     "ODCSFTTrainer",
     "ODCTimeoutError",
     "ODCTrainerMixin",
+    "PlanName",
     "enable",
     "get_engine",
     "loss_scale",
@@ -64,7 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCSFTTrainer,
     )
     from .loss import loss_scale
-    from .planning import LengthBalancedBatchSampler, plan_step
+    from .planning import LengthBalancedBatchSampler, PlanName, plan_step
     from .transport.base import ODCTimeoutError
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from .planning import normalize_plan
+from .planning import PlanName, normalize_plan
 from .validation import check_positive_int, str_to_bool
 
 __all__ = [
@@ -67,13 +67,14 @@ class ODCConfig:
         max_tokens_per_microbatch (`int`, *optional*; key `odc_max_tokens_per_microbatch`, env
             `ODC_MAX_TOKENS_PER_MICROBATCH`):
             Token budget of one microbatch for the length-balanced plan; unset, the trainer uses ``max_length``.
-        plan (`str`, *optional*; key `odc_plan`, env `ODC_PLAN`):
+        plan (`PlanName`, *optional*; key `odc_plan`, env `ODC_PLAN`):
             How each optimizer step's samples are split into microbatches over the ranks. ``"free"``: per-rank
             totals balanced, each rank runs as many microbatches as its share needs (needs ODC). ``"lockstep"``:
             every rank runs the same number of microbatches, each slot balanced (what plain FSDP2 needs).
             ``"dynamic"``: one queue of the step's microbatches, costliest first, from which each rank claims the next
             one when it is free (balance that survives cost-model error and slower devices; needs ODC). Defaults to
-            ``"free"`` with ODC; set without ODC, plain FSDP2 trains on the planned microbatches (for comparisons).
+            ``"free"`` with ODC; set without ODC, plain FSDP2 trains on the planned microbatches (for comparisons). A
+            name given as a string becomes its `PlanName`.
         reproducible (`bool`, *optional*, defaults to `False`; key `odc_reproducible`, env `ODC_REPRODUCIBLE`):
             With ``plan="dynamic"``, plan every step with the static ``"free"`` plan instead, so that which rank runs
             which microbatch depends on the data alone, not on the ranks' timing (per-rank random streams such as
@@ -125,7 +126,7 @@ class ODCConfig:
         "Token budget of one microbatch for the length-balanced plan (default: max_length).",
         int,
     )
-    plan: str | None = _option(
+    plan: PlanName | None = _option(
         None,
         "odc_plan",
         "ODC_PLAN",
@@ -200,9 +201,9 @@ class ODCConfig:
         return self.plan is not None
 
     @property
-    def effective_plan(self) -> str | None:
+    def effective_plan(self) -> PlanName | None:
         """The plan steps are made with: ``plan``, except ``"free"`` for ``"dynamic"`` under ``reproducible``."""
-        return "free" if self.plan == "dynamic" and self.reproducible else self.plan
+        return PlanName.FREE if self.plan == PlanName.DYNAMIC and self.reproducible else self.plan
 
     def options(self) -> dict[str, Any]:
         """The option fields as a dict (``source`` excluded)."""
@@ -232,10 +233,10 @@ class ODCConfig:
             if getattr(self, name) is not None:
                 setattr(self, name, check_positive_int(getattr(self, name), _name(name)))
         if self.enable and self.plan is None:
-            self.plan = "free"
+            self.plan = PlanName.FREE
         if self.plan is not None:
             self.plan = normalize_plan(self.plan, where=_name("plan"))
-        if self.plan == "dynamic" and not self.enable:
+        if self.plan == PlanName.DYNAMIC and not self.enable:
             raise ValueError(
                 f"{_name('plan')} 'dynamic' needs ODC: ranks claim microbatches while the step runs, so they run "
                 "different numbers of microbatches, which plain FSDP2's collectives cannot pair. Turn ODC on "

@@ -130,7 +130,8 @@ def build_config(
         _choice(MIXED_PRECISION, "mixed_precision")(mixed_precision)
         config["mixed_precision"] = mixed_precision
     keys = {f.name: f.metadata["key"] for f in config_option_fields()}
-    config["fsdp_config"].update(odc=True, odc_transport=resolved.transport, odc_plan=resolved.plan)
+    # The file holds plain strings (yaml.safe_dump refuses the `PlanName` enum).
+    config["fsdp_config"].update(odc=True, odc_transport=resolved.transport, odc_plan=str(resolved.plan))
     config["fsdp_config"].update({keys[name]: getattr(resolved, name) for name in given})
     return config
 

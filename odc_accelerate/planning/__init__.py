@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .cost import PUBLISHED_1_5B_COST, PUBLISHED_7B_COST, QuadraticCost, cost_from_config, flops_cost, resolve_cost
 from .dynamic import claim_queue
 from .padded import padded_microbatch, plan_padded
-from .plan import PLANS, Plan, check_oversize, normalize_plan, plan_from_costs, plan_step
+from .plan import PLANS, Plan, PlanName, check_oversize, normalize_plan, plan_from_costs, plan_step
 from .stream import StepRows, StreamingStepPlanner, StreamStep
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,6 +22,7 @@ __all__ = [
     "PUBLISHED_7B_COST",
     "LengthBalancedBatchSampler",
     "Plan",
+    "PlanName",
     "QuadraticCost",
     "StepRows",
     "StreamStep",

@@ -44,7 +44,7 @@ def plan_padded(
     row_costs: np.ndarray,
     world_size: int,
     max_tokens_per_microbatch: int,
-    plan: PlanName = "free",
+    plan: PlanName | str = PlanName.FREE,
     *,
     mode: str | None = None,
 ) -> Plan:
@@ -60,7 +60,7 @@ def plan_padded(
             a microbatch's rows all cost what its widest sample's row costs).
         world_size (`int`): number of ranks.
         max_tokens_per_microbatch (`int`): padded-token budget of one microbatch.
-        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`): see `plan_step`.
+        plan (`PlanName` or `str`, *optional*, defaults to `"free"`): see `plan_step`.
         mode (`str`, *optional*): deprecated spelling of ``plan``.
 
     Returns:
@@ -80,12 +80,12 @@ def plan_padded(
     if (rows < 1).any() or (widths < 0).any() or not np.all(np.isfinite(row_costs)) or (row_costs < 0).any():
         raise ValueError("every sample needs at least one row, a non-negative width and a finite, non-negative cost")
     layout = _Layout(rows, widths, row_costs, max_tokens_per_microbatch)
-    if plan == "dynamic":
+    if plan == PlanName.DYNAMIC:
         runs = split_until(
             layout.cut(layout.order.tolist()), min_queue_length(rows.size, world_size), layout.cost, layout.halve
         )
         return deal(queue_order(runs, [layout.cost(run) for run in runs]), world_size)
-    if plan == "free" or world_size == 1:
+    if plan == PlanName.FREE or world_size == 1:
         return layout.plan_free(world_size)
     return layout.plan_lockstep(world_size)
 

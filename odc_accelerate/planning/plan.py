@@ -14,9 +14,10 @@ from the same inputs without talking to the others. Two plans, after how a step'
 
 from __future__ import annotations
 
+import enum
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,26 @@ __all__ = [
     "plan_step",
 ]
 
-PlanName = Literal["free", "lockstep", "dynamic"]
-PLANS: tuple[str, ...] = get_args(PlanName)
+
+class PlanName(str, enum.Enum):
+    """A plan's name. A `str`: each member equals, prints and goes to JSON as its value (``PlanName.FREE == "free"``),
+    so config files, flags, environment variables, logs and JSON spell plans as plain names (``yaml.safe_dump`` takes
+    ``str(plan)``)."""
+
+    FREE = "free"
+    LOCKSTEP = "lockstep"
+    DYNAMIC = "dynamic"
+
+    # A mixed-in Enum's `str()` and `repr()` name the member (``PlanName.FREE``) and from Python 3.12 `format()` follows
+    # `str()`: the value in all three keeps banners, log lines, messages and reprs as they read with plain strings.
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+PLANS: tuple[str, ...] = tuple(plan.value for plan in PlanName)
 """The plan names, the default first."""
 
 # Old spellings, accepted with a FutureWarning for one release.
@@ -48,14 +67,14 @@ _RENAMED_PLANS = {"odc": "free"}
 _BUDGET = "`max_tokens_per_microbatch` (the most tokens one forward/backward can hold in memory)"
 
 
-def normalize_plan(plan: str, where: str = "plan", *, mode: str | None = None) -> PlanName:
-    """Check a plan name and return its current spelling.
+def normalize_plan(plan: PlanName | str, where: str = "plan", *, mode: str | None = None) -> PlanName:
+    """Check a plan name and return it as a `PlanName` (its current spelling).
 
     The old spellings keep working for one release with a `FutureWarning`: the value ``"odc"`` (now ``"free"``) and the
     keyword ``mode=`` (now ``plan=``; callers hand its value on as ``mode``).
 
     Args:
-        plan (`str`):
+        plan (`PlanName` or `str`):
             One of `PLANS`.
         where (`str`, *optional*, defaults to `"plan"`):
             The option's name in messages, e.g. ``"odc_plan (ODC_PLAN)"``.
@@ -75,7 +94,7 @@ def normalize_plan(plan: str, where: str = "plan", *, mode: str | None = None) -
         plan = _RENAMED_PLANS[plan]
     if plan not in PLANS:
         raise ValueError(f"Unknown {where} {plan!r}; choose one of {', '.join(map(repr, PLANS))}.")
-    return plan
+    return PlanName(plan)
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -146,7 +165,7 @@ def plan_step(
     world_size: int,
     max_tokens_per_microbatch: int = 8192,
     cost: CostSpec | QuadraticCost = "auto",
-    plan: PlanName = "free",
+    plan: PlanName | str = PlanName.FREE,
     *,
     model_config: Any = None,
     allow_oversize: bool = True,
@@ -184,7 +203,7 @@ def plan_step(
             Cost of one sample as a function of its length, see `resolve_cost`. ``"auto"`` derives it from
             ``model_config`` (linear FLOPs + causal attention, `cost_from_config`) or, without a config, uses the
             published 7B fit ``4.348 x^2 + 8.768 x`` with ``x = L / 32000``.
-        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
+        plan (`PlanName` or `str`: `"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
             Balance per-rank totals (with ODC), every microbatch slot (plain FSDP2), or queue the microbatches for
             ranks to claim while the step runs (with ODC).
         model_config (`PretrainedConfig`, *optional*):
@@ -214,7 +233,7 @@ def plan_from_costs(
     tokens: np.ndarray,
     world_size: int,
     max_tokens_per_microbatch: int,
-    plan: PlanName = "free",
+    plan: PlanName | str = PlanName.FREE,
     *,
     mode: str | None = None,
 ) -> Plan:
@@ -225,7 +244,7 @@ def plan_from_costs(
         tokens (`np.ndarray`): int64 token count of each sample.
         world_size (`int`): number of ranks.
         max_tokens_per_microbatch (`int`): token budget of one microbatch.
-        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`): see `plan_step`.
+        plan (`PlanName` or `str`, *optional*, defaults to `"free"`): see `plan_step`.
         mode (`str`, *optional*): deprecated spelling of ``plan``.
     """
     plan = normalize_plan(plan, mode=mode)
@@ -237,9 +256,9 @@ def _dispatch(costs: np.ndarray, tokens: np.ndarray, world_size: int, budget: in
     tokens = np.asarray(tokens, dtype=np.int64)
     if costs.size == 0:
         return [[] for _ in range(world_size)]
-    if plan == "dynamic":
+    if plan == PlanName.DYNAMIC:
         return plan_dynamic(costs, tokens, world_size, budget)
-    if plan == "free" or world_size == 1:
+    if plan == PlanName.FREE or world_size == 1:
         # On one rank nobody waits for anybody: both plans reduce to packing into as few microbatches as possible.
         return plan_free(costs, tokens, world_size, budget)
     return plan_lockstep(costs, tokens, world_size, budget)

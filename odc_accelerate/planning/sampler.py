@@ -150,7 +150,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             Token budget of one microbatch.
         cost (`"auto"`, `"tokens"`, `QuadraticCost` or callable, *optional*, defaults to `"auto"`):
             Sample cost as a function of length, see `odc_accelerate.planning.resolve_cost`.
-        plan (`"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
+        plan (`PlanName` or `str`: `"free"`, `"lockstep"` or `"dynamic"`, *optional*, defaults to `"free"`):
             How each step is planned, see `odc_accelerate.planning.plan_step`.
         shuffle (`bool`, *optional*, defaults to `True`):
             Draw a new order every epoch; otherwise steps follow the dataset order.
@@ -181,7 +181,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         samples_per_step: int,
         max_tokens_per_microbatch: int = 8192,
         cost: CostSpec | QuadraticCost = "auto",
-        plan: PlanName = "free",
+        plan: PlanName | str = PlanName.FREE,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
@@ -247,7 +247,7 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> PlanName:
         """Deprecated spelling of ``plan``."""
         warnings.warn(
             "LengthBalancedBatchSampler.mode is deprecated and will be removed in the next release; use .plan.",
@@ -435,5 +435,5 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
             plan = self._plan(idx)
             # Counted before the hand-over: a state_dict taken while this step trains already includes it.
             self._steps_consumed = step + 1
-            mine = claim_queue(plan) if self.plan == "dynamic" else plan[self.rank]
+            mine = claim_queue(plan) if self.plan == PlanName.DYNAMIC else plan[self.rank]
             yield [[int(idx[j]) for j in mb] for mb in mine]

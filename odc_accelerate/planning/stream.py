@@ -124,7 +124,7 @@ class StreamingStepPlanner:
             Token budget of one microbatch.
         cost (`"auto"`, `"tokens"`, `QuadraticCost` or callable, *optional*, defaults to `"auto"`):
             Sample cost as a function of length, see `odc_accelerate.planning.resolve_cost`.
-        plan (`"free"` or `"lockstep"`, *optional*, defaults to `"free"`):
+        plan (`PlanName` or `str`: `"free"` or `"lockstep"`, *optional*, defaults to `"free"`):
             How each step is planned, see `odc_accelerate.planning.plan_step`.
         model_config (`PretrainedConfig`, *optional*):
             Model configuration for ``cost="auto"``.
@@ -141,7 +141,7 @@ class StreamingStepPlanner:
         samples_per_step: int,
         max_tokens_per_microbatch: int = 8192,
         cost: CostSpec | QuadraticCost = "auto",
-        plan: PlanName = "free",
+        plan: PlanName | str = PlanName.FREE,
         *,
         model_config: Any = None,
         allow_oversize: bool = True,

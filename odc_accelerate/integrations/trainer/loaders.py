@@ -119,7 +119,7 @@ class ODCStepLoaders:
             raise ValueError("Trainer: training requires a train_dataset.")
         if self._odc_is_stream(self.train_dataset):
             return self._odc_stream_dataloader(self.train_dataset)
-        from ...planning import LengthBalancedBatchSampler
+        from ...planning import LengthBalancedBatchSampler, PlanName
 
         self._odc_streaming = False
         dataset = tcompat.remove_unused_columns(self, self.train_dataset, description="training")
@@ -139,7 +139,7 @@ class ODCStepLoaders:
             drop_last=True,
             padded=self._odc_padded(),
         )
-        if config.effective_plan == "dynamic":
+        if config.effective_plan == PlanName.DYNAMIC:
             # Items are the step's queue of index lists; rows are fetched and collated as they are claimed.
             self._odc_dynamic_dataset, self._odc_dynamic_rows = dataset, False
             return StepDataLoader(

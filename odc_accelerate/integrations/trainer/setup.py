@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from ...config import ODCConfig
+from ...planning import PlanName
 from ...validation import str_to_bool
 from ..accelerate import ODCPlugin, get_engine
 from .timing import StepTimer
@@ -260,7 +261,7 @@ DYNAMIC_POLICY_HINT = (
 
 def _plan_text(config: ODCConfig) -> str:
     """The banner's words for the plan, with the ``dynamic`` plan's fallback when ``reproducible`` is set."""
-    if config.plan == "dynamic":
+    if config.plan == PlanName.DYNAMIC:
         if config.reproducible:
             return "free (odc_plan dynamic with odc_reproducible: the static plan, for run-to-run reproducibility)"
         text = "dynamic (each rank claims the step's next microbatch when it is free)"

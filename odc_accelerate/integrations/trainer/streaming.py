@@ -30,7 +30,7 @@ class ODCStreamLoaders:
         keeps its own microbatches. The first step is read here, before training, to check the settings and that
         every rank reads the same samples; later steps are checked against the token budget as they come.
         """
-        from ...planning import StreamingStepPlanner
+        from ...planning import PlanName, StreamingStepPlanner
 
         config, args = self.odc_config, self.args
         if args.dataloader_num_workers:
@@ -56,7 +56,7 @@ class ODCStreamLoaders:
             plan=config.effective_plan,
             padded=self._odc_padded(),
         )
-        dynamic = config.effective_plan == "dynamic"
+        dynamic = config.effective_plan == PlanName.DYNAMIC
         steps = StreamStepDataset(
             stream,
             planner,

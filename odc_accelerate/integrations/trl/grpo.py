@@ -246,7 +246,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
         from accelerate.utils import gather_object
 
-        from ...planning import StreamingStepPlanner, claim_queue
+        from ...planning import PlanName, StreamingStepPlanner, claim_queue
 
         sequence_keys = self._odc_sequence_keys()
         rows = split_rollouts(batch, sequence_keys)
@@ -274,7 +274,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)
         num_items = torch.tensor(total_tokens, device=device)
-        if self.odc_config.effective_plan == "dynamic":
+        if self.odc_config.effective_plan == PlanName.DYNAMIC:
             # Every rank holds every completion (gathered above); each collates only the microbatches it claims.
             def load(indices: list[int]) -> dict[str, Any]:
                 mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys)
