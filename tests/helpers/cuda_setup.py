@@ -53,7 +53,9 @@ def stuck_setup_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     os.dup2(os.open(out / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
     extra = {k: spec[k] for k in ("free_bytes", "oom_error") if k in spec}
-    transport = StuckSetupTransport(rank, world_size, spec["mode"], timeout=spec["timeout"], **extra)
+    # ``rank_timeouts``: a longer timeout on a rank makes the order in which the ranks give up certain.
+    timeout = spec.get("rank_timeouts", {}).get(rank, spec["timeout"])
+    transport = StuckSetupTransport(rank, world_size, spec["mode"], timeout=timeout, **extra)
     transport.register(
         {
             "p0": BufferSpec(numel=64, dtype=torch.float32),

@@ -57,7 +57,9 @@ def test_too_little_stated_free_memory_is_refused_on_every_rank_before_any_alloc
 
 
 def test_a_stalled_allocation_ends_every_rank_after_the_timeout_naming_the_rank_behind(tmp_path):
-    spec = {"dir": str(tmp_path), "mode": "hang", "timeout": 2.0}
+    # Rank 1's watchdog waits longer than rank 0, so that rank 0's wait on the host always ends first (with equal
+    # timeouts, a rank 1 that started allocating well before rank 0 started waiting was ended by its watchdog first).
+    spec = {"dir": str(tmp_path), "mode": "hang", "timeout": 2.0, "rank_timeouts": {1: 8.0}}
     results = launch(stuck_setup_worker, 2, spec, timeout=120, allow_failures=True)
     # Rank 0 allocated and waits for rank 1 on the host: it raises, naming rank 1.
     assert "timed out after 2s waiting for rank(s) [1] to allocate their segments" in results[0]
