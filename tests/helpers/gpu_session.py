@@ -1,19 +1,28 @@
 """The whole GPU procedure as one command: ``bash scripts/gpu_session.sh OUT_DIR [--device cpu]``.
 
-Runs every case in turn, never two GPU jobs at once, each in its own process group under its own timeout, within one
-overall budget (``--budget-s``, default 470 s: a 10-minute command on a lent GPU machine, with room for its start;
-the CPU dry run allows 3 times the caps and the budget):
+Runs every case in turn, never two cases at once, each in its own process group under its own cap, within one overall
+budget (``--budget-s``, default 470 s: a 10-minute command on a lent GPU machine, with room for its start and the
+wheels' install; the CPU dry run allows 3 times the caps and the budget). The default cases, in order (`GPU_CASES`;
+`CAPS` holds each one's cap):
 
-1. ``environment``: GPU, driver and package versions;
-2. the engine-level cases of `gpu_check` (``refusals``, ``parity``, ``memory``, ``memory_policy``, ``speed``);
-3. the Trainer-level cases of `gpu_trainer` (``sft_fp32``, ``dpo_fp32``, ``sft_bf16``, ``grpo``);
-4. ``calibrate`` (`benchmarks.calibration`) with whatever time is left.
+1. ``environment``: GPU, driver, package versions and the package's commit (``ODC_GPU_COMMIT``, else git);
+2. the engine-level cases of `gpu_check`: ``refusals``, ``parity``, ``ranks8`` (8 ranks on the GPU: parity, the
+   dynamic plan's claims, 7 ranks adding into one owner's shard at once), ``memory``;
+3. the Trainer-level cases of `gpu_trainer`: ``sft_fp32`` (2 and 8 ranks, the free and the dynamic plan, against TRL
+   in one process), ``dpo_fp32``, ``sft_bf16``, ``grpo``;
+4. ``check:speed``, the accumulate paths at 1 GiB;
+5. ``trainer:speed`` (`trainer_speed`: ODC against the zero-communication limit on a Qwen2.5-0.5B-shaped model), last:
+   it runs as many interleaved repeats as the time left allows.
 
-Each case writes into a work folder; at the end that folder is packed into ``OUT_DIR/session.tar.gz`` and the table of
-cases (status, checks passed, seconds) goes to ``OUT_DIR/summary.txt`` and to stdout, last: two files, within the
-eight a GPU machine sends back. With ``--device cpu`` (the dry run, in CI) the cases that exist on CPU run: parity
-(the ``shm`` transport and the 'cuda' transport's protocol over shared memory), and the SFT and GRPO Trainer cases.
-The exit code is 0 when every case that ran passed.
+Left out by default, being stored twice already (``benchmarks/gpu/``): ``check:memory_policy`` and ``calibrate``
+(`benchmarks.calibration`, with whatever time is left); ``--cases`` runs them.
+
+Each case writes into a work folder; at the end that folder is packed into ``OUT_DIR/session.tar.gz``, the speed
+case's ``trainer_speed.json`` is copied to ``OUT_DIR`` and the table of cases (status, checks passed, seconds) goes to
+``OUT_DIR/summary.txt`` and to stdout, last: three files, within the eight a GPU machine sends back. With ``--device
+cpu`` (the dry run, in CI) the cases that exist on CPU run (`CPU_CASES`): parity (the ``shm`` transport and the
+'cuda' transport's protocol over shared memory), ranks8 (the protocol), the SFT Trainer case (2 and 8 ranks), GRPO and
+the speed case on a tiny model. The exit code is 0 when every case that ran passed.
 """
 
 from __future__ import annotations
@@ -30,17 +39,37 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .gpu_trainer import root_first
+
 ROOT = Path(__file__).resolve().parents[2]
-CHECK_CASES = ("refusals", "parity", "memory", "memory_policy", "speed")
-TRAINER_CASES = ("sft_fp32", "dpo_fp32", "sft_bf16", "grpo")
-CPU_CASES = ("check:parity", "trainer:sft_fp32", "trainer:grpo")
-#: the most each case may take (seconds); the overall budget may cut it shorter
-CAPS = {"refusals": 90, "parity": 150, "memory": 90, "memory_policy": 90, "speed": 150, "grpo": 150}
+GPU_CASES = (
+    "check:refusals", "check:parity", "check:ranks8", "check:memory", "trainer:sft_fp32", "trainer:dpo_fp32",
+    "trainer:sft_bf16", "trainer:grpo", "check:speed", "trainer:speed",
+)  # fmt: skip
+CPU_CASES = ("check:parity", "check:ranks8", "trainer:sft_fp32", "trainer:grpo", "trainer:speed")
+#: the most each case may take (seconds, on a GPU); the overall budget may cut it shorter. From the H100 runs of
+#: 2026-11-27 (benchmarks/gpu/h100-2026-11-27): refusals 25 s, parity 35 s, memory 17 s, memory_policy 19 s, each
+#: Trainer case about 50 s with its runs one after another (now at once), GRPO 50 s, calibration 71 s.
+CAPS = {
+    "check:refusals": 60,
+    "check:parity": 90,
+    "check:ranks8": 90,
+    "check:memory": 60,
+    "check:memory_policy": 60,
+    "check:speed": 60,
+    "trainer:sft_fp32": 120,
+    "trainer:dpo_fp32": 90,
+    "trainer:sft_bf16": 90,
+    "trainer:grpo": 120,
+    "trainer:speed": 180,
+}
 DEFAULT_CAP = 120
 MIN_CASE_S = 20.0  # a case with less time left than this is not started
 #: the CPU dry run's caps and budget are this many times the GPU's: its cases run slower, and no GPU time is at stake
 CPU_SLACK = 3.0
 RESERVE_S = 10.0  # kept back for packing the results
+#: files a case leaves in its work folder that come back beside the archive (the speed case's, for benchmarks/gpu/)
+RETURNED = {"trainer:speed": "trainer_speed.json"}
 
 
 @dataclass
@@ -54,19 +83,29 @@ class Case:
 
 
 def default_cases(device: str) -> list[str]:
-    if device == "cpu":
-        return list(CPU_CASES)
-    return [f"check:{c}" for c in CHECK_CASES] + [f"trainer:{c}" for c in TRAINER_CASES] + ["calibrate"]
+    return list(CPU_CASES if device == "cpu" else GPU_CASES)
+
+
+#: the case names of each checker (`gpu_check.CASES`, `gpu_trainer.CASES`; not imported: they import torch)
+NAMES = {
+    "check": ("refusals", "parity", "ranks8", "memory", "memory_policy", "speed"),
+    "trainer": ("sft_fp32", "dpo_fp32", "sft_bf16", "grpo", "speed"),
+}
 
 
 def _command(case: str, device: str, out: Path, seconds: float) -> list[str]:
     kind, _, name = case.partition(":")
+    if kind in NAMES and name not in NAMES[kind]:
+        raise ValueError(f"unknown case {case!r}: {kind}:NAME takes {', '.join(NAMES[kind])}")
     py = sys.executable
     if kind == "check":
         return [py, "-c", "import sys; from tests.helpers.gpu_check import main; sys.exit(main(sys.argv[1:]))",
                 "--out", str(out), "--device", device, "--cases", name]  # fmt: skip
     if kind == "trainer":
-        return [py, "-m", "tests.helpers.gpu_trainer", "--device", device, "--cases", name, "--out", str(out)]
+        cmd = [py, "-m", "tests.helpers.gpu_trainer", "--device", device, "--cases", name, "--out", str(out)]
+        if name == "speed":  # it plans its repeats to end within its cap, leaving time to stop
+            cmd += ["--budget-s", str(max(int(seconds - 15), 30))]
+        return cmd
     if kind == "calibrate":
         # The calibration keeps to its budget by itself; leave it the time its processes need to start and stop.
         budget = max(int(seconds - 75), 30)
@@ -92,7 +131,7 @@ def _read_checks(case: Case, out: Path) -> None:
 def run_case(case: Case, device: str, work: Path, seconds: float) -> None:
     out = work / case.name.replace(":", "_")
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=root_first(os.environ.get("PYTHONPATH")))
     # Two ranks on one GPU: torch's symmetric memory refuses that without this switch (the refusal case unsets it).
     env.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     start = time.perf_counter()
@@ -141,6 +180,9 @@ def _environment(work: Path) -> None:
         lines.append(smi.stdout.strip())
     import importlib.metadata as metadata
 
+    from .trainer_speed import commit
+
+    lines.append(f"commit {commit() or '-'}")
     lines.append(f"python {sys.version.split()[0]}")
     for name in ("torch", "triton", "numpy", "transformers", "accelerate", "trl", "datasets", "pyarrow"):
         try:
@@ -154,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--cases", default=None, help="comma-separated subset, e.g. check:parity,trainer:grpo,calibrate")
+    p.add_argument("--cases", default=None, help="comma-separated, e.g. check:parity,trainer:grpo,calibrate")
     p.add_argument(
         "--budget-s", type=float, default=None, help="seconds for every case together (default 470; on cpu 3 x that)"
     )
@@ -175,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case(name) for name in names]
     for case in cases:
         left = budget - (time.perf_counter() - start) - RESERVE_S
-        own = CAPS.get(case.name.split(":")[-1], DEFAULT_CAP) * slack
+        own = CAPS.get(case.name, DEFAULT_CAP) * slack
         cap = left if case.name == "calibrate" else min(own, left)
         if cap < MIN_CASE_S:
             case.status = "skipped (no time)"
@@ -185,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_session] {case.name}: {case.status}, {case.passed}/{case.checks} checks", flush=True)
     summary = table(cases, args.device, time.perf_counter() - start)
     (work / "summary.txt").write_text(summary)
+    for case, name in RETURNED.items():
+        path = work / case.replace(":", "_") / name
+        if path.exists():
+            shutil.copy(path, args.out / name)
     with tarfile.open(args.out / "session.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="session")
     shutil.rmtree(work)

@@ -21,6 +21,16 @@ builds (any `ODCTrainerMixin` subclass) gets:
   whole run: after each microbatch's forward and backward (each block the step timer times as compute) it sleeps
   ``F - 1`` times the block's measured time, inside the block (a slower device, for the benchmark's slowed condition);
 
+with ``ODC_TEST_CLAIMS_DIR=DIR`` (the ``dynamic`` plan), each rank's claimed microbatch indices per step in the run
+report (``claimed``), and a file in ``DIR`` when the rank finds a step's queue empty; with ``ODC_TEST_LATE_RANK=R``
+as well, rank ``R`` makes its first claim of every step only once a peer has found the queue empty: it claims none
+(a rank with no microbatch, by construction rather than by timing);
+
+with ``ODC_BENCH_PROFILE_STEP=K``, optimizer step ``K`` (1-based) runs under `torch.profiler` and each process writes
+``<output_dir>/profile_rank<r>.json``: its ops with the most self time in that step (device time on a GPU, CPU time
+on CPU) and the profiler's table; with ``ODC_BENCH_SKIP_SAVE=1``, ``trainer.save_model`` saves nothing (a timed run's
+model is not wanted);
+
 with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``, one per rank), rank ``r`` reads
 ``SIZE<r>`` as both its free and its total memory wherever the memory policy's ``auto`` asks
 (`odc_accelerate.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
@@ -30,9 +40,9 @@ with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the c
 engine, made to compute in float32 and run eagerly, compared with HF greedy decoding of the gathered model after every
 sync, its rollouts recorded, its shutdown recorded);
 
-with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let 2 ranks share one GPU over gloo (`shared_gpu.py`: the
-barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), applied before
-the script runs;
+with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let the ranks (any number) share one GPU over gloo
+(`shared_gpu.py`: the barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through
+CPU), applied before the script runs;
 
 and, with ``ODC_BENCH_RSS_DIR`` set, ``rss_rank<RANK>.json`` there when the process ends, even on an error: ``ru_maxrss``
 of this process (peak resident memory, including the shared-memory pages it touched).
@@ -47,6 +57,7 @@ import os
 import resource
 import runpy
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -62,6 +73,7 @@ class RunReport:
         self.microbatch_dist_calls: list[dict[str, int]] = []
         self.generation_dist_calls: list[dict[str, int]] = []
         self.sync_dist_calls: list[dict[str, int]] = []  # each engine.pre_optimizer_step()
+        self.claimed: list[list[int]] = []  # the dynamic plan: the indices this rank claimed, per step
 
     def dump_initial_params(self) -> None:
         import torch
@@ -109,6 +121,7 @@ class RunReport:
             "timed_dist_functions": timed_dist_functions(),  # after training: none (the timer is closed)
             # dynamic plan: microbatches fetched and collated on this rank (claims and counting shares), seconds
             "dynamic_loads": list(getattr(trainer, "odc_dynamic_loads", [0, 0.0])),
+            "claimed": self.claimed,  # with ODC_TEST_CLAIMS_DIR
         }
         if hasattr(trainer, "odc_reference_engine"):  # DPO
             ref_engine = trainer.odc_reference_engine
@@ -158,6 +171,12 @@ def instrument_trainers() -> None:
         self.add_callback(_report_callback(self.odc_run_report))
         if _flag("ODC_COUNT_DIST_CALLS"):
             _count_microbatches(self, count_dist_calls)
+        if os.environ.get("ODC_TEST_CLAIMS_DIR"):
+            self.add_callback(_claims_callback(self, os.environ["ODC_TEST_CLAIMS_DIR"]))
+        if os.environ.get("ODC_BENCH_PROFILE_STEP"):
+            self.add_callback(_profile_callback(self, int(os.environ["ODC_BENCH_PROFILE_STEP"])))
+        if _flag("ODC_BENCH_SKIP_SAVE"):
+            self.save_model = lambda *args, **kwargs: None
         if _flag("ODC_TEST_VLLM_CHECK") and getattr(self, "use_vllm", False):
             from tests.helpers.vllm_trainer_check import instrument_at_train_begin
 
@@ -169,6 +188,112 @@ def instrument_trainers() -> None:
             _slower_device(self, float(os.environ["ODC_BENCH_SLOW_FACTOR"]))
 
     ODCTrainerMixin.__init__ = __init__
+
+
+def _claims_callback(trainer: Any, directory: str) -> Any:
+    """Record this rank's claims of each step (the ``dynamic`` plan) and, on ``ODC_TEST_LATE_RANK``, hold its first
+    claim of each step until a peer has found the queue empty. Wraps ``engine.claim_microbatches`` on the instance at
+    the first step (the engine exists once the model is prepared)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    late = int(os.environ.get("ODC_TEST_LATE_RANK", "-1"))
+
+    def wrap(engine: Any) -> None:
+        original = engine.claim_microbatches
+        rank = trainer.args.process_index
+
+        def claim_microbatches(count: int) -> Any:
+            step = engine.steps
+            indices = original(count)  # checks the call now; claims lazily, as the loop asks
+
+            def claimed() -> Any:
+                if rank == late:
+                    deadline = time.monotonic() + 120.0
+                    while not any(Path(directory).glob(f"step{step}.rank*.drained")):
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"no peer found step {step}'s queue empty within 120 s")
+                        time.sleep(0.01)
+                mine: list[int] = []
+                trainer.odc_run_report.claimed.append(mine)
+                for i in indices:
+                    mine.append(i)
+                    yield i
+                Path(directory, f"step{step}.rank{rank}.drained").touch()
+
+            return claimed()
+
+        engine.claim_microbatches = claim_microbatches
+
+    class ClaimsCallback(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            engine = trainer.odc_engine
+            if engine is not None and "claim_microbatches" not in vars(engine):
+                os.makedirs(directory, exist_ok=True)
+                wrap(engine)
+
+    return ClaimsCallback()
+
+
+#: ops kept from a profiled step, by self time
+PROFILE_TOP = 25
+
+
+def _profile_callback(trainer: Any, step: int) -> Any:
+    """Run optimizer step ``step`` (1-based) under `torch.profiler` and write this process's ops with the most self
+    time to ``<output_dir>/profile_rank<r>.json``."""
+    import torch
+    from transformers import TrainerCallback
+
+    on_gpu = torch.cuda.is_available() and trainer.args.device.type == "cuda"
+
+    class ProfileCallback(TrainerCallback):
+        profiler: Any = None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step + 1 != step or self.profiler is not None:
+                return
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if on_gpu:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.profiler is None or state.global_step != step:
+                return
+            if on_gpu:
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            events = self.profiler.key_averages()
+            # device time where the step ran on a GPU, else CPU time; both in microseconds
+            key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+            rows = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:PROFILE_TOP]
+            report = {
+                "step": step,
+                "rank": trainer.args.process_index,
+                "sorted_by": key,
+                "self_cpu_us_total": sum(e.self_cpu_time_total for e in events),
+                "self_device_us_total": sum(getattr(e, "self_device_time_total", 0.0) for e in events),
+                "top": [
+                    {
+                        "op": e.key,
+                        "count": e.count,
+                        "self_cpu_us": round(e.self_cpu_time_total, 1),
+                        "self_device_us": round(getattr(e, "self_device_time_total", 0.0), 1),
+                    }
+                    for e in rows
+                ],
+                "table": events.table(sort_by=key, row_limit=PROFILE_TOP, max_name_column_width=60),
+            }
+            os.makedirs(args.output_dir, exist_ok=True)
+            path = os.path.join(args.output_dir, f"profile_rank{trainer.args.process_index}.json")
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+
+    return ProfileCallback()
 
 
 def _count_microbatches(trainer: Any, count_dist_calls: Any) -> None:

@@ -1,12 +1,14 @@
-"""Test-only switch: 2 ranks of a real ``accelerate launch`` job sharing one GPU over a gloo process group.
+"""Test-only switch: the ranks of a real ``accelerate launch`` job, any number of them, sharing one GPU over a gloo
+process group.
 
-The GPU machines this project's checks run on have one GPU, so the Trainer-level check runs both ranks on ``cuda:0``
-with ``--ddp_backend gloo`` (NCCL refuses two ranks on one GPU). That set-up trips over four things that a job with
-one GPU per rank and NCCL never meets; ``run_example.py`` calls :func:`enable` in each worker when
-``ODC_TEST_SHARED_GPU=1``, before the training script runs:
+The GPU machines this project's checks run on have one GPU, so the Trainer-level check runs every rank (2 or 8) on
+``cuda:0`` (accelerate's ``set_device`` takes the local rank modulo the device count) with ``--ddp_backend gloo``
+(NCCL refuses two ranks on one GPU). That set-up trips over four things that a job with one GPU per rank and NCCL
+never meets; ``run_example.py`` calls :func:`enable` in each worker when ``ODC_TEST_SHARED_GPU=1``, before the
+training script runs. Nothing in it depends on the number of ranks:
 
-* accelerate's ``wait_for_everyone`` calls ``barrier(device_ids=[local_process_index])``: rank 1 names ``cuda:1``,
-  which does not exist ("invalid device ordinal"). The barrier here uses the current device;
+* accelerate's ``wait_for_everyone`` calls ``barrier(device_ids=[local_process_index])``: every rank but the first
+  names a ``cuda:<rank>`` that does not exist ("invalid device ordinal"). The barrier here uses the current device;
 * ``fully_shard`` without ``mesh=`` (what accelerate passes without a parallelism config) builds a default mesh per
   call, and under a gloo default group on a CUDA machine each gets a new process group. Here every such call gets one
   1-D mesh on the world group, as with NCCL;

@@ -82,3 +82,14 @@ def test_the_output_folder_comes_first(layout):
     cmd = ["bash", str(layout / "scripts" / "gpu_session.sh"), "--device=cpu"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "the first argument is the output folder" in proc.stderr
+
+
+def test_the_session_knows_every_checkers_cases():
+    # gpu_session.py names the checkers' cases without importing them (they import torch): the lists must agree
+    from tests.helpers import gpu_check, gpu_session, gpu_trainer
+
+    assert gpu_session.NAMES == {"check": gpu_check.CASES, "trainer": gpu_trainer.CASES}
+    for case in (*gpu_session.GPU_CASES, *gpu_session.CPU_CASES):
+        kind, _, name = case.partition(":")
+        assert name in gpu_session.NAMES[kind] and case in gpu_session.CAPS, case
+    assert {c.partition(":")[2] for c in gpu_session.CPU_CASES if c.startswith("check:")} <= set(gpu_check.CPU_CASES)
