@@ -22,19 +22,17 @@ def tiny_lora_model(seed: int = 0) -> Any:
     return get_peft_model(model, LoraConfig(**LORA))
 
 
-def merged_full_parameters(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Shard the LoRA model with FSDP2 + ODC, take one SGD step (rank 0 two microbatches, rank 1 one; LoRA's B starts
-    at zero, so the step is what makes the merge matter), then read the merged weights through ODC
-    (`iter_full_parameters`) and, outside it, every parameter with DTensor's own gather (the reference's input)."""
+def sharded_sgd_step(rank: int, model: Any, layers: Any) -> Any:
+    """Shard ``model`` with FSDP2 (each of ``layers``, then the root) and serve it with an `ODCEngine`; take one SGD
+    step at 0.5 through it, rank 0 with two microbatches of random tokens and the others with one. Returns the engine,
+    between optimizer steps (its published shards hold the trained weights)."""
     from torch.distributed.fsdp import fully_shard
 
     from odc_accelerate.engine import ODCEngine
-    from odc_accelerate.integrations.vllm import VLLMSyncStats, iter_full_parameters
     from odc_accelerate.testing.models import world_mesh
 
-    model = tiny_lora_model(seed=0)
     mesh = world_mesh("cpu")
-    for layer in model.base_model.model.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     engine = ODCEngine(model, timeout=60.0)
@@ -47,6 +45,17 @@ def merged_full_parameters(rank: int, world_size: int, spec: dict[str, Any]) -> 
     optimizer.step()
     optimizer.zero_grad()
     engine.post_optimizer_step()
+    return engine
+
+
+def merged_full_parameters(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Shard the LoRA model with FSDP2 + ODC, take one SGD step (rank 0 two microbatches, rank 1 one; LoRA's B starts
+    at zero, so the step is what makes the merge matter), then read the merged weights through ODC
+    (`iter_full_parameters`) and, outside it, every parameter with DTensor's own gather (the reference's input)."""
+    from odc_accelerate.integrations.vllm import VLLMSyncStats, iter_full_parameters
+
+    model = tiny_lora_model(seed=0)
+    engine = sharded_sgd_step(rank, model, model.base_model.model.model.layers)
 
     stats = VLLMSyncStats()
     merged = {name: tensor for name, tensor in iter_full_parameters(engine, stats)}

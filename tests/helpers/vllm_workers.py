@@ -168,29 +168,16 @@ def checkpoint_weights_after_a_step(rank: int, world_size: int, spec: dict[str, 
     """Shard the tiny model of ``spec["kind"]`` (`odc_accelerate.testing.models.tiny_causal_lm_config`) with FSDP2 +
     ODC, take one SGD step (rank 0 two microbatches, rank 1 one), then read its weights through ODC as a checkpoint
     stores them (`iter_checkpoint_weights`) and, outside it, every parameter with DTensor's own gather."""
-    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.engine import ODCEngine
     from odc_accelerate.integrations.vllm import VLLMSyncStats, iter_checkpoint_weights
-    from odc_accelerate.testing.models import tiny_causal_lm_config, world_mesh
+    from odc_accelerate.testing.models import tiny_causal_lm_config
+
+    from .peft_workers import sharded_sgd_step
 
     set_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(spec["kind"], hidden_size=32), dtype=torch.float32)
-    mesh = world_mesh("cpu")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    engine = ODCEngine(model, timeout=60.0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(2 if rank == 0 else 1):
-        ids = torch.randint(0, 1000, (1, 24), generator=gen)
-        model(input_ids=ids, labels=ids).loss.backward()
-    engine.pre_optimizer_step()
-    optimizer.step()
-    optimizer.zero_grad()
-    engine.post_optimizer_step()
+    engine = sharded_sgd_step(rank, model, model.model.layers)
     stats = VLLMSyncStats()
     weights = dict(iter_checkpoint_weights(engine, stats))
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
