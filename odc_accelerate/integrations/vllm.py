@@ -191,6 +191,11 @@ def check_vllm_sync_model(model: nn.Module) -> None:
             as DoRA or aLoRA, LoRA on a convolution, an embedding or a bare parameter, a LoRA bias, several active
             adapters, an adapter already merged, ``modules_to_save``).
     """
+    _refuse_mixture_of_experts(model)
+    peft.lora_layers(model)
+
+
+def _refuse_mixture_of_experts(model: nn.Module) -> None:
     experts = _routed_experts(model)
     if experts > 1:
         name = type(peft.base_model_of(model)).__name__.removeprefix("FSDP")
@@ -199,7 +204,6 @@ def check_vllm_sync_model(model: nn.Module) -> None:
             "not give a MoE layer's experts the trained values, so its generations would come from another policy. "
             "Generate without vLLM (--use_vllm false) for this model under ODC."
         )
-    peft.lora_layers(model)
 
 
 def _unit_tensors(
@@ -370,7 +374,7 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
     vllm_compat.check_release()
     vllm_compat.worker_of(llm)  # refuse before reading anything
     _check_engine(engine)
-    check_vllm_sync_model(engine.model)
+    _refuse_mixture_of_experts(engine.model)  # the PEFT checks run where the weights are read (`lora_layers`)
     stats = VLLMSyncStats()
     start = time.perf_counter()
     loaded, parameters = vllm_compat.reload_weights(llm, iter_checkpoint_weights(engine, stats))

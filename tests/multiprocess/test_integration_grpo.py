@@ -135,31 +135,15 @@ def runs(tmp_path_factory, tiny_model):
         out["example_fsdp2"],
         **COUNT,
     )
-    procs["parity_odc"] = background(
-        accelerate_launch,
-        CONFIGS / "odc_cpu.yaml",
-        RUN_EXAMPLE,
-        LOOP,
-        "--odc",
-        "true",
-        "--odc_max_tokens_per_microbatch",
-        "40",
-        "--per_device_train_batch_size",
-        "8",
-        *PARITY,
-        "--output_dir",
-        out["parity_odc"],
-        **COUNT,
-    )
-    procs["parity_single"] = background(
-        run,
-        [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *PARITY, "--output_dir"]
-        + [out["parity_single"]],
-        env=base_env(),
-    )
-    for kind in MODEL_KINDS[1:]:
-        parity = [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32)]
-        procs[f"parity_odc_{kind}"] = background(
+    # The untied model with every loss type, the other kinds with one: ODC on 2 ranks and one process on the same
+    # samples per step.
+    parities = {"": PARITY}
+    parities.update(
+        {f"_{kind}": [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32)]
+         for kind in MODEL_KINDS[1:]}
+    )  # fmt: skip
+    for suffix, parity in parities.items():
+        procs[f"parity_odc{suffix}"] = background(
             accelerate_launch,
             CONFIGS / "odc_cpu.yaml",
             RUN_EXAMPLE,
@@ -172,12 +156,12 @@ def runs(tmp_path_factory, tiny_model):
             "8",
             *parity,
             "--output_dir",
-            out[f"parity_odc_{kind}"],
+            out[f"parity_odc{suffix}"],
             **COUNT,
         )
         reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *parity]
-        procs[f"parity_single_{kind}"] = background(
-            run, [*reference, "--output_dir", out[f"parity_single_{kind}"]], env=base_env()
+        procs[f"parity_single{suffix}"] = background(
+            run, [*reference, "--output_dir", out[f"parity_single{suffix}"]], env=base_env()
         )
     procs["bad_entropy"] = background(
         accelerate_launch,
