@@ -32,8 +32,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import hsdp, memory, model_check, process_exit
-from ._compat import fsdp as compat
 from ._compat import warn_if_untested
+from ._compat.torch import fsdp as compat
+from ._compat.torch import keep as keep_compat
+from ._compat.torch import layout as layout_compat
 from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
 from .transport.base import is_out_of_memory
 from .transport.claims import claim_counter, claim_indices
@@ -107,7 +109,7 @@ class _Group:
     saved_comms: tuple[Any, Any]
     saved_flags: tuple[bool, bool]
     touched: bool = False
-    saved_keep: Any = None  # compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
+    saved_keep: Any = None  # keep_compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
     keep: tuple[bool, bool] = (False, False)  # (gathered params, unsharded grads) kept through the step
 
 
@@ -393,13 +395,13 @@ class ODCEngine:
                 # Engine owns the divisor (applied at the fold): sum-only hooks, and a known layout.
                 module = g.module
                 module.set_force_sum_reduction_for_comms(True)
-                compat.fix_reduce_scatter_layout(module, defer_all_reduce=replicate_pg is not None)
+                layout_compat.fix_reduce_scatter_layout(module, defer_all_reduce=replicate_pg is not None)
                 module.set_custom_all_gather(_ODCAllGather(self, g.index))
                 if not self.frozen:
                     hook = _ODCReduceScatterHSDP if replicate_pg is not None else _ODCReduceScatter
                     module.set_custom_reduce_scatter(hook(self, g.index))
-                compat.check_keep_support(g.group)
-                g.saved_keep = compat.keep_flags(g.group)
+                keep_compat.check_keep_support(g.group)
+                g.saved_keep = keep_compat.keep_flags(g.group)
             # The dynamic plan's counter: the transport's own (no communication here), or the store fallback for a
             # transport without one (one broadcast, here at set-up and never inside a step). On an HSDP mesh every
             # rank of every replica claims from one queue, beyond the shard group's transport (one host): the store.
@@ -489,7 +491,7 @@ class ODCEngine:
         rows = inp.view(self.world_size, -1)
         # None: the rows have the accumulator's layout. Else (torch 2.11, some params got no gradient) where each
         # param's segment of the rows goes.
-        spans = compat.reduce_scatter_spans(g.group, compat.get_comms(g.group)[1])
+        spans = layout_compat.reduce_scatter_spans(g.group, compat.get_comms(g.group)[1])
         expected = g.reduce_numel if spans is None else sum(numel for _, _, numel in spans)
         if rows.shape[1] != expected or inp.dtype != g.reduce_dtype:
             raise RuntimeError(
@@ -725,7 +727,9 @@ class ODCEngine:
                     fqn=g.fqn,
                     param_bytes=g.gather_numel * self.world_size * g.gather_dtype.itemsize,
                     grad_bytes=grad_bytes,
-                    gathers_per_microbatch=1 if self.frozen else compat.gathers_per_microbatch(g.group, g.saved_keep),
+                    gathers_per_microbatch=1
+                    if self.frozen
+                    else keep_compat.gathers_per_microbatch(g.group, g.saved_keep),
                     world_size=self.world_size,
                 )
             )
@@ -744,7 +748,7 @@ class ODCEngine:
         for g in self._groups:
             keep_params, keep_grads = choices[g.fqn]
             g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not self.frozen)
-            compat.set_keep(g.group, g.saved_keep, *g.keep)
+            keep_compat.set_keep(g.group, g.saved_keep, *g.keep)
         self.stats.kept_params = sum(g.keep[0] for g in self._groups)
         self.stats.kept_grads = sum(g.keep[1] for g in self._groups)
 
@@ -761,8 +765,8 @@ class ODCEngine:
     def _reduce_kept_grads(self) -> None:
         """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``)."""
         for g in self._groups:
-            if g.reduce_dtype is not None and compat.has_pending_grads(g.group):
-                compat.reduce_pending_grads(g.group)
+            if g.reduce_dtype is not None and keep_compat.has_pending_grads(g.group):
+                keep_compat.reduce_pending_grads(g.group)
 
     def _drop_kept_params(self) -> None:
         for g in self._groups:
@@ -791,7 +795,7 @@ class ODCEngine:
         if (
             self._state != EngineState.IN_STEP
             or any(g.touched for g in self._groups)
-            or any(g.reduce_dtype is not None and compat.has_pending_grads(g.group) for g in self._groups)
+            or any(g.reduce_dtype is not None and keep_compat.has_pending_grads(g.group) for g in self._groups)
         ):
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
         self._drop_kept_params()  # gathered before the change: stale
@@ -815,7 +819,7 @@ class ODCEngine:
                     logger.warning("Dropping the gathered parameters at close failed: %s", err)
             for g in self._groups:
                 if g.saved_keep is not None:
-                    compat.set_keep(g.group, g.saved_keep, False, False)
+                    keep_compat.set_keep(g.group, g.saved_keep, False, False)
                 compat.set_comms(g.group, *g.saved_comms)
                 compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
             if self.transport is not None:

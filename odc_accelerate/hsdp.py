@@ -199,7 +199,7 @@ class ReplicaReducer:
 
 # ---------------------------------------------------------------------- failure notes through the job's store
 def _store() -> object | None:
-    from ._compat import fsdp as compat
+    from ._compat.torch import c10d as compat
 
     try:
         return compat.default_store()

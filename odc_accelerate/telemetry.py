@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 
-from ._compat import fsdp as compat
+from ._compat.torch import fsdp as compat
 
 __all__ = [
     "DIST_COMM_FUNCTIONS",

@@ -172,7 +172,7 @@ def launch(args: Sequence[str], *, bootstrap: bool | None = None, env: Mapping[s
         args = through_bootstrap(launch_args, script, script_args, module)
         # The 'cuda' transport keeps multicast off for its segment; set here, no worker writes its environment while
         # NCCL or gloo threads may read it. A value the user set wins.
-        from .._compat.fsdp import MULTICAST_OFF_ENV
+        from .._compat.torch.symm_mem import MULTICAST_OFF_ENV
 
         env.setdefault(MULTICAST_OFF_ENV, "1")
     return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args], env=env)

@@ -259,9 +259,9 @@ def _release_process_groups(accelerator: Any) -> None:
         return  # not destroyed (e.g. a notebook_launcher run): the groups are still in use
     mesh = getattr(accelerator.state, "device_mesh", None)
     try:
-        from .._compat import fsdp as fsdp_compat
+        from .._compat.torch import c10d as c10d_compat
 
-        n = fsdp_compat.release_process_groups([mesh] if mesh is not None else [])
+        n = c10d_compat.release_process_groups([mesh] if mesh is not None else [])
     except RuntimeError as err:  # CompatError: this torch lacks an internal it reads (raised at import too)
         # Training and saving are done: a warning, not an error that would fail a finished run.
         logger.warning("%s Without it gloo's worker threads may outlive end_training (rare abort at exit).", err)

@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import model_check
-from .._compat import fsdp as fsdp_compat
 from .._compat import transformers as transformers_compat
+from .._compat.torch import fsdp as fsdp_compat
 from ..engine import EngineState, ODCEngine
 from . import peft
 

@@ -85,7 +85,7 @@ def claim_counter(transport: Transport | None, group: dist.ProcessGroup | None =
     """
     if transport is not None and transport.has_claims:
         return transport
-    from .._compat import fsdp as compat
+    from .._compat.torch import c10d as compat
 
     prefix = [f"odc_claims/{uuid.uuid4().hex[:16]}"]
     dist.broadcast_object_list(prefix, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

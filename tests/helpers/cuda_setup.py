@@ -69,7 +69,7 @@ def stuck_setup_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
 def engine_publish_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> str:
     """Build an engine over the emulated 'cuda' transport where rank 1 runs out of GPU memory while it publishes its
     first shards (after the transport's memory check passed); return this rank's error text."""
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
 
@@ -101,7 +101,7 @@ def lazy_init_oom_worker(rank: int, world_size: int, spec: dict[str, Any]) -> st
     """Build an engine whose FSDP2 lazy initialisation runs out of GPU memory on the ranks ``spec["ranks"]`` (default:
     every rank), as creating FSDP2's CUDA streams did on a nearly full H100 (a driver error, not torch's allocator's);
     return this rank's error text."""
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
 
@@ -129,7 +129,7 @@ def extension_layout_worker(rank: int, world_size: int, spec: dict[str, Any]) ->
     Returns this rank's error text (``"error"``), the most parameters one call of the input builder got while the
     engine was built (``"most_params_per_call"``), and whether each group's layout matches FSDP2's metadata.
     """
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.testing.models import ToyConfig, build_model, shard_model
 

@@ -15,13 +15,13 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 
-from odc_accelerate._compat import fsdp as fsdp_compat
+from odc_accelerate._compat.torch import dispatch as dispatch_compat
 from odc_accelerate.telemetry import DIST_COMM_FUNCTIONS, patch_dist_functions, restore_dist_functions
 
 COMM_OP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
-class _OpCounter(fsdp_compat.torch_dispatch_mode()):
+class _OpCounter(dispatch_compat.torch_dispatch_mode()):
     def __init__(self, counts: collections.Counter) -> None:
         super().__init__()
         self.counts = counts

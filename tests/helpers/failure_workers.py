@@ -167,7 +167,7 @@ def _two_group_model(cfg: ToyConfig, world_size: int) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    from odc_accelerate._compat.fsdp import per_param_placer
+    from odc_accelerate._compat.torch.fsdp import per_param_placer
 
     model = build_model(cfg)
     on_other = per_param_placer(DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu"))

@@ -274,7 +274,7 @@ def reference(spec: dict[str, Any]) -> dict[str, Any]:
 def refusal_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, str]:
     """Build an engine that must be refused; return each attempt's error text ('' if it was not refused) and its
     traceback."""
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
 
     device = _device("cuda")
@@ -314,7 +314,7 @@ def memory_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str,
     loaded on first use) and torch's peer tables of symmetric memory (``CUDAPeerAllocInfo``, which has no
     destructor). The second engine shows what ODC itself takes and returns.
     """
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import fsdp as fsdp_compat
     from odc_accelerate.engine import ODCEngine
 
     device = _device("cuda")

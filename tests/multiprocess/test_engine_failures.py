@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from odc_accelerate._compat import fsdp as fsdp_compat
+from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
 from odc_accelerate.transport.shm import cleanup_stale_segments
 from tests.helpers.engine_workers import train
@@ -35,9 +35,9 @@ CASES = {
 
 def test_bad_input_raises_clear_errors_on_every_rank():
     cases = dict(CASES)
-    if not fsdp_compat.has("param_groups"):
+    if not torch_compat.has("param_groups"):
         del cases["several_param_groups"]  # torch 2.11: one param group per fully_shard call, nothing to refuse
-    if not fsdp_compat.has("grad_dtypes"):
+    if not torch_compat.has("grad_dtypes"):
         del cases["grad_dtype_none"]  # before torch 2.15 FSDP2 drops a param's grad_dtype: nothing to refuse
     results = launch(bad_inputs, 2, list(cases), timeout=240)
     for rank, outcomes in enumerate(results):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from odc_accelerate._compat import fsdp as fsdp_compat
+from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import launch
 from tests.helpers.engine_workers import reference, train
 
@@ -57,8 +57,8 @@ def test_bf16_compute_with_fsdp2s_default_reduce_dtype_bit_identical_to_fsdp2():
     # per-microbatch reduce-scatters added into the fp32 .grad.
     spec = dict(plan=ONE_EACH, clip=0.5, precision="bf16-compute")
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
-    expected = "torch.float32" if fsdp_compat.has("grad_dtypes") else "torch.bfloat16"
-    assert set(odc[0]["reduce_dtypes"]) == {expected}, (odc[0]["reduce_dtypes"], fsdp_compat.TORCH_VERSION)
+    expected = "torch.float32" if torch_compat.has("grad_dtypes") else "torch.bfloat16"
+    assert set(odc[0]["reduce_dtypes"]) == {expected}, (odc[0]["reduce_dtypes"], torch_compat.TORCH_VERSION)
     for name, ref in fsdp[0]["params"].items():
         np.testing.assert_array_equal(odc[0]["params"][name], ref, err_msg=name)
 
@@ -72,7 +72,7 @@ def test_per_param_grad_dtypes_bit_identical_to_fsdp2():
     narrow = ["blocks.0.qkv.weight", "blocks.0.up.weight", "blocks.2.norm1.bias"]
     spec = dict(plan=ONE_EACH, record_grads=True, zero_grad_every=2, grad_dtypes=dict.fromkeys(narrow, "bfloat16"))
     fsdp, odc = run("fsdp", **spec), run("odc", **spec)
-    honoured = fsdp_compat.has("grad_dtypes")
+    honoured = torch_compat.has("grad_dtypes")
     for step, dtypes in enumerate(odc[0]["grad_dtypes"]):
         assert dtypes == fsdp[0]["grad_dtypes"][step]
         assert {n for n, d in dtypes.items() if d == "torch.bfloat16"} == (set(narrow) if honoured else set()), dtypes

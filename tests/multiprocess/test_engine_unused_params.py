@@ -2,12 +2,12 @@
 
 torch 2.12+ reduce-scatters every trainable param of a group (``set_reduce_scatter_unused_params``); torch 2.11 only
 those that got a gradient, so there the engine places each param's rows at its own offset of the accumulator
-(`odc_accelerate._compat.fsdp.reduce_scatter_spans`). Both must train exactly like one process on the whole batch.
+(`odc_accelerate._compat.torch.layout.reduce_scatter_spans`). Both must train exactly like one process on the whole batch.
 """
 
 import numpy as np
 
-from odc_accelerate._compat import fsdp
+from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import launch
 from tests.helpers.engine_workers import reference, train
 
@@ -25,7 +25,9 @@ def rel_diff(a: dict, b: dict) -> float:
 
 def test_params_without_gradient_in_some_backwards_train_like_one_process():
     # Which path this torch takes (torch 2.11: the spans path).
-    print(f"torch {fsdp.TORCH_VERSION}: reduce_scatter_unused_params={fsdp.has('reduce_scatter_unused_params')}")
+    print(
+        f"torch {torch_compat.TORCH_VERSION}: reduce_scatter_unused_params={torch_compat.has('reduce_scatter_unused_params')}"
+    )
     ref = reference(SPEC)
     initial = reference(dict(SPEC, plan=[[[], []]]))  # no step runs: the initial weights
     gate = [k for k in ref if ".gate." in k]

@@ -202,10 +202,10 @@ def test_check_signature_reads_extension_docstrings():
     check_signature(extension, ("rank", "sizes", "storage_offset"), library="torch", where="Mem.get_buffer")
     with pytest.raises(CompatError, match=r"Mem\.get_buffer\(dtype=\.\.\.\)"):
         check_signature(extension, ("dtype",), library="torch", where="Mem.get_buffer")
-    from odc_accelerate._compat import fsdp
+    from odc_accelerate._compat.torch import symm_mem
 
     # The real one: symmetric memory's handle.get_buffer is such a function (checked without touching a GPU).
-    assert fsdp.symmetric_memory_unavailable_reason() is None
+    assert symm_mem.symmetric_memory_unavailable_reason() is None
 
 
 _RENAMED_TORCH_PARAMETER = """
@@ -217,7 +217,7 @@ def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, reduce_
 
 collectives._get_gradient_divide_factors = _get_gradient_divide_factors
 try:
-    import odc_accelerate._compat.fsdp
+    import odc_accelerate._compat.torch.fsdp
 except Exception as err:
     print(type(err).__name__, err)
 else:
@@ -226,7 +226,7 @@ else:
 
 
 def test_fsdp_module_refuses_a_torch_whose_private_function_renamed_a_parameter():
-    import odc_accelerate._compat.fsdp  # noqa: F401  (positive control: the real torch passes the import checks)
+    import odc_accelerate._compat.torch.fsdp  # noqa: F401  (positive control: the real torch passes the import checks)
 
     assert untested_warning("torch") is None  # and it is a tested one
     out = subprocess.run(
@@ -363,12 +363,42 @@ def test_importing_compat_patches_nothing_and_install_is_idempotent():
 
 
 def test_scaffold_is_the_one_error_class():
-    from odc_accelerate._compat import accelerate, fsdp, transformers, trl
+    from odc_accelerate._compat import accelerate, transformers
+    from odc_accelerate._compat import torch as torch_compat
+    from odc_accelerate._compat import trl as trl_compat
+    from odc_accelerate._compat.torch import c10d, dispatch, fsdp, keep, layout, symm_mem
 
-    for module in (accelerate, fsdp, transformers, trl):
+    modules = (accelerate, transformers, torch_compat, c10d, dispatch, fsdp, keep, layout, symm_mem)
+    for module in (*modules, trl_compat):
         names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Exception)]
         assert all(vars(module)[n] is CompatError for n in names), (module.__name__, names)
     assert _compat.CompatError.__mro__[1] is RuntimeError
+
+
+_LAUNCHER_IMPORTS = """
+import json, sys
+import odc_accelerate.cli.launch
+from odc_accelerate._compat.torch import symm_mem
+
+def fsdp_modules():
+    return sorted(m for m in sys.modules if m == "odc_accelerate._compat.torch.fsdp" or m.startswith("torch.distributed.fsdp"))
+
+before = fsdp_modules()
+import odc_accelerate._compat.torch.fsdp
+print(json.dumps({"switch": symm_mem.MULTICAST_OFF_ENV, "before": before, "after": fsdp_modules()}))
+"""
+
+
+def test_the_launcher_and_symmetric_memory_load_no_fsdp2():
+    # A fresh interpreter: the launcher reads symmetric memory's switch without FSDP2's internals or their checks.
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER_IMPORTS], capture_output=True, text=True, timeout=300, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["switch"] == "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+    assert result["before"] == [], result["before"]
+    # Positive control: the same check sees the FSDP2 compat module and torch's FSDP once they are imported.
+    assert {"odc_accelerate._compat.torch.fsdp", "torch.distributed.fsdp"} <= set(result["after"]), result["after"]
 
 
 # ----------------------------------------------------------------------------------------------- torch release paths
@@ -380,7 +410,7 @@ def test_torch_paths_table_matches_the_installed_torch():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group, _fsdp_state
 
-    from odc_accelerate._compat import fsdp
+    from odc_accelerate._compat import torch as torch_compat
 
     state_init = inspect.getsource(_fsdp_state.FSDPState.__init__)
     real = {
@@ -393,8 +423,8 @@ def test_torch_paths_table_matches_the_installed_torch():
             inspect.getattr_static(_fsdp_param.FSDPParam, "unsharded_accumulated_grad", None), property
         ),
     }
-    assert real.keys() == fsdp.PATHS.keys()
-    assert {feature: fsdp.has(feature) for feature in fsdp.PATHS} == real, fsdp.TORCH_VERSION
+    assert real.keys() == torch_compat.PATHS.keys()
+    assert {feature: torch_compat.has(feature) for feature in torch_compat.PATHS} == real, torch_compat.TORCH_VERSION
     assert "self._fsdp_param_group:" in state_init or real["param_groups"]  # the older path's attribute is there
     group_init = inspect.getsource(_fsdp_param_group.FSDPParamGroup._init_mp_dtypes)
     assert "self._orig_dtype =" in group_init or real["grad_dtypes"]
@@ -403,12 +433,12 @@ def test_torch_paths_table_matches_the_installed_torch():
 def test_torch_older_than_the_supported_range_is_refused_naming_the_release(monkeypatch):
     import torch
 
-    from odc_accelerate._compat import fsdp
+    from odc_accelerate._compat import torch as torch_compat
 
-    fsdp.check_torch_release()  # the installed torch is supported
-    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 10))
+    torch_compat.check_torch_release()  # the installed torch is supported
+    monkeypatch.setattr(torch_compat, "TORCH_VERSION", (2, 10))
     with pytest.raises(CompatError, match=r"needs torch 2\.11 or newer") as err:
-        fsdp.check_torch_release()
+        torch_compat.check_torch_release()
     assert torch.__version__ in str(err.value)
 
 
@@ -425,9 +455,10 @@ def _fake_param(fqn, numel):
 def test_reduce_scatter_spans_place_each_param_at_its_accumulator_offset(monkeypatch):
     # The path of torch < 2.13 (no reduce_scatter_unused_params), on whatever torch runs this: FSDP2's foreach_reduce
     # is seen through the recording wrapper, and the spans map its rows to the accumulator's layout.
-    from odc_accelerate._compat import fsdp
+    from odc_accelerate._compat import torch as torch_compat
+    from odc_accelerate._compat.torch import layout
 
-    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 11))
+    monkeypatch.setattr(torch_compat, "TORCH_VERSION", (2, 11))
     a, frozen, b, c = _fake_param("a", 4), _fake_param("frozen", 2), _fake_param("b", 3), _fake_param("c", 5)
     frozen.sharded_param.requires_grad = False
     group = types.SimpleNamespace(fsdp_params=[a, frozen, b, c], _module_fqn="blocks.0")
@@ -435,10 +466,10 @@ def test_reduce_scatter_spans_place_each_param_at_its_accumulator_offset(monkeyp
     seen = []
 
     def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm):
-        seen.append(fsdp.reduce_scatter_spans(group, comm))  # what the hook computes, inside the call
+        seen.append(layout.reduce_scatter_spans(group, comm))  # what the hook computes, inside the call
         return "result"
 
-    wrapped = fsdp._record_reduce_params(foreach_reduce)
+    wrapped = layout._record_reduce_params(foreach_reduce)
     assert wrapped([a, b, c], [], None, None, comm) == "result"  # positional, as FSDP2 calls it
     assert wrapped([a, c], [], None, None, reduce_scatter_comm=comm) == "result"
     assert wrapped(fsdp_params=[b], unsharded_grads=[], reduce_scatter_group=None, reduce_scatter_stream=None,
@@ -446,13 +477,13 @@ def test_reduce_scatter_spans_place_each_param_at_its_accumulator_offset(monkeyp
     # (row offset, accumulator offset, numel); accumulator = a[0:4] b[4:7] c[7:12] (the frozen param has no slot)
     assert seen == [None, [(0, 0, 4), (4, 7, 5)], [(0, 4, 3)]]
     with pytest.raises(RuntimeError, match="foreach_reduce"):  # outside a recorded call: refuse, never guess
-        fsdp.reduce_scatter_spans(group, comm)
+        layout.reduce_scatter_spans(group, comm)
     with pytest.raises(RuntimeError, match="foreach_reduce"):
         wrapped([a], [], None, None, other_comm)  # another group's comm is running, not this one's
     with pytest.raises(RuntimeError, match="frozen got a gradient"):
         wrapped([frozen], [], None, None, comm)
-    monkeypatch.setattr(fsdp, "TORCH_VERSION", (2, 13))
-    assert fsdp.reduce_scatter_spans(group, comm) is None  # set_reduce_scatter_unused_params fixes the layout
+    monkeypatch.setattr(torch_compat, "TORCH_VERSION", (2, 13))
+    assert layout.reduce_scatter_spans(group, comm) is None  # set_reduce_scatter_unused_params fixes the layout
 
 
 def test_examples_end_training_falls_back_before_transformers_5_18():

@@ -31,11 +31,11 @@ def test_release_after_end_training_names_a_missing_torch_internal(caplog):
     from types import SimpleNamespace
 
     from odc_accelerate._compat import CompatError
-    from odc_accelerate._compat import fsdp as fsdp_compat
+    from odc_accelerate._compat.torch import c10d as c10d_compat
     from odc_accelerate.integrations import accelerate as integration
 
     with pytest.raises(CompatError, match="DeviceMesh._pg_registry"):
-        fsdp_compat.release_process_groups([object()])
+        c10d_compat.release_process_groups([object()])
     # no process group in this process, as after destroy_process_group()
     fake = SimpleNamespace(state=SimpleNamespace(device_mesh=object()))
     with caplog.at_level("WARNING", logger=integration.__name__):

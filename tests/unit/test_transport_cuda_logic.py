@@ -312,18 +312,18 @@ def test_factory_refuses_mismatched_devices_with_the_fix():
 
 
 def test_symmetric_memory_backend_and_multicast_switch_without_a_gpu(monkeypatch):
-    from odc_accelerate._compat import fsdp
+    from odc_accelerate._compat.torch import symm_mem
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: torch may already report a backend")
     monkeypatch.delenv("TORCH_SYMMMEM", raising=False)
-    assert fsdp.symmetric_backend(torch.device("cuda")) == "CUDA"  # torch's default
+    assert symm_mem.symmetric_backend(torch.device("cuda")) == "CUDA"  # torch's default
     monkeypatch.setenv("TORCH_SYMMMEM", "NCCL")
-    assert fsdp.symmetric_backend(torch.device("cuda")) == "NCCL"
-    monkeypatch.setenv(fsdp.MULTICAST_OFF_ENV, "0")
-    assert fsdp._without_multicast(lambda: os.environ[fsdp.MULTICAST_OFF_ENV]) == "1"
+    assert symm_mem.symmetric_backend(torch.device("cuda")) == "NCCL"
+    monkeypatch.setenv(symm_mem.MULTICAST_OFF_ENV, "0")
+    assert symm_mem._without_multicast(lambda: os.environ[symm_mem.MULTICAST_OFF_ENV]) == "1"
     # Left set: restoring would be a second write while NCCL / gloo threads may read the environment.
-    assert os.environ[fsdp.MULTICAST_OFF_ENV] == "1"
+    assert os.environ[symm_mem.MULTICAST_OFF_ENV] == "1"
 
 
 def test_peer_atomics_query_is_unknown_without_a_driver():
@@ -346,7 +346,7 @@ def test_the_signal_pad_is_counted_with_the_segment_at_mapping_granularity():
 def test_this_torch_reports_its_signal_pad_size():
     import torch.distributed._symmetric_memory as symm
 
-    from odc_accelerate._compat import fsdp as compat
+    from odc_accelerate._compat.torch import symm_mem as compat
 
     size = compat.symmetric_signal_pad_bytes()
     if hasattr(symm, "get_signal_pad_size"):  # torch 2.13 here has it: its own figure, within one granule

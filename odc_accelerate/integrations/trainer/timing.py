@@ -64,7 +64,7 @@ class StepTimer:
             "events": [],  # (start, end) CUDA event pairs of device-timed compute
         }
         if self.time_collectives and self.timer is None and engine is None:
-            from ..._compat import fsdp as fsdp_compat
+            from ..._compat.torch import fsdp as fsdp_compat
             from ...telemetry import CollectiveTimer
 
             if fsdp_compat.is_fsdp2(model):

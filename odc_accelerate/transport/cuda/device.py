@@ -96,7 +96,7 @@ def cuda_unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False: no usable GPU or driver"
-    from ..._compat import fsdp as compat  # imported here: the CPU transports need no FSDP2 internals
+    from ..._compat.torch import symm_mem as compat  # imported here: the CPU transports need no FSDP2 internals
 
     return compat.symmetric_memory_unavailable_reason()
 
@@ -126,7 +126,7 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
     )
     if problem:
         return DeviceFacts(problem=problem, **common)
-    from ..._compat import fsdp as compat
+    from ..._compat.torch import symm_mem as compat
 
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     count = torch.cuda.device_count()

@@ -6,8 +6,9 @@ steps, and the accumulate kernel at its current launch parameters; not yet on se
 ``scripts/gpu_session.sh`` checks it on a GPU.
 
 Data plane. Every rank allocates one segment with torch's symmetric memory (through
-:mod:`odc_accelerate._compat.fsdp`, which holds every torch internal the project uses) and maps every peer's segment
-after ``rendezvous``. A segment holds the rank's published shards and its gradient accumulators, nothing per peer:
+:mod:`odc_accelerate._compat.torch.symm_mem`, which holds the symmetric-memory internals the project uses) and maps
+every peer's segment after ``rendezvous``. A segment holds the rank's published shards and its gradient accumulators,
+nothing per peer:
 
 * ``read(peer, name, out)`` is ``out.copy_(peer_view)`` enqueued on the caller's current stream: the published shard
   is already there, so nothing waits for the peer and the host does not block;
@@ -183,7 +184,7 @@ class CudaTransport(Transport):
         reason = device_refusal(facts)
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
-        from ..._compat import fsdp as compat
+        from ..._compat.torch import symm_mem as compat
 
         pad = compat.symmetric_signal_pad_bytes()
         plan = plan_segment(specs, self._staging_bytes, self._accumulate_dtype, signal_pad_bytes=pad, staged=False)
@@ -327,7 +328,7 @@ class CudaTransport(Transport):
 
     def _allocate_segment(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Collective (every rank of the group calls it): this rank's zeroed segment in symmetric memory."""
-        from ..._compat import fsdp as compat
+        from ..._compat.torch import symm_mem as compat
 
         own = compat.symmetric_segment(nbytes, device, self._group or dist.group.WORLD)
         own.zero_()
@@ -335,7 +336,7 @@ class CudaTransport(Transport):
 
     def _exchange_segments(self, own: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
         """Collective: the rendezvous; every rank's segment mapped into this process, indexed by rank."""
-        from ..._compat import fsdp as compat
+        from ..._compat.torch import symm_mem as compat
 
         self._handle = compat.symmetric_rendezvous(own, self._group or dist.group.WORLD)
         return [
