@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from odc_accelerate import log_probs
+from odc_accelerate._compat.trl import lm_head as log_probs
 
 
 def _reference(hidden, weight, bias, targets, temperature, softcap, logit_scale):

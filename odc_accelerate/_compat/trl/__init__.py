@@ -23,8 +23,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from ..log_probs import torch_log_probs
-from . import (
+from .. import (
     CompatError,
     check_signature,
     import_attr,
@@ -35,6 +34,7 @@ from . import (
     version_tuple,
     warn_if_untested,
 )
+from .lm_head import torch_log_probs
 
 _LIBRARY = "trl"
 
