@@ -67,10 +67,10 @@ def install() -> None:
     import odc_accelerate
 
     from .._compat import transformers as transformers_compat
-    from .._compat import trl as trl_compat
+    from .._compat.trl import classes as trl_classes
 
     odc_accelerate.enable()
-    trl_compat.replace_public_classes({name: getattr(odc_accelerate, odc) for name, odc in ODC_CLASSES.items()})
+    trl_classes.replace_public_classes({name: getattr(odc_accelerate, odc) for name, odc in ODC_CLASSES.items()})
     transformers_compat.guard_trainer_train(require_odc_trainer)
 
 

@@ -269,14 +269,14 @@ class TargetLengthRollout:
         Raises:
             ValueError: the trainer does not generate with a colocated vLLM engine.
         """
-        from .._compat import trl as trl_compat
+        from .._compat.trl import grpo as trl_grpo
 
         if not getattr(trainer, "use_vllm", False) or getattr(trainer.args, "vllm_mode", None) != "colocate":
             raise ValueError(
                 "TargetLengthRollout.limit_vllm needs a trainer generating with a colocated vLLM engine "
                 "(use_vllm=True, vllm_mode='colocate'); otherwise pass the rollout as rollout_func."
             )
-        engine = trl_compat.grpo_vllm_engine(trl_compat.grpo_vllm_generation(trainer))
+        engine = trl_grpo.grpo_vllm_engine(trl_grpo.grpo_vllm_generation(trainer))
         limit_vllm_to_target_lengths(engine, trainer.processing_class, self.targets)
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:

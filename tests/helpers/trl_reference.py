@@ -10,7 +10,8 @@ normalisation. Its data order is the one ODC's sampler draws steps from, written
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
-(`odc_accelerate._compat.trl.fused_lm_head_torch_path`; TRL 1.15's is a Triton kernel whatever the device). ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
+(`odc_accelerate._compat.trl.lm_head.fused_lm_head_torch_path`; TRL 1.15's is a Triton kernel whatever the device).
+``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
 ``ODC_DUMP_PARAMS=1``): ``initial_params.pt``, ``final_params.pt`` and ``trainer_state.json``.
 """
 
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-    from odc_accelerate._compat import trl as trl_compat
+    from odc_accelerate._compat.trl import lm_head as trl_lm_head
     from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> None:
     tokenizer = load_offline_tokenizer()  # as saved beside a --model_name_or_path model (`save_tiny_causal_lm`)
     # TRL 1.15's fused LM head is a Triton kernel whatever the device: on CPU it takes the torch path TRL 1.16 has
     # (as the ODC trainers do; nothing changes on TRL 1.16)
-    with trl_compat.fused_lm_head_torch_path(own.trainer):
+    with trl_lm_head.fused_lm_head_torch_path(own.trainer):
         if own.trainer == "sft":
             trainer = InStepOrder(
                 model=_model(args.seed, own.model_name_or_path),

@@ -483,9 +483,9 @@ def restore_bootstrap():
     from transformers import Trainer
 
     from odc_accelerate._compat import restore_attribute
-    from odc_accelerate._compat import trl as trl_compat
+    from odc_accelerate._compat.trl import classes as trl_classes
 
-    trl_compat.restore_public_classes()
+    trl_classes.restore_public_classes()
     restore_attribute(Trainer, "train")
 
 
@@ -526,12 +526,12 @@ def test_bootstrap_swaps_trls_public_classes_and_guards_train(restore_bootstrap)
 
 
 def test_replace_public_classes_refuses_what_is_not_a_subclass(restore_bootstrap):
-    from odc_accelerate._compat import trl as trl_compat
+    from odc_accelerate._compat.trl import classes as trl_classes
 
     with pytest.raises(TypeError, match="trl.SFTTrainer can only be replaced by a subclass of it"):
-        trl_compat.replace_public_classes({"SFTTrainer": dict})
+        trl_classes.replace_public_classes({"SFTTrainer": dict})
     with pytest.raises(ValueError, match="not KTOTrainer"):
-        trl_compat.replace_public_classes({"KTOTrainer": dict})
+        trl_classes.replace_public_classes({"KTOTrainer": dict})
 
 
 def test_bootstrap_runs_the_script_as_main_with_its_arguments(tmp_path, monkeypatch, restore_bootstrap):

@@ -131,11 +131,12 @@ logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
 from odc_accelerate import _compat
 _compat.TESTED["transformers"] = ((5, 0),)
 _compat.TESTED["trl"] = ((0, 1),)
-from odc_accelerate._compat import transformers as hf, trl
+from odc_accelerate._compat import transformers as hf
+from odc_accelerate._compat.trl import sft
 trainer = types.SimpleNamespace(_metrics={}, _total_train_tokens=0)
 for _ in range(2):  # two trainers built in one process
     hf.check()
-    trl.check_sft(trainer)
+    sft.check_sft(trainer)
 """
 
 
@@ -326,7 +327,9 @@ def same(a, b):
 
 before = current()
 import odc_accelerate._compat.accelerate as compat
-import odc_accelerate.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers, odc_accelerate._compat.trl
+import odc_accelerate.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers
+import odc_accelerate._compat.trl.sft, odc_accelerate._compat.trl.dpo, odc_accelerate._compat.trl.grpo
+import odc_accelerate._compat.trl.lm_head, odc_accelerate._compat.trl.classes
 import odc_accelerate
 import odc_accelerate.integrations.trl  # the integrations too: patching is an explicit call, never an import
 odc_accelerate.ODCPlugin, odc_accelerate.ODCSFTTrainer, odc_accelerate.ODCTrainerMixin
@@ -367,9 +370,10 @@ def test_scaffold_is_the_one_error_class():
     from odc_accelerate._compat import torch as torch_compat
     from odc_accelerate._compat import trl as trl_compat
     from odc_accelerate._compat.torch import c10d, dispatch, fsdp, keep, layout, symm_mem
+    from odc_accelerate._compat.trl import classes, dpo, grpo, lm_head, sft
 
     modules = (accelerate, transformers, torch_compat, c10d, dispatch, fsdp, keep, layout, symm_mem)
-    for module in (*modules, trl_compat):
+    for module in (*modules, trl_compat, classes, dpo, grpo, lm_head, sft):
         names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Exception)]
         assert all(vars(module)[n] is CompatError for n in names), (module.__name__, names)
     assert _compat.CompatError.__mro__[1] is RuntimeError

@@ -21,7 +21,7 @@ Not uses: dunders (``__version__``), the project's own private names (``odc_acce
 ``odc_accelerate.transport.cuda.kernels._kernel``, an attribute of a class imported from the project), other
 libraries' private names (``sys._getframe``, ``_pytest``), and an override calling the library method it overrides
 (``super()._generate(...)`` inside ``def _generate``): the overridden methods and their parameters are checked by
-``_compat`` (``_compat.transformers.check``, ``_compat.trl.check_grpo``).
+``_compat`` (``_compat.transformers.check``, ``_compat.trl.grpo.check_grpo``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Allowed:
 ALLOWED = (
     Allowed(
         "tests/unit/test_compat.py",
-        "plants a torch whose private function renamed a parameter, to see `_compat.fsdp` refuse it",
+        "plants a torch whose private function renamed a parameter, to see `_compat.torch.fsdp` refuse it",
         (
             "import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives",
             "collectives._get_gradient_divide_factors",
@@ -80,7 +80,7 @@ ALLOWED = (
     ),
     Allowed(
         "tests/unit/test_compat.py",
-        "checks `_compat.fsdp.PATHS` against the installed torch's own source",
+        "checks `_compat.torch.PATHS` against the installed torch's own source",
         (
             "from torch.distributed.fsdp._fully_shard import "
             "_fsdp_common, _fsdp_param, _fsdp_param_group, _fsdp_state",
@@ -89,12 +89,12 @@ ALLOWED = (
     ),
     Allowed(
         "tests/unit/test_transport_cuda_logic.py",
-        "checks `_compat.fsdp.symmetric_signal_pad_bytes` against torch's own figure",
+        "checks `_compat.torch.symm_mem.symmetric_signal_pad_bytes` against torch's own figure",
         ("import torch.distributed._symmetric_memory as symm",),
     ),
     Allowed(
         "tests/unit/test_compat_trl.py",
-        "stands a kernel in for the TRL one `_compat.trl.fused_lm_head_torch_path` routes around, and sees it back",
+        "stands a kernel in for the TRL one `_compat.trl.lm_head.fused_lm_head_torch_path` routes around, and sees it back",
         (
             "monkeypatch.setattr(trl_utils, '_ChunkedLogProbFunction', _CudaOnlyKernel)",
             "trl_utils._ChunkedLogProbFunction",
@@ -102,7 +102,7 @@ ALLOWED = (
     ),
     Allowed(
         "tests/unit/test_compat_trl.py",
-        "a stand-in for TRL's VLLMGeneration carries the flag `_compat.trl.wake_vllm_weights` clears",
+        "a stand-in for TRL's VLLMGeneration carries the flag `_compat.trl.grpo.wake_vllm_weights` clears",
         ("self._llm_weights_sleeping", "generation._llm_weights_sleeping"),
     ),
     Allowed(
@@ -493,7 +493,7 @@ def test_walker_leaves_dunders_the_projects_names_and_other_libraries_alone():
         import torch
         import odc_accelerate.transport.cuda.kernels
         from _pytest.monkeypatch import MonkeyPatch
-        from odc_accelerate._compat import fsdp
+        from odc_accelerate._compat.torch import fsdp
         from odc_accelerate.engine import _private_helper
         from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
         from .sibling import _local

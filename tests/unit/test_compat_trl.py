@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odc_accelerate._compat import trl as trl_compat
+from odc_accelerate._compat import CompatError
+from odc_accelerate._compat.trl import grpo as trl_grpo
+from odc_accelerate._compat.trl import lm_head as trl_lm_head
 
 
 class _CudaOnlyKernel:
@@ -52,10 +54,10 @@ def test_fused_lm_head_path_is_chosen_by_the_trl_version(monkeypatch, trainer, m
     _CudaOnlyKernel.calls = 0
     add_fused_lm_head = module.add_fused_lm_head
     torch_path = version == "1.15.0"
-    assert trl_compat.needs_torch_lm_head() is torch_path
+    assert trl_lm_head.needs_torch_lm_head() is torch_path
 
     model = _tiny_model()
-    with trl_compat.fused_lm_head_torch_path(trainer):
+    with trl_lm_head.fused_lm_head_torch_path(trainer):
         assert (module.add_fused_lm_head is not add_fused_lm_head) is torch_path  # TRL 1.16: nothing patched
         module.add_fused_lm_head(
             model, outputs=("log_probs", "entropy", "is_top1")
@@ -85,7 +87,7 @@ def test_fused_lm_head_path_is_chosen_by_the_trl_version(monkeypatch, trainer, m
 
 def test_fused_lm_head_path_names_the_trainers():
     with pytest.raises(ValueError, match="'dpo', 'grpo', 'sft'"):
-        with trl_compat.fused_lm_head_torch_path("ppo"):
+        with trl_lm_head.fused_lm_head_torch_path("ppo"):
             pass
 
 
@@ -152,8 +154,8 @@ def test_vllm_hooks_replace_the_sync_and_time_generation_on_the_instance_only():
     events: list[str] = []
     around = _recording_block(events)
     trainer = types.SimpleNamespace(vllm_generation=generation)
-    trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("odc sync"), around=around)
-    trl_compat.grpo_vllm_hooks(trainer, sync=lambda: events.append("twice"), around=around)  # idempotent
+    trl_grpo.grpo_vllm_hooks(trainer, sync=lambda: events.append("odc sync"), around=around)
+    trl_grpo.grpo_vllm_hooks(trainer, sync=lambda: events.append("twice"), around=around)  # idempotent
     generation.sync_weights()
     assert events == ["odc sync"] and generation.trl_syncs == 0
     events.clear()
@@ -170,7 +172,7 @@ def test_vllm_hooks_without_an_odc_sync_time_trls_own_sync_and_generation():
     events: list[str] = []
     around = _recording_block(events)
     trainer = types.SimpleNamespace(vllm_generation=generation)
-    trl_compat.grpo_vllm_hooks(trainer, sync=None, around=around)  # plain FSDP2: TRL's sync stays, timed
+    trl_grpo.grpo_vllm_hooks(trainer, sync=None, around=around)  # plain FSDP2: TRL's sync stays, timed
     generation.sync_weights()
     assert generation.trl_syncs == 1 and events == ["enter", "exit"]
     events.clear()
@@ -186,8 +188,8 @@ def test_vllm_wake_up_and_prefix_cache_follow_trls_sync(monkeypatch, sleep):
     emptied = []
     monkeypatch.setattr(vllm_generation, "empty_cache", lambda: emptied.append(True))
     generation = _FakeVLLMGeneration(sleep=sleep)
-    trl_compat.wake_vllm_weights(generation)
-    trl_compat.reset_vllm_prefix_cache(generation)
+    trl_grpo.wake_vllm_weights(generation)
+    trl_grpo.reset_vllm_prefix_cache(generation)
     expected = (["wake_up ['weights']"] if sleep else []) + ["reset_prefix_cache"]
     assert generation.llm.calls == expected
     assert emptied == ([True] if sleep else [])
@@ -197,5 +199,5 @@ def test_vllm_wake_up_and_prefix_cache_follow_trls_sync(monkeypatch, sleep):
 def test_missing_vllm_generation_is_named():
     import types
 
-    with pytest.raises(trl_compat.CompatError, match=r"trl\.GRPOTrainer\.vllm_generation"):
-        trl_compat.grpo_vllm_generation(types.SimpleNamespace())
+    with pytest.raises(CompatError, match=r"trl\.GRPOTrainer\.vllm_generation"):
+        trl_grpo.grpo_vllm_generation(types.SimpleNamespace())

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from odc_accelerate._compat import trl as trl_compat  # noqa: E402
+from odc_accelerate._compat.trl import grpo as trl_grpo  # noqa: E402
 from odc_accelerate.config import ODCConfig  # noqa: E402
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics  # noqa: E402
 from odc_accelerate.integrations.trl.grpo import check_grpo_args
@@ -150,7 +150,7 @@ def test_every_trl_loss_type_has_a_weight():
 
     help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
     supported = help_text.split("Supported values are", 1)[1].split(".", 1)[0]
-    assert set(re.findall(r"'(\w+)'", supported)) == set(trl_compat.GRPO_LOSS_NORMALISATION)
+    assert set(re.findall(r"'(\w+)'", supported)) == set(trl_grpo.GRPO_LOSS_NORMALISATION)
 
 
 def _args(**overrides):
@@ -261,7 +261,7 @@ def _replay(microbatches):
 def test_finalize_replaces_per_microbatch_values_with_the_steps():
     trainer = _trainer("grpo")
     trainer.beta = 0.1
-    calls = trl_compat.grpo_metric_calls(trainer)
+    calls = trl_grpo.grpo_metric_calls(trainer)
     assert [name for name, _ in calls[:2]] == ["kl", "entropy"]
     recorded = {name: [99.0, 1.0, 2.0] for name, _ in calls}  # 99: an earlier step's value
     recorded["step_time"] = [5.0, 0.5, 0.25]

@@ -1,4 +1,5 @@
-"""`odc_accelerate.log_probs`: the LM head's label scores in chunks, against the full logits in float64."""
+"""`odc_accelerate._compat.trl.lm_head.torch_log_probs`: the LM head's label scores in chunks, against the full logits
+in float64."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def test_hugging_face_ranges_start_at_the_oldest_tested_and_stop_at_the_next_maj
 
 
 def test_torch_range_runs_from_the_oldest_tested_to_the_next_minor_of_the_newest():
-    # FSDP2 internals differ between minors (odc_accelerate/_compat/fsdp.py), so torch stays capped at a minor.
+    # FSDP2 internals differ between minors (odc_accelerate/_compat/torch/), so torch stays capped at a minor.
     lower, upper = _bounds(_groups()[""]["torch"])
     oldest, newest = min(TESTED["torch"]), max(TESTED["torch"])
     assert lower.release[:2] == oldest

@@ -1,14 +1,131 @@
-"""Per-token label scores of an LM head computed in chunks, without holding the full logits: a torch version of
-TRL's fused LM-head kernel for devices without Triton (CPU).
+"""TRL's fused LM head, and a torch path for it on devices without Triton (CPU).
 
-`odc_accelerate._compat.trl` routes TRL's fused calls here where the installed TRL has no torch path of its own.
+TRL's SFT, DPO and GRPO trainers give their models a fused LM head (``trl.trainer.utils.add_fused_lm_head``): a
+forward with ``fused_lm_head=True`` scores the labels through ``trl.trainer.utils._ChunkedLogProbFunction`` without
+building the logits. In TRL 1.15 that function always runs a Triton kernel (a CPU tensor fails inside Triton) and is
+None where Triton is missing; TRL 1.16 folds the tiles in torch on devices without Triton. Before 1.16 the trainers
+built inside `fused_lm_head_torch_path` get a torch path from here: `torch_log_probs`, per-token label scores of an
+LM head computed in chunks, without holding the full logits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .. import check_signature, installed_version, patched_attribute, require, version_tuple
+from . import _LIBRARY
+
+_TRL_WITH_TORCH_LM_HEAD = (1, 16)
+_TRITON_DEVICES = ("cuda", "xpu")
+_FUSED_LM_HEAD_TRAINERS = {
+    "sft": "trl.trainer.sft_trainer",
+    "dpo": "trl.trainer.dpo_trainer",
+    "grpo": "trl.trainer.grpo_trainer",
+}
+# What TRL 1.15's fused forward passes to `_ChunkedLogProbFunction.apply`, positionally, in this order.
+_LOG_PROB_ARGS = (
+    "hidden",
+    "weight",
+    "bias",
+    "targets",
+    "temperature",
+    "chunk_size",
+    "final_logit_softcapping",
+    "logit_scale",
+    "outputs",
+)
+
+
+def needs_torch_lm_head() -> bool:
+    """Whether the installed TRL's fused LM head lacks a path for devices without Triton (TRL before 1.16)."""
+    return version_tuple(installed_version(_LIBRARY)) < _TRL_WITH_TORCH_LM_HEAD
+
+
+@contextlib.contextmanager
+def fused_lm_head_torch_path(trainer: str) -> Iterator[None]:
+    """Within the block (the ``__init__`` of TRL's SFT, DPO or GRPO trainer), the fused LM head that TRL puts on the
+    models also runs on devices without Triton (CPU).
+
+    On TRL 1.16 and later (which has that path itself) the block changes nothing. On TRL 1.15 the forward TRL installs
+    on each model (policy and reference) is wrapped: a ``fused_lm_head=True`` call scores the labels with TRL's kernel
+    on CUDA / XPU and with `torch_log_probs` elsewhere. The wrapper belongs to the model
+    instance; TRL's module is patched for the block only (``add_fused_lm_head``) and for the duration of each fused
+    call (``_ChunkedLogProbFunction``).
+
+    Args:
+        trainer (`str`): ``"sft"``, ``"dpo"`` or ``"grpo"``, the trainer whose ``__init__`` runs in the block.
+    """
+    if trainer not in _FUSED_LM_HEAD_TRAINERS:
+        raise ValueError(f"trainer must be one of {sorted(_FUSED_LM_HEAD_TRAINERS)}, not {trainer!r}")
+    if not needs_torch_lm_head():
+        yield
+        return
+    from trl.trainer import utils as trl_utils
+
+    module = importlib.import_module(_FUSED_LM_HEAD_TRAINERS[trainer])
+    where = module.__name__
+    current = require(module, "add_fused_lm_head", library=_LIBRARY, where=where)
+    check_signature(current, ("model",), library=_LIBRARY, where=f"{where}.add_fused_lm_head")
+    kernel = require(trl_utils, "_ChunkedLogProbFunction", library=_LIBRARY, where="trl.trainer.utils")
+    if kernel is not None:  # None: TRL found no Triton, and every fused call takes the torch path
+        check_signature(
+            kernel.forward, _LOG_PROB_ARGS, library=_LIBRARY, where="trl.trainer.utils._ChunkedLogProbFunction.forward"
+        )
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)
+        def add_fused_lm_head(model: Any, *args: Any, **kwargs: Any) -> None:
+            original(model, *args, **kwargs)
+            _route_fused_calls(model, trl_utils)
+
+        return add_fused_lm_head
+
+    with patched_attribute(module, "add_fused_lm_head", wrap, library=_LIBRARY, where=where):
+        yield
+
+
+def _route_fused_calls(model: Any, trl_utils: Any) -> None:
+    """Wrap the fused forward TRL just bound to ``model``: fused calls see `_log_prob_function` as TRL's kernel."""
+    fused = model.forward  # TRL's `_fused_forward`, bound to the model
+
+    @functools.wraps(getattr(fused, "__func__", fused))  # keeps the model's signature (`generate` validates it)
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            return fused(*args, **kwargs)
+        with patched_attribute(
+            trl_utils,
+            "_ChunkedLogProbFunction",
+            _log_prob_function,
+            library=_LIBRARY,
+            where="trl.trainer.utils",
+        ):
+            return fused(*args, fused_lm_head=True, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _log_prob_function(kernel: Any) -> Any:
+    class _ChunkedLogProbs:
+        """TRL's ``_ChunkedLogProbFunction`` on CUDA / XPU, `torch_log_probs` elsewhere (or without Triton)."""
+
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            if kernel is not None and args[0].device.type in _TRITON_DEVICES:
+                return kernel.apply(*args)
+            return torch_log_probs(*args)
+
+    return _ChunkedLogProbs
+
+
+# ---------------------------------------------------------------------------------------------------- the torch path
 # Logits per token chunk (64 MiB in fp32); each chunk is recomputed in the backward pass.
 _CHUNK_LOGITS = 1 << 24
 

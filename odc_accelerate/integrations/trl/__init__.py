@@ -21,8 +21,8 @@ One module per concern:
 * `rollouts`: GRPO completions re-batched per row and per planned microbatch;
 * `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
 
-TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`. Names are imported on
-first use, so that an SFT run does not import TRL's GRPO trainer.
+TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`, one module per trainer as
+here. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
 """
 
 from importlib import import_module

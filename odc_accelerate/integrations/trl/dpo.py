@@ -9,7 +9,8 @@ import numpy as np
 from trl import DPOTrainer
 
 from ..._compat import tested_text
-from ..._compat import trl as trl_compat
+from ..._compat.trl import dpo as trl_dpo
+from ..._compat.trl import lm_head as trl_lm_head
 from ..trainer import ODCTrainerMixin
 from ..trainer.budget import BudgetRule
 from ..trainer.metrics import StepMetrics
@@ -48,11 +49,11 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
                 if kwargs.get(key) is not None:
                     kwargs[key] = _shared_on_disk(kwargs[key], training_args, key)
         with (
-            trl_compat.dpo_reference_preparer(self._odc_prepare_reference),
-            trl_compat.fused_lm_head_torch_path("dpo"),  # TRL 1.15 on CPU
+            trl_dpo.dpo_reference_preparer(self._odc_prepare_reference),
+            trl_lm_head.fused_lm_head_torch_path("dpo"),  # TRL 1.15 on CPU
         ):
             super().__init__(*args, **kwargs)
-        trl_compat.check_dpo(self)
+        trl_dpo.check_dpo(self)
         self._odc_release_dropped_reference()
 
     # ------------------------------------------------------------------ set-up
@@ -114,7 +115,7 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
         return out * weight
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
-        expected = len(trl_compat.dpo_gathers(self))
+        expected = len(trl_dpo.dpo_gathers(self))
         if metrics.gathers_per_microbatch != expected:
             logger.warning(
                 "ODC: DPO made %d metric gathers per microbatch, expected %d (tested with TRL %s); metrics of this "

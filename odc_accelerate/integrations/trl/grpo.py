@@ -37,7 +37,8 @@ from trl import GRPOTrainer
 
 from ..._compat import tested_text
 from ..._compat import transformers as tcompat
-from ..._compat import trl as trl_compat
+from ..._compat.trl import grpo as trl_grpo
+from ..._compat.trl import lm_head as trl_lm_head
 from ...config import ODCConfig
 from ..accelerate import call_before_end_training
 from ..trainer import ODCTrainerMixin
@@ -88,22 +89,22 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
         self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
         with (
-            trl_compat.grpo_reference_preparer(self._odc_prepare_reference),
-            trl_compat.fused_lm_head_torch_path("grpo"),  # a no-op on the TRL releases GRPO is tested with
+            trl_grpo.grpo_reference_preparer(self._odc_prepare_reference),
+            trl_lm_head.fused_lm_head_torch_path("grpo"),  # a no-op on the TRL releases GRPO is tested with
         ):
             super().__init__(*args, **kwargs)
-        trl_compat.check_grpo(self)
+        trl_grpo.check_grpo(self)
         self.odc_vllm_syncs: list[Any] = []  # `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC)
         self._odc_in_generation = False
         if self.use_vllm and self.odc_config.enable:
             # Each rank's own engine, refreshed from ODC's published shards (no collective) instead of TRL's sync.
-            trl_compat.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
+            trl_grpo.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
             # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
             # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
             call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
         elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
             # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
-            trl_compat.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
+            trl_grpo.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
@@ -132,7 +133,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(dataset)
         if self.odc_config.balanced:
-            trl_compat.grpo_sample_each_step_once(sampler, self.num_iterations)
+            trl_grpo.grpo_sample_each_step_once(sampler, self.num_iterations)
         return sampler
 
     # ------------------------------------------------------------------ generation
@@ -166,7 +167,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         resetting vLLM's prefix cache after."""
         from ..vllm import sync_vllm_weights
 
-        generation = trl_compat.grpo_vllm_generation(self)
+        generation = trl_grpo.grpo_vllm_generation(self)
         engine = self.odc_engine
         if engine is None:
             raise RuntimeError(
@@ -174,16 +175,16 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
                 "exist yet."
             )
         with self._odc_generation_block():
-            trl_compat.wake_vllm_weights(generation)
-            stats = sync_vllm_weights(trl_compat.grpo_vllm_engine(generation), engine)
-            trl_compat.reset_vllm_prefix_cache(generation)
+            trl_grpo.wake_vllm_weights(generation)
+            stats = sync_vllm_weights(trl_grpo.grpo_vllm_engine(generation), engine)
+            trl_grpo.reset_vllm_prefix_cache(generation)
         self.odc_vllm_syncs.append(stats)
 
     def _odc_shutdown_vllm(self) -> None:
         """Shut this rank's vLLM engine down, keeping the job's process group (`shutdown_vllm`); idempotent."""
         from ..vllm import shutdown_vllm
 
-        shutdown_vllm(trl_compat.grpo_vllm_engine(trl_compat.grpo_vllm_generation(self)))
+        shutdown_vllm(trl_grpo.grpo_vllm_engine(trl_grpo.grpo_vllm_generation(self)))
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         # The reference (and old-policy) forwards after generation are own compute; inside a microbatch this is
@@ -237,7 +238,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         # (one generation batch per optimizer step), which TRL sees with its own accumulation count.
         folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
         try:
-            return trl_compat.generate_and_score_completions(self, inputs)
+            return trl_grpo.generate_and_score_completions(self, inputs)
         finally:
             args.gradient_accumulation_steps = folded
 
@@ -308,9 +309,9 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         if (
             getattr(self, "use_vllm", False)
             and getattr(self, "vllm_importance_sampling_correction", False)
-            and getattr(self, "vllm_importance_sampling_mode", None) in trl_compat.GRPO_SEQUENCE_IS_MODES
+            and getattr(self, "vllm_importance_sampling_mode", None) in trl_grpo.GRPO_SEQUENCE_IS_MODES
         ):
-            return tuple(trl_compat.GRPO_TOKEN_OR_SEQUENCE_KEYS)
+            return tuple(trl_grpo.GRPO_TOKEN_OR_SEQUENCE_KEYS)
         return ()
 
     def _odc_count_claimed(self, batch: Any) -> None:
@@ -337,7 +338,7 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
         return loss * weight
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
-        expected = len(trl_compat.grpo_metric_calls(self))
+        expected = len(trl_grpo.grpo_metric_calls(self))
         if metrics.gathers_per_microbatch != expected:
             logger.warning(
                 "ODC: GRPO made %d metric reductions per microbatch, expected %d (tested with TRL %s); the loss "
@@ -366,10 +367,10 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
         return
     alternatives = "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)"
     loss_type = getattr(args, "loss_type", None)
-    if loss_type not in trl_compat.GRPO_LOSS_NORMALISATION:
+    if loss_type not in trl_grpo.GRPO_LOSS_NORMALISATION:
         raise ValueError(
             f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
-            f"{sorted(trl_compat.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
+            f"{sorted(trl_grpo.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
         )
     if int(getattr(args, "num_iterations", 1)) != 1:
         raise ValueError(

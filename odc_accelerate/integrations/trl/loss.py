@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._compat.trl import GRPO_LOSS_NORMALISATION
+from ..._compat.trl.grpo import GRPO_LOSS_NORMALISATION
 
 __all__ = ["dpo_loss_weight", "grpo_loss_weight"]
 

@@ -4,7 +4,7 @@ During a step's microbatches the trainers' metric gathers are answered with this
 (`~odc_accelerate.integrations.trainer.metrics.DeferredGather`); at the step boundary one reduction gives the sums of
 every rank (`~odc_accelerate.integrations.trainer.metrics.StepMetrics`), and the functions below replace what TRL
 recorded for each microbatch with the value one process logs when the global batch is one microbatch. What each
-gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl`.
+gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl` (its `sft`, `dpo` and `grpo` modules).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..._compat import trl as trl_compat
+from ..._compat.trl import dpo as trl_dpo
+from ..._compat.trl import grpo as trl_grpo
+from ..._compat.trl import sft as trl_sft
 from ..trainer.metrics import StepMetrics
 
 __all__ = ["finalize_dpo_metrics", "finalize_grpo_metrics", "finalize_sft_metrics"]
@@ -30,7 +33,7 @@ def _drop_microbatch_values(recorded: dict[str, list], keys: Any, microbatches: 
 def finalize_sft_metrics(trainer: Any, metrics: StepMetrics) -> None:
     """SFT: ``entropy`` and ``mean_token_accuracy`` become token-weighted values over every label token of the step on
     every rank; ``num_tokens`` counts the input tokens of all ranks."""
-    names = trl_compat.SFT_TRAIN_GATHERS
+    names = trl_sft.SFT_TRAIN_GATHERS
     total = dict(zip(names, metrics.global_sums, strict=False))
     mine = dict(zip(names, metrics.local_sums, strict=False))
     recorded = trl_compat.train_metrics(trainer)
@@ -44,12 +47,12 @@ def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
     """DPO: token-weighted metrics (entropy, logits, token accuracy) are ratios of global sums; reward and log-prob
     metrics are means over every pair of the step on every rank; ``num_tokens`` counts the input tokens of all
     ranks."""
-    names = trl_compat.dpo_gathers(trainer)
+    names = trl_dpo.dpo_gathers(trainer)
     total = dict(zip(names, metrics.global_sums, strict=False))
     count = dict(zip(names, metrics.global_counts, strict=False))
     mine = dict(zip(names, metrics.local_sums, strict=False))
     recorded = trl_compat.train_metrics(trainer)
-    _drop_microbatch_values(recorded, trl_compat.DPO_PER_MICROBATCH, metrics.local_microbatches)
+    _drop_microbatch_values(recorded, trl_dpo.DPO_PER_MICROBATCH, metrics.local_microbatches)
     values = {
         "entropy": _ratio(total["entropy_sum"], total["entropy_tokens"]),
         "logits/chosen": _ratio(total["chosen_logits_sum"], total["chosen_tokens"]),
@@ -70,7 +73,7 @@ def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
     minimum or a maximum over every rank); TRL's per-microbatch ``step_time`` becomes the step's."""
     recorded = trl_compat.train_metrics(trainer)
     mbs = metrics.local_microbatches
-    for i, (name, how) in enumerate(trl_compat.grpo_metric_calls(trainer)):
+    for i, (name, how) in enumerate(trl_grpo.grpo_metric_calls(trainer)):
         _drop_microbatch_values(recorded, (name,), mbs)
         if how == "ratio":
             value = metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)

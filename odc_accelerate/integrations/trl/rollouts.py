@@ -1,6 +1,6 @@
 """GRPO's generated completions, re-batched: one row per completion (`split_rollouts`), and microbatches of the rows
 a plan gives a rank, padded as TRL pads them (`collate_rollouts`). Which keys are per token and per completion is
-pinned in `odc_accelerate._compat.trl`."""
+pinned in `odc_accelerate._compat.trl.grpo`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..._compat import trl as trl_compat
+from ..._compat.trl import grpo as trl_grpo
 
 __all__ = ["collate_rollouts", "loss_tokens", "split_rollouts"]
 
@@ -18,21 +18,21 @@ def split_rollouts(batch: dict[str, Any], sequence_keys: Collection[str] = ()) -
     """One dict of CPU tensors per completion of a GRPO generation batch, without padding.
 
     ``prompt_ids`` / ``prompt_mask`` keep the prompt's tokens (TRL pads prompts on the left); the per-token keys of
-    `odc_accelerate._compat.trl.GRPO_TOKEN_KEYS` keep the completion's first ``c`` positions, ``c`` being one past its
-    last position with ``completion_mask == 1`` (0 for a completion TRL masked out entirely); ``advantages`` keeps its
-    value. A key of `odc_accelerate._compat.trl.GRPO_TOKEN_OR_SEQUENCE_KEYS` (vLLM's importance-sampling ratio) is
-    per token like those, or, when it is in ``sequence_keys``, one value per completion of shape ``(1,)`` (TRL's
-    ``(B, 1)`` in the ``sequence_*`` importance-sampling modes).
+    `odc_accelerate._compat.trl.grpo.GRPO_TOKEN_KEYS` keep the completion's first ``c`` positions, ``c`` being one past
+    its last position with ``completion_mask == 1`` (0 for a completion TRL masked out entirely); ``advantages`` keeps
+    its value. A key of `odc_accelerate._compat.trl.grpo.GRPO_TOKEN_OR_SEQUENCE_KEYS` (vLLM's importance-sampling
+    ratio) is per token like those, or, when it is in ``sequence_keys``, one value per completion of shape ``(1,)``
+    (TRL's ``(B, 1)`` in the ``sequence_*`` importance-sampling modes).
 
     Raises:
         ValueError: the batch holds a key the ODC plan cannot re-batch (images and other model inputs), or a key of
             an unexpected shape.
     """
-    token_or_sequence = set(trl_compat.GRPO_TOKEN_OR_SEQUENCE_KEYS)
+    token_or_sequence = set(trl_grpo.GRPO_TOKEN_OR_SEQUENCE_KEYS)
     known = (
-        set(trl_compat.GRPO_TOKEN_KEYS)
-        | set(trl_compat.GRPO_SAMPLE_KEYS)
-        | set(trl_compat.GRPO_PROMPT_KEYS)
+        set(trl_grpo.GRPO_TOKEN_KEYS)
+        | set(trl_grpo.GRPO_SAMPLE_KEYS)
+        | set(trl_grpo.GRPO_PROMPT_KEYS)
         | token_or_sequence
     )
     unknown = sorted(k for k in batch if k not in known and k != "num_items_in_batch")
@@ -50,8 +50,8 @@ def split_rollouts(batch: dict[str, Any], sequence_keys: Collection[str] = ()) -
     for i in range(prompt_mask.shape[0]):
         p = int(prompt_lengths[i])
         c = int(completion_lengths[i]) if completion_lengths is not None else 0
-        row = {key: batch[key][i, batch[key].shape[1] - p :].detach().cpu() for key in trl_compat.GRPO_PROMPT_KEYS}
-        for key in (*trl_compat.GRPO_TOKEN_KEYS, *token_or_sequence):
+        row = {key: batch[key][i, batch[key].shape[1] - p :].detach().cpu() for key in trl_grpo.GRPO_PROMPT_KEYS}
+        for key in (*trl_grpo.GRPO_TOKEN_KEYS, *token_or_sequence):
             value = batch.get(key)
             if value is None:
                 continue
@@ -69,7 +69,7 @@ def split_rollouts(batch: dict[str, Any], sequence_keys: Collection[str] = ()) -
                         f"{tuple(completion_mask.shape)}, got {tuple(value.shape)}. Run without --odc / --odc_plan."
                     )
                 row[key] = value[i, :c].detach().cpu()
-        for key in trl_compat.GRPO_SAMPLE_KEYS:
+        for key in trl_grpo.GRPO_SAMPLE_KEYS:
             if batch[key].dim() != 1:
                 raise ValueError(
                     f"ODC's balanced GRPO plan expects one `{key}` value per completion, got shape "
@@ -93,7 +93,7 @@ def collate_rollouts(
         out[key] = torch.stack(
             [torch.cat([r[key].new_full((width_p - r[key].numel(),), value), r[key]]) for r in rows]
         )
-    for key, value in (*trl_compat.GRPO_TOKEN_KEYS.items(), *trl_compat.GRPO_TOKEN_OR_SEQUENCE_KEYS.items()):
+    for key, value in (*trl_grpo.GRPO_TOKEN_KEYS.items(), *trl_grpo.GRPO_TOKEN_OR_SEQUENCE_KEYS.items()):
         if key not in rows[0]:
             continue
         if key in sequence_keys:
@@ -103,7 +103,7 @@ def collate_rollouts(
         out[key] = torch.stack(
             [torch.cat([r[key], r[key].new_full((width_c - r[key].numel(),), value)]) for r in rows]
         )
-    for key in trl_compat.GRPO_SAMPLE_KEYS:
+    for key in trl_grpo.GRPO_SAMPLE_KEYS:
         out[key] = torch.stack([r[key] for r in rows])
     return {k: v.to(device) for k, v in out.items()}
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from trl import SFTTrainer
 
-from ..._compat import trl as trl_compat
+from ..._compat.trl import lm_head as trl_lm_head
+from ..._compat.trl import sft as trl_sft
 from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
@@ -23,7 +24,7 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(trl_compat.fused_lm_head_torch_path("sft"))  # TRL 1.15 on CPU
+            stack.enter_context(trl_lm_head.fused_lm_head_torch_path("sft"))  # TRL 1.15 on CPU
             if (
                 training_args is not None
                 and getattr(training_args, "padding_free", False)
@@ -33,9 +34,9 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
             ):
                 # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
                 # max_length as usual (TRL alone refuses padding_free with max_length and no packing).
-                stack.enter_context(trl_compat.sft_padding_free_with_max_length(self, training_args))
+                stack.enter_context(trl_sft.sft_padding_free_with_max_length(self, training_args))
             super().__init__(*args, **kwargs)
-        trl_compat.check_sft(self)
+        trl_sft.check_sft(self)
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         finalize_sft_metrics(self, metrics)
