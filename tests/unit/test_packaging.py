@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from odc_accelerate._compat import TESTED
+from odc_accelerate._compat import TESTED, TESTED_OPTIONAL
 
 try:
     import tomllib
@@ -91,14 +91,8 @@ def test_extras_compose_into_dev_and_peft_stands_alone():
 
 @pytest.mark.parametrize("extra", sorted(_VLLM_EXTRAS))
 def test_vllm_extras_cover_exactly_the_tested_vllm_minors(extra):
-    # TESTED_VLLM, read from the source: importing odc_accelerate._compat.vllm needs vLLM installed
-    source = (_PACKAGE / "_compat" / "vllm.py").read_text()
-    (node,) = [
-        n
-        for n in ast.walk(ast.parse(source))
-        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "TESTED_VLLM"
-    ]
-    tested = ast.literal_eval(node.value)
+    # From the scaffold: importing odc_accelerate._compat.vllm needs vLLM installed, the scaffold does not
+    tested = TESTED_OPTIONAL["vllm"]
     (req,) = _groups()[extra].values()
     assert _name(req.name) == _VLLM_EXTRAS[extra]
     lower, upper = _bounds(req)
@@ -140,6 +134,7 @@ def test_torch_range_runs_from_the_oldest_tested_to_the_next_minor_of_the_newest
 def test_every_tested_library_has_its_range_checked():
     assert set(TESTED) <= {*_HF, "torch"}, set(TESTED)
     assert all(TESTED.values()), TESTED
+    assert set(TESTED_OPTIONAL) == {"vllm"} and all(TESTED_OPTIONAL.values()), TESTED_OPTIONAL  # the vLLM extras
 
 
 # ------------------------------------------------------------------------------------- the demo extra's tokenizer
