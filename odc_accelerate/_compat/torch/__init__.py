@@ -114,7 +114,8 @@ def check_torch_release() -> None:
     """Raise :class:`~odc_accelerate._compat.CompatError` if the installed torch is older than `MIN_TORCH`, naming the
     release and what it lacks."""
     if TORCH_VERSION < MIN_TORCH:
-        fsdp_module = _import("torch.distributed.fsdp", "FSDPModule")  # here: importing this package loads no FSDP2
+        # Imported here, on the refusal path only: the launcher imports `symm_mem`, hence this package, without FSDP2.
+        fsdp_module = _import("torch.distributed.fsdp", "FSDPModule")
         missing = [f"FSDPModule.{m}" for m in _MODULE_METHODS if not hasattr(fsdp_module, m)]
         what = f"lacks {', '.join(missing)}" if missing else "was not tested (its FSDP2 internals differ)"
         raise CompatError(
