@@ -17,5 +17,5 @@ export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
 export TMPDIR="${TMPDIR:-/tmp}"
 # python3 first: the GPU machines have no `python`.
 python="${PYTHON:-$(command -v python3 || command -v python)}"
-exec "$python" -c 'import sys; from tests.helpers.gpu_check import main; sys.exit(main(sys.argv[1:]))' \
+exec "$python" -c 'import sys; from tests.gpu.gpu_check import main; sys.exit(main(sys.argv[1:]))' \
   --out "$out" "$@"

@@ -2,11 +2,11 @@
 # The whole GPU procedure as one command, on a machine with one NVIDIA GPU and no network:
 #   bash scripts/gpu_session.sh OUT_DIR               every case in turn, within ~8 minutes
 #   bash scripts/gpu_session.sh OUT_DIR --device cpu  the dry run: the cases that exist on CPU (or --device=cpu)
-# Further options go to tests/helpers/gpu_session.py (--cases check:parity,trainer:grpo,...; --budget-s SECONDS),
+# Further options go to tests/gpu/gpu_session.py (--cases check:parity,trainer:grpo,...; --budget-s SECONDS),
 # each as "--name value" or "--name=value"; any other option is refused before anything runs.
 # Cases, each in its own processes under its own cap, never two at once: environment; the engine-level checks
-# (refusals, parity, ranks8, memory: tests/helpers/gpu_check.py); the Trainer-level checks (sft_fp32 with 2 and 8
-# ranks, dpo_fp32, sft_bf16, grpo, and speed, ODC against its zero-communication limit: tests/helpers/gpu_trainer.py);
+# (refusals, parity, ranks8, memory: tests/gpu/gpu_check.py); the Trainer-level checks (sft_fp32 with 2 and 8
+# ranks, dpo_fp32, sft_bf16, grpo, and speed, ODC against its zero-communication limit: tests/gpu/gpu_trainer.py);
 # the accumulate paths (check:speed). check:memory_policy and calibrate run when named in --cases. OUT_DIR receives
 # three files: session.tar.gz (every case's results and logs), trainer_speed.json (the speed case's figures, with the
 # machine, versions and commit) and summary.txt (the table, also printed last). Exit code 0 when every case passed.
@@ -69,4 +69,4 @@ case "${PYTHONPATH:-}" in
   *) export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac
 # Symmetric memory's rendezvous opens a Unix socket under TMPDIR (/tmp when unset): every rank inherits the same one.
-exec "$python" -m tests.helpers.gpu_session --out "$out" --device "$device" ${options[@]+"${options[@]}"}
+exec "$python" -m tests.gpu.gpu_session --out "$out" --device "$device" ${options[@]+"${options[@]}"}

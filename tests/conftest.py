@@ -14,6 +14,10 @@ import pytest
 # runs all at full size.
 os.environ.setdefault("ODC_OFFLINE_BPE_RANKS", "8192")
 
+# What the tests run (helpers/) and the GPU procedure (gpu/, run by scripts/gpu_session.sh) hold no test modules: their
+# names do not match pytest's `test_*.py` either, and this keeps `pytest tests/gpu` from collecting one that did.
+collect_ignore = ["helpers", "gpu"]
+
 _MARKER_OF_FOLDER = {
     Path(__file__).parent / "multiprocess": pytest.mark.multiprocess,
     Path(__file__).parent / "install": pytest.mark.install,
@@ -34,13 +38,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     if any(item.get_closest_marker("install") for item in session.items):
-        from tests.helpers import install_env
+        from tests.helpers.infra import install_env
 
         install_env.start()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    from tests.helpers import warm_start
+    from tests.helpers.infra import warm_start
 
     if warm_start.entries:
         forked = sum(entry.startswith("forked") for entry in warm_start.entries)
@@ -51,6 +55,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from tests.helpers import install_env
+    from tests.helpers.infra import install_env
 
     install_env.stop()  # an interrupted or failed session leaves no pip running and no environment behind

@@ -22,7 +22,7 @@ from benchmarks.e2e.arms import ARMS, Arm, Workload
 from benchmarks.e2e.environment import allocator_env, run_env
 from benchmarks.e2e.records import make_record, parse_log_history, read_rss, read_trace
 
-RUN_EXAMPLE = REPO / "tests" / "helpers" / "run_example.py"
+RUN_EXAMPLE = REPO / "tests" / "helpers" / "loops" / "run_example.py"
 """Runs an example script unchanged; with ``ODC_BENCH_RSS_DIR`` set it writes ``rss_rank<RANK>.json`` there at exit."""
 
 

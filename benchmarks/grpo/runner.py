@@ -47,7 +47,7 @@ def script_args(arm: Arm, opts: argparse.Namespace, output_dir: Path) -> list[st
 
 def command(arm: Arm, opts: argparse.Namespace, run_dir: Path) -> dict:
     """The process of one run, ``{"cmd", "out", "rss"}``: ``accelerate launch`` of the example, wrapped by
-    ``tests/helpers/run_example.py`` (which records each rank's peak RSS)."""
+    ``tests/helpers/loops/run_example.py`` (which records each rank's peak RSS)."""
     config = REPO / CONFIGS / arm.config
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     launch += ["--main_process_port", "0", str(RUN_EXAMPLE)]

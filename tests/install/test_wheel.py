@@ -11,7 +11,7 @@ under ``odc-accelerate launch`` with a config written by ``odc-accelerate config
 README's main job, trains the true offline default; the others keep the suite's smaller vocabulary.
 
 Needs the package registry (and torch 2.13.0, the CPU wheel this machine's pip finds on disk). The environment is
-built by `tests/helpers/install_env.py`, in the background while the other tests run; these run last.
+built by `tests/helpers/infra/install_env.py`, in the background while the other tests run; these run last.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.helpers import install_env
-from tests.helpers.install_env import EXTRAS, KEPT, Installed, pip
-from tests.helpers.install_env import check as _check
-from tests.helpers.install_env import command as _command
-from tests.helpers.install_env import env as _env
-from tests.helpers.install_env import run as _run
+from tests.helpers.infra import install_env
+from tests.helpers.infra.install_env import EXTRAS, KEPT, Installed, pip
+from tests.helpers.infra.install_env import check as _check
+from tests.helpers.infra.install_env import command as _command
+from tests.helpers.infra.install_env import env as _env
+from tests.helpers.infra.install_env import run as _run
 
 __all__ = ["pip"]  # for further checks of the installed package: ``pip(venv_python, ...)``
 

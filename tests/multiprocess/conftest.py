@@ -4,12 +4,12 @@ from pathlib import Path
 import pytest
 from integration_utils import SFT_PARITY, SFT_SAMPLES_PER_STEP, References, plain_env
 
-from tests.helpers import warm_start
+from tests.helpers.infra import warm_start
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_start_server():
-    """The session's warm-start server (`tests/helpers/warm_start.py`): the Python processes of the jobs these
+    """The session's warm-start server (`tests/helpers/infra/warm_start.py`): the Python processes of the jobs these
     tests launch start as its forks. ODC_TEST_WARM_START=0 starts every one as a fresh interpreter."""
     if os.environ.get("ODC_TEST_WARM_START") == "0":
         yield None
@@ -35,7 +35,7 @@ def references(tmp_path_factory) -> References:
 @pytest.fixture(scope="session")
 def sft_reference(references):
     """TRL's own SFTTrainer in one process on ``SFT_PARITY``, ``SFT_SAMPLES_PER_STEP`` samples per optimizer step
-    (`tests/helpers/trl_reference.py`): ``(process, output folder)``, run once for every SFT parity test."""
+    (`tests/helpers/loops/trl_reference.py`): ``(process, output folder)``, run once for every SFT parity test."""
     future, out = references.start("sft", SFT_SAMPLES_PER_STEP, *SFT_PARITY, "--save_strategy", "no")
     return future.result(), out
 

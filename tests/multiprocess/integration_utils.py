@@ -15,20 +15,20 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import warm_start
+from tests.helpers.infra import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "sft" / "configs"
 TRAIN = ROOT / "examples" / "sft" / "train.py"
-LOOP = ROOT / "tests" / "helpers" / "accelerate_loop.py"
+LOOP = ROOT / "tests" / "helpers" / "loops" / "accelerate_loop.py"
 # Examples run unchanged; this wrapper adds the run reports, call counts and parameter dumps the tests read.
-RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
+RUN_EXAMPLE = ROOT / "tests" / "helpers" / "loops" / "run_example.py"
 
 
 def base_env(*, warm: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a launched job: this process's without ODC / accelerate settings, one thread per rank,
     the repository importable, and ``extra``. With ``warm``, its Python processes start as forks of the session's
-    warm-start server (`tests/helpers/warm_start.py`) when it runs."""
+    warm-start server (`tests/helpers/infra/warm_start.py`) when it runs."""
     env = plain_env(**extra)
     return warm_start.env(env) if warm else env
 
@@ -86,12 +86,12 @@ def results(jobs: dict[str, Any]) -> dict[str, Any]:
     return {name: job.result() if isinstance(job, Future) else job for name, job in jobs.items()}
 
 
-TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"
+TRL_REFERENCE = ROOT / "tests" / "helpers" / "loops" / "trl_reference.py"
 
 
 def trl_reference(trainer: str, samples_per_step: int, *args: str, output_dir: Path) -> subprocess.CompletedProcess:
     """TRL's own ``trainer`` ("sft" / "dpo") in one process on the same optimizer steps as an ODC run with
-    ``--odc_samples_per_step samples_per_step`` (`tests/helpers/trl_reference.py`); ``args`` are the ODC run's
+    ``--odc_samples_per_step samples_per_step`` (`tests/helpers/loops/trl_reference.py`); ``args`` are the ODC run's
     arguments, whose ``--odc*`` options (and their values) are left out."""
     kept = _without_odc_options(args)
     cmd = [sys.executable, TRL_REFERENCE, trainer, "--samples_per_step", str(samples_per_step), *kept]

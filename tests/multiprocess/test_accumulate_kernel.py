@@ -65,7 +65,7 @@ def test_two_processes_adding_into_one_shared_tensor_give_the_exact_sum():
 
 
 def test_the_accumulate_paths_benchmark_runs_tiny_on_cpu():
-    from tests.helpers.accumulate_bench import PATHS, measure
+    from tests.gpu.accumulate_bench import PATHS, measure
 
     out = measure("cpu", sizes_mib=[1 / 64, 1 / 32], iters=2, sm_shares=[0.5, 1.0], timeout=240)
     assert out["checks"] and all(out["checks"].values()), out["checks"]
@@ -85,7 +85,7 @@ def test_the_cuda_transport_protocol_accumulates_exactly_on_either_path(kernel):
     # The 'cuda' transport's protocol over shared memory: the kernel (Triton's interpreter) stages nothing; the
     # index_add_ fallback (accumulate_kernel=False) reports its staging pool.
     from odc_accelerate.testing import launch
-    from tests.helpers.accumulate_bench import transport_paths_worker
+    from tests.gpu.accumulate_bench import transport_paths_worker
 
     ranks = launch(transport_paths_worker, 2, {"numel": 5000, "kernel": kernel}, env={"TRITON_INTERPRET": "1"})
     assert all(r["exact"] for r in ranks)
@@ -98,7 +98,7 @@ def test_a_kernel_failing_its_set_up_probe_on_one_rank_sends_every_rank_to_index
     # Rank 1 cannot build the kernel (as where Triton finds no C compiler): its set-up probe fails, the ranks learn it
     # with their device facts, and both add with the fallback, naming rank 1's reason; nothing fails at the first add.
     from odc_accelerate.testing import launch
-    from tests.helpers.accumulate_bench import transport_paths_worker
+    from tests.gpu.accumulate_bench import transport_paths_worker
 
     spec = {"numel": 5000, "kernel": True, "broken_kernel_rank": 1}
     ranks = launch(transport_paths_worker, 2, spec, env={"TRITON_INTERPRET": "1"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from odc_accelerate.testing import launch
-from tests.helpers.claim_workers import BACKENDS, exactly_once, killed_after_claiming
+from tests.helpers.workers.claim_workers import BACKENDS, exactly_once, killed_after_claiming
 
 COUNTS = {"race": 600, "slow": 24, "none": 6, "empty": 0, "again": 600}
 
@@ -48,7 +48,7 @@ STEPS = [[[12, 30, 7, 22], [9, 16, 25]], [[28, 5, 14], [20, 11, 8, 19]], [[6, 26
 
 
 def test_engine_dynamic_plan_matches_one_process_with_a_slower_rank(tmp_path):
-    from tests.helpers.engine_workers import reference, train
+    from tests.helpers.workers.engine_workers import reference, train
 
     # rank 1 is slow by construction: after each microbatch it waits until rank 0 has drained the step's queue
     spec = dict(plan=STEPS, clip=0.5, mode="odc", dynamic=True, slow_rank=1, drain_dir=str(tmp_path))

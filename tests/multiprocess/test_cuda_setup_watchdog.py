@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from odc_accelerate.testing import launch, read_pids, shm_files_of
-from tests.helpers.cuda_setup import (
+from tests.helpers.workers.cuda_setup import (
     engine_publish_oom_worker,
     extension_layout_worker,
     lazy_init_oom_worker,

@@ -12,7 +12,7 @@ transport, beside the dry run's, which runs it on the 'cuda' transport's protoco
 
 from __future__ import annotations
 
-from tests.helpers.gpu_check import PLAN8, RANKS8, case_ranks8
+from tests.gpu.gpu_check import PLAN8, RANKS8, case_ranks8
 
 
 def test_eight_ranks_on_shm_match_one_process_claim_exactly_once_and_add_exactly():

@@ -1,6 +1,6 @@
 """A custom loop on `ODCEngine` ends cleanly: no gloo worker thread is left when the interpreter finalises.
 
-`tests/helpers/engine_loop.py` is the README's engine loop as a plain ``torchrun`` script: a tiny Qwen3-MoE,
+`tests/helpers/loops/engine_loop.py` is the README's engine loop as a plain ``torchrun`` script: a tiny Qwen3-MoE,
 ``fully_shard`` per decoder layer and on the root, 3 optimizer steps on 2 CPU ranks (gloo), ``engine.close()``,
 ``dist.destroy_process_group()``, the model kept referenced until exit. A gloo worker still running at interpreter
 shutdown can abort the finished run (``terminate called without an active exception``); each rank reports its threads
@@ -20,7 +20,7 @@ import pytest
 from odc_accelerate.testing import shm_files_of
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOP = ROOT / "tests" / "helpers" / "engine_loop.py"
+LOOP = ROOT / "tests" / "helpers" / "loops" / "engine_loop.py"
 GLOO_THREADS = ("pt_gloo", "gloo_")
 
 
@@ -77,7 +77,7 @@ def test_custom_loop_never_aborts_at_exit_in_30_runs(tmp_path):
     and transformers, the job itself about one): the same script, initialised from the environment as by torchrun.
     """
     runs = 30
-    proc = _run([sys.executable, "-m", "tests.helpers.engine_loop", "--repeat", runs, "--out", tmp_path], 600)
+    proc = _run([sys.executable, "-m", "tests.helpers.loops.engine_loop", "--repeat", runs, "--out", tmp_path], 600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((tmp_path / "repeat.json").read_text())
     assert len(results) == runs

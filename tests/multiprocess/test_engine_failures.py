@@ -11,8 +11,8 @@ import pytest
 from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
 from odc_accelerate.transport.shm import cleanup_stale_segments
-from tests.helpers.engine_workers import train
-from tests.helpers.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
+from tests.helpers.workers.engine_workers import train
+from tests.helpers.workers.failure_workers import bad_inputs, context_exit_cleans_up, stress_accumulate
 
 PLAN = [[[9, 7], [8, 6]], [[5, 9], [7, 8]], [[6, 6], [9, 5]]]
 

@@ -5,7 +5,7 @@ import torch
 
 from odc_accelerate.testing import launch
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, token_loss_sum
-from tests.helpers.engine_workers import frozen_forward, frozen_refuses_trainable
+from tests.helpers.workers.engine_workers import frozen_forward, frozen_refuses_trainable
 
 PLAN = [[12, 7, 9], []]  # rank 0 runs three forwards, rank 1 none: no rank waits for another
 

@@ -3,8 +3,8 @@
 import pytest
 
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
-from tests.helpers.engine_workers import reference
-from tests.helpers.hsdp_workers import train_hsdp, train_hsdp_dynamic, train_hsdp_kill
+from tests.helpers.workers.engine_workers import reference
+from tests.helpers.workers.hsdp_workers import train_hsdp, train_hsdp_dynamic, train_hsdp_kill
 from tests.multiprocess.test_engine_parity import rel_diff
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch; ranks 0-1 are host 0, ranks 2-3 host 1.

@@ -6,8 +6,8 @@ import torch
 
 from odc_accelerate.testing import launch
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, token_loss_sum
-from tests.helpers.engine_workers import reference
-from tests.helpers.memory_workers import frozen_keep, neither_bound, peak_memory, train_policies
+from tests.helpers.workers.engine_workers import reference
+from tests.helpers.workers.memory_workers import frozen_keep, neither_bound, peak_memory, train_policies
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch. Unequal counts (2 vs 1, 1 vs 3), a rank with none
 # (step 3); the blocks' `gate` runs for odd lengths only, so some params get no gradient in some backwards, and in

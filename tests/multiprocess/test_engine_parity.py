@@ -5,7 +5,7 @@ import pytest
 
 from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import launch
-from tests.helpers.engine_workers import reference, train
+from tests.helpers.workers.engine_workers import reference, train
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch (>1 microbatch = gradient accumulation)
 EQUAL = [[[12, 8], [10, 9]], [[7, 11], [13, 5]], [[9, 9], [6, 14]]]

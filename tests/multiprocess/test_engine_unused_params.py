@@ -9,7 +9,7 @@ import numpy as np
 
 from odc_accelerate._compat import torch as torch_compat
 from odc_accelerate.testing import launch
-from tests.helpers.engine_workers import reference, train
+from tests.helpers.workers.engine_workers import reference, train
 
 # plan[step][rank] = sequence lengths; a block's `gate` runs for odd lengths only. Every step has a backward with and
 # one without the gate (on one rank or across ranks), and one rank idles in the last step.

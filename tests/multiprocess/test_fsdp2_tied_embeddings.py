@@ -4,14 +4,14 @@ accelerate 1.14 (supported) shards the tail group ``[final norm, input embedding
 root: torch 2.13 refuses that, older torch trains the two as separate weights. The package's accelerate patch
 (`odc_accelerate._compat.accelerate._tied_embeddings_in_one_group`) puts the LM head in the embedding's group. The
 installed accelerate (1.15) groups them itself, which the SFT, DPO and GRPO runs on the tied model test end to end;
-here accelerate 1.14's sequence of ``fully_shard`` calls is replayed on 2 ranks (`tests/helpers/tied_workers.py`)
+here accelerate 1.14's sequence of ``fully_shard`` calls is replayed on 2 ranks (`tests/helpers/workers/tied_workers.py`)
 and compared with the same model in one process.
 """
 
 import numpy as np
 
 from odc_accelerate.testing import launch
-from tests.helpers.tied_workers import wrap_tied_model
+from tests.helpers.workers.tied_workers import wrap_tied_model
 
 
 def test_tied_head_shares_the_embeddings_group_and_trains_as_one_weight():

@@ -11,7 +11,7 @@ case's JSON and the summary), the table printed last. The cases, each checked he
   every tensor);
 * ``trainer:grpo``; ``trainer:speed``: the speed arms end to end on a tiny model (figures stored, never asserted).
 
-The jobs' Python processes start as forks of the session's warm-start server (`tests/helpers/warm_start.py`), as the
+The jobs' Python processes start as forks of the session's warm-start server (`tests/helpers/infra/warm_start.py`), as the
 integration tests' do.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from integration_utils import plain_env
 
-from tests.helpers import warm_start
+from tests.helpers.infra import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """accelerate integration: FSDP2 on CPU, `ODCPlugin` in a custom loop, `odc-accelerate launch`, bad configs.
 
-Real ``accelerate launch`` jobs with 2 CPU processes (gloo) on `tests/helpers/accelerate_loop.py`.
+Real ``accelerate launch`` jobs with 2 CPU processes (gloo) on `tests/helpers/loops/accelerate_loop.py`.
 """
 
 from __future__ import annotations

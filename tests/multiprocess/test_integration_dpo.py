@@ -5,7 +5,7 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
 * ``odc``: ``--odc true``, 5 pairs per step so the ranks run different numbers of microbatches; reference model
   served by the gather-only engine; torch.distributed calls counted during microbatches.
 * ``single``: TRL's own ``DPOTrainer`` in one process, accumulating the same 5 pairs per optimizer step
-  (`tests/helpers/trl_reference.py`): the ground truth for the exact pair-mean loss.
+  (`tests/helpers/loops/trl_reference.py`): the ground truth for the exact pair-mean loss.
 * ``odc_pre``: as ``odc`` with ``--precompute_ref_log_probs true``.
 * ``plain_bf16`` / ``odc_bf16``: plain FSDP2 vs ODC, bf16, one pair per rank per step (lockstep plan).
 * ``plain_fp32`` / ``odc_fp32``: plain FSDP2 vs ODC, fp32, two pairs per rank per step; the plain run uses

@@ -5,10 +5,10 @@ against TRL's own trainer in one process on the same samples per optimizer step.
   microbatches); torch.distributed calls counted per microbatch. That a slower rank claims fewer is checked by
   `test_claims.py` with fixed delays; here the split depends on the machine's load.
 * ``dpo``: ``--odc_plan dynamic``, 5 pairs per step (the pair count is read from the queue, nothing collated ahead).
-* ``sft_single`` / ``dpo_single``: the references (`tests/helpers/trl_reference.py`).
+* ``sft_single`` / ``dpo_single``: the references (`tests/helpers/loops/trl_reference.py`).
 * ``stream`` / ``stream_plain``: SFT on a streamed training set (``--dataset_streaming true``, 10 samples in
   2 steps of 5) under ``--odc_plan dynamic``, against one plain process reading the same stream in batches of 5.
-* ``grpo`` / ``grpo_single``: fixed completions (`tests/helpers/grpo_loop.py`) trained under ``--odc_plan dynamic``
+* ``grpo`` / ``grpo_single``: fixed completions (`tests/helpers/loops/grpo_loop.py`) trained under ``--odc_plan dynamic``
   with a small token budget, against plain `trl.GRPOTrainer` in one process (loss type grpo, ``beta > 0``).
 """
 
@@ -55,7 +55,7 @@ DPO_COMMON = [
 ]  # fmt: skip
 DYNAMIC = ["--odc", "true", "--odc_plan", "dynamic", "--odc_metrics", "per_rank"]
 DUMP = {"ODC_DUMP_PARAMS": "1"}
-GRPO_LOOP = ROOT / "tests" / "helpers" / "grpo_loop.py"
+GRPO_LOOP = ROOT / "tests" / "helpers" / "loops" / "grpo_loop.py"
 GRPO = [
     "--loss_types", "grpo", "--beta", "0.1", "--bf16", "false", "--num_generations", "4",
     "--max_completion_length", "48", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none",

@@ -6,7 +6,7 @@ Module-scoped runs:
   torch.distributed calls counted during every ``generate`` call and every training microbatch.
 * ``example_fsdp2``: the same example on plain FSDP2 (TRL's behaviour), one short step: the counter's negative
   control.
-* ``parity_odc``: fixed completions (`tests.helpers.grpo_loop`, a seeded stand-in for generation) trained
+* ``parity_odc``: fixed completions (`tests.helpers.loops.grpo_loop`, a seeded stand-in for generation) trained
   with ODC on 2 ranks under a small token budget, so ranks run different numbers of microbatches; loss types grpo
   (a mean over sequences), bnpo (over the microbatch's tokens) and dapo (over the step's tokens), ``beta > 0`` (the
   reference model on its gather-only engine); then grpo again with ``beta=0``, the control of the gradient norm's
@@ -42,7 +42,7 @@ from integration_utils import (
 
 CONFIGS = ROOT / "examples" / "grpo" / "configs"
 TRAIN = ROOT / "examples" / "grpo" / "train.py"
-LOOP = ROOT / "tests" / "helpers" / "grpo_loop.py"
+LOOP = ROOT / "tests" / "helpers" / "loops" / "grpo_loop.py"
 LOSS_TYPES = ("grpo", "bnpo", "dapo")
 COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
 PARITY = [

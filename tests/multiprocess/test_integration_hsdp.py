@@ -8,9 +8,9 @@ accelerate config's ``parallelism_config`` (``dp_replicate_size: 2``, ``dp_shard
 * ``dpo``: ``odc-accelerate launch`` (ODC switched on by the config file's ``odc*`` keys), 5 pairs per step, the
   ``dynamic`` plan (``ODC_PLAN``): the ranks of both replicas claim the step's pairs from one queue, keeping
   parameters and gradients through the step (``ODC_MEMORY_POLICY=both``);
-* ``grpo``: fixed completions (`tests/helpers/grpo_loop.py`) under a small token budget;
+* ``grpo``: fixed completions (`tests/helpers/loops/grpo_loop.py`) under a small token budget;
 * each one's reference: TRL's own trainer in one process on the same optimizer steps;
-* ``loop``: a custom accelerate loop on ``Accelerator(fsdp_plugin=ODCPlugin())`` (`tests/helpers/accelerate_loop.py`),
+* ``loop``: a custom accelerate loop on ``Accelerator(fsdp_plugin=ODCPlugin())`` (`tests/helpers/loops/accelerate_loop.py`),
   ranks running 2, 1, 0 and 3 microbatches per step, against the same loop in one process.
 
 A shard group spread over hosts is refused by the engine on every rank (`tests/multiprocess/test_engine_hsdp.py`).
@@ -52,7 +52,7 @@ HSDP_CONFIG = CONFIGS / "odc_hsdp_cpu.yaml"
 SFT, DPO, GRPO_LOOP = (
     ROOT / "examples/sft/train.py",
     ROOT / "examples/dpo/train.py",
-    ROOT / "tests/helpers/grpo_loop.py",
+    ROOT / "tests/helpers/loops/grpo_loop.py",
 )
 COMMON = ["--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--seed", "0", "--save_strategy", "no"]
 SFT_ARGS = [*COMMON, "--max_length", "128", "--odc_max_tokens_per_microbatch", "128", "--optim", "sgd"]
@@ -72,7 +72,7 @@ def machines(
     config: Path, script: Path, *args, launcher: str = "accelerate", wrap: bool = True, timeout: float = 600, **env
 ):
     """Start one job of 4 processes as 2 machines (``ODC_HOST_ID=node<i>``), ``script`` run through
-    `tests/helpers/run_example.py` if ``wrap``; return both commands' completed processes."""
+    `tests/helpers/loops/run_example.py` if ``wrap``; return both commands' completed processes."""
     head = (
         [sys.executable, "-m", "accelerate.commands.launch"]
         if launcher == "accelerate"

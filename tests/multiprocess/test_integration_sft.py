@@ -6,7 +6,7 @@ One module-scoped set of runs serves several assertions:
   torch.distributed calls during microbatches; saves a checkpoint each step; ``--odc_memory_policy grads``: gradients
   stay unsharded until the step boundary (one scatter-add per param group and step, as the Trainer accumulates).
 * ``single``: TRL's own ``SFTTrainer`` in one process, accumulating the same 5 samples per optimizer step
-  (`tests/helpers/trl_reference.py`, the session's ``sft_reference``): the reference for exact loss normalisation.
+  (`tests/helpers/loops/trl_reference.py`, the session's ``sft_reference``): the reference for exact loss normalisation.
 * ``plain_lockstep`` / ``odc_lockstep``: plain FSDP2 vs ODC (switched on by ``odc*`` keys in the accelerate config
   file, launched with ``odc-accelerate launch``: opt-in path 2) on the same equal-count microbatches.
 * ``resumed``: ODC switched on by ``--fsdp_config odc.json`` (opt-in path 2), resumed from ``odc``'s first checkpoint,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from odc_accelerate.testing import LaunchError, launch, read_pids, shm_files_of
-from tests.helpers.engine_workers import names_gone_after_engine_setup, reference
-from tests.helpers.failure_workers import names_gone_after_setup, train_until_stopped
+from tests.helpers.workers.engine_workers import names_gone_after_engine_setup, reference
+from tests.helpers.workers.failure_workers import names_gone_after_setup, train_until_stopped
 
 PLAN = [[[9, 7], [8, 6]], [[5, 9], [7, 8]], [[6, 6], [9, 5]]]
 ODC_NAME = re.compile(r"^odc_[0-9a-f]+_r\d+_p(?P<pid>\d+)\.(?:seg|lock)$")

@@ -1,7 +1,7 @@
 """Network and hierarchical transports: real gloo processes, real sockets, real network namespaces.
 
 Every rank of the multi-host tests is its own "host": separate network, UTS and mount namespaces (own /dev/shm)
-joined only by veth links (tests.helpers.netns). Where namespaces cannot be created the namespace tests
+joined only by veth links (tests.helpers.infra.netns). Where namespaces cannot be created the namespace tests
 skip with the reason, and the ODC_HOST_ID variants still run (distinct host identities on loopback).
 """
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from odc_accelerate.testing import launch
-from tests.helpers.engine_workers import reference, train
-from tests.helpers.netns import VirtualHosts, netns_unavailable_reason, train_as_host
-from tests.helpers.transport_workers import barrier_cases, concurrent_adds
+from tests.helpers.infra.netns import VirtualHosts, netns_unavailable_reason, train_as_host
+from tests.helpers.workers.engine_workers import reference, train
+from tests.helpers.workers.transport_workers import barrier_cases, concurrent_adds
 
 # plan[step][rank] = sequence lengths, one sequence per microbatch
 EQUAL2 = [[[12, 8], [10, 9]], [[7, 11], [13, 5]], [[9, 9], [6, 14]]]

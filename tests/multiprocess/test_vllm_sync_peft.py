@@ -9,7 +9,7 @@ import torch
 
 from odc_accelerate.integrations.vllm import check_vllm_sync_model
 from odc_accelerate.testing import launch
-from tests.helpers.peft_workers import merged_full_parameters, tiny_lora_model
+from tests.helpers.workers.peft_workers import merged_full_parameters, tiny_lora_model
 
 
 def test_lora_weights_are_merged_as_peft_merges_them():
@@ -57,7 +57,7 @@ def test_adapters_the_sync_cannot_merge_are_refused_by_name(change, message):
     from transformers import AutoModelForCausalLM
 
     from odc_accelerate.data import tiny_qwen2_config
-    from tests.helpers.peft_workers import LORA
+    from tests.helpers.workers.peft_workers import LORA
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32))
     model = get_peft_model(model, LoraConfig(**{**LORA, **change}))
@@ -71,7 +71,7 @@ def test_plain_lora_tied_and_dense_models_pass_the_set_up_check():
     from transformers import AutoModelForCausalLM
 
     from odc_accelerate.testing.models import tiny_causal_lm_config
-    from tests.helpers.peft_workers import LORA
+    from tests.helpers.workers.peft_workers import LORA
 
     for kind in ("untied", "tied"):
         model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, hidden_size=32))

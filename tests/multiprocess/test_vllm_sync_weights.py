@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from odc_accelerate.testing import launch
-from tests.helpers.vllm_workers import checkpoint_weights_after_a_step
+from tests.helpers.workers.vllm_workers import checkpoint_weights_after_a_step
 
 
 @pytest.mark.parametrize("kind", ["tied", "moe"])

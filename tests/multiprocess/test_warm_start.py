@@ -1,4 +1,4 @@
-"""The warm start of launched jobs (`tests/helpers/warm_start.py`): a command started as a fork of the session's
+"""The warm start of launched jobs (`tests/helpers/infra/warm_start.py`): a command started as a fork of the session's
 server behaves as the same command started as a fresh interpreter, which is the reference here."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from integration_utils import base_env, run
 
-from tests.helpers import warm_start
+from tests.helpers.infra import warm_start
 
 # Everything a script can see of how it was started, bar its pid and the server's own module list.
 FINGERPRINT = textwrap.dedent(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = "-m tests.helpers.gpu_session"
+DRIVER = "-m tests.gpu.gpu_session"
 INSTALL = "-m pip install"
 
 
@@ -86,7 +86,7 @@ def test_the_output_folder_comes_first(layout):
 
 def test_the_session_knows_every_checkers_cases():
     # gpu_session.py names the checkers' cases without importing them (they import torch): the lists must agree
-    from tests.helpers import gpu_check, gpu_session, gpu_trainer
+    from tests.gpu import gpu_check, gpu_session, gpu_trainer
 
     assert gpu_session.NAMES == {"check": gpu_check.CASES, "trainer": gpu_trainer.CASES}
     for case in (*gpu_session.GPU_CASES, *gpu_session.CPU_CASES):

@@ -1,4 +1,4 @@
-"""The GPU Trainer speed case (`tests.helpers.trainer_speed`): its figures (`summarize`: the median over an arm's runs,
+"""The GPU Trainer speed case (`tests.gpu.trainer_speed`): its figures (`summarize`: the median over an arm's runs,
 ODC's step over its reference's, the profiled step's top ops kept only where ODC is more than 5% over) and its
 schedule (every arm once, then each pair again while its runs fit in the budget), on a fake clock."""
 
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tests.helpers.trainer_speed import PROFILE_OVER, summarize
+from tests.gpu.trainer_speed import PROFILE_OVER, summarize
 
 
 def _run(step_s: float | None, tag: str) -> dict:
@@ -48,7 +48,7 @@ def test_an_arm_without_a_finished_run_has_no_median_and_no_ratio():
 
 def test_arms_interleave_and_pairs_repeat_while_their_runs_fit(monkeypatch, tmp_path):
     # every run takes 10 s of a fake clock: a round of 4 runs is 40 s, a pair 20 s
-    from tests.helpers import trainer_speed
+    from tests.gpu import trainer_speed
 
     clock = [0.0]
     order = []

@@ -1,4 +1,4 @@
-"""The GPU Trainer check's parity measure (`tests.helpers.gpu_trainer.compare_updates`): weight updates against the
+"""The GPU Trainer check's parity measure (`tests.gpu.gpu_trainer.compare_updates`): weight updates against the
 reference's, relative to the update's norm, and every tensor moved, on weight dumps written as the runs write them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.gpu_trainer import compare_updates
+from tests.gpu.gpu_trainer import compare_updates
 
 START = {"w": torch.full((4, 4), 10.0), "norm": torch.ones(4)}
 

@@ -240,7 +240,7 @@ def test_the_default_grid_meets_the_speed_check_with_margin_on_the_stored_h100_r
     # The grid was chosen on one H100 (benchmarks/gpu/h100-2026-11-27); what it reached there, in the launch-parameter
     # sweep and in the speed case's grid rows (both ranks), is at least 10% above the speed check's goal for each
     # source dtype, so that run-to-run noise on that GPU does not fail the check.
-    from tests.helpers.accumulate_bench import KERNEL_OVER_ADD_GOAL
+    from tests.gpu.accumulate_bench import KERNEL_OVER_ADD_GOAL
 
     stored = ROOT / "benchmarks" / "gpu" / "h100-2026-11-27"
     sweep = json.loads((stored / "accumulate_sweep.json").read_text())["rows"]
@@ -322,9 +322,9 @@ def test_sm90_compile_emits_system_scope_vector_reductions():
 
 @runs_kernel
 def test_launch_parameter_sweep_dry_run_sums_every_configuration_exactly(interpret):
-    # The GPU's launch-parameter sweep (tests/helpers/accumulate_sweep.py) on CPU tensors: every BLOCK and grid size
+    # The GPU's launch-parameter sweep (tests/gpu/accumulate_sweep.py) on CPU tensors: every BLOCK and grid size
     # it times, for both source dtypes, adds exactly; a row per configuration plus the non-atomic ceiling per dtype.
-    from tests.helpers.accumulate_sweep import BLOCKS, GRID_PER_SM, sweep
+    from tests.gpu.accumulate_sweep import BLOCKS, GRID_PER_SM, sweep
 
     result = sweep(torch.device("cpu"), 0.01)
     kernel_rows = [r for r in result["rows"] if r["path"] == "kernel"]

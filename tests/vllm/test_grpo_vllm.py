@@ -3,12 +3,12 @@
 processes, the offline prompts and rewards, 3 steps; the offline GRPO model is the tiny Qwen2 with 2 heads of
 head_dim 64.
 
-* ``odc``: the example through `tests/helpers/run_example.py` with the vLLM checks (``ODC_TEST_VLLM_CHECK=1``,
-  `tests/helpers/vllm_trainer_check.py`), the torch.distributed call counter and the parameter dumps, under a small
+* ``odc``: the example through `tests/helpers/loops/run_example.py` with the vLLM checks (``ODC_TEST_VLLM_CHECK=1``,
+  `tests/helpers/loops/vllm_trainer_check.py`), the torch.distributed call counter and the parameter dumps, under a small
   token budget so that the ranks run different numbers of microbatches. Each rank owns one vLLM engine, refreshed
   before each step's generation by ODC's per-rank sync;
 * ``single``: plain `trl.GRPOTrainer` on one process with ``use_vllm=True``, training on exactly the completions and
-  vLLM log-probs the ODC run generated (`tests/helpers/grpo_vllm_replay.py`): the ground truth, TRL's
+  vLLM log-probs the ODC run generated (`tests/helpers/loops/grpo_vllm_replay.py`): the ground truth, TRL's
   importance-sampling correction included.
 """
 
@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from odc_accelerate.testing import shm_files_of
-from tests.helpers.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
 from tests.multiprocess.integration_utils import ROOT, RUN_EXAMPLE, base_env, check_ok, reports, run
 
 TRAIN = ROOT / "examples" / "grpo" / "train.py"
 CONFIG = ROOT / "examples" / "grpo" / "configs" / "odc_cpu.yaml"
-REPLAY = ROOT / "tests" / "helpers" / "grpo_vllm_replay.py"
+REPLAY = ROOT / "tests" / "helpers" / "loops" / "grpo_vllm_replay.py"
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine
     "VLLM_LOGGING_LEVEL": "WARNING",

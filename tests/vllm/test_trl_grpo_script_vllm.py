@@ -2,8 +2,8 @@
 ``odc-accelerate launch --config_file`` a file written by ``odc-accelerate config --cpu --default``: 2 CPU processes,
 a local model folder holding a tied model (a tiny Llama 3.2-shaped model: ``lm_head.weight`` is the input
 embedding), a local JSON-lines dataset of the offline prompts, a reward function given as a dotted import path, 2
-steps. The script runs through `tests/helpers/run_example.py`, which adds the vLLM checks from outside
-(``ODC_TEST_VLLM_CHECK=1``: `tests/helpers/vllm_trainer_check.py`): each rank's engine is refreshed by ODC's per-rank
+steps. The script runs through `tests/helpers/loops/run_example.py`, which adds the vLLM checks from outside
+(``ODC_TEST_VLLM_CHECK=1``: `tests/helpers/loops/vllm_trainer_check.py`): each rank's engine is refreshed by ODC's per-rank
 sync (counted: one per step and rank, none of TRL's), with no torch.distributed call in any sync or generation, and
 after every sync its log-probabilities of every position of the check prompts equal the trained model's (the tied LM
 head included)."""
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
 from tests.multiprocess.integration_utils import RUN_EXAMPLE, base_env, check_ok, reports, run, shm_leftovers
 
 CLI = [sys.executable, "-m", "odc_accelerate.cli"]

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
 
 _SCRIPT = textwrap.dedent(
     """
@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
 
     from odc_accelerate.data import load_offline_tokenizer, offline_texts
     from odc_accelerate.testing.models import save_tiny_causal_lm
-    from tests.helpers.vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
+    from tests.helpers.loops.vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
 
     root = sys.argv[1]
     initial, changed = os.path.join(root, "initial"), os.path.join(root, "changed")

@@ -6,8 +6,8 @@ layer of its own, and keeps the old head unless the sync sends it under its own 
 import pytest
 
 from odc_accelerate.testing import launch, read_pids, shm_files_of
-from tests.helpers.vllm_trainer_check import LOGPROB_TOLERANCE
-from tests.helpers.vllm_workers import VLLM_ENV, tiny_model_and_tokenizer, train_sync_generate
+from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.workers.vllm_workers import VLLM_ENV, tiny_model_and_tokenizer, train_sync_generate
 
 
 @pytest.mark.multiprocess

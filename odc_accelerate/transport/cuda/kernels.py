@@ -31,7 +31,7 @@ import torch
 
 #: elements each program adds per loop iteration: 64 per thread at 4 warps, i.e. sixteen 16-byte fp32 reductions in
 #: flight per thread. Measured on one H100 (Triton 3.6, 256 MiB, grid of a quarter of the SMs): 779 GB/s of fp32
-#: source and 296 of bf16 at 8192, against 398 and 165 at 2048 (`tests/helpers/accumulate_sweep.py`, docs/gpu.md)
+#: source and 296 of bf16 at 8192, against 398 and 165 at 2048 (`tests/gpu/accumulate_sweep.py`, docs/gpu.md)
 BLOCK = 8192
 #: warps per program
 NUM_WARPS = 4

@@ -1,9 +1,9 @@
 """Plain `trl.GRPOTrainer` on one process, training on the completions an ODC run generated with vLLM: the ground truth
 of the vLLM GRPO test (tests/vllm/test_grpo_vllm.py).
 
-    python tests/helpers/grpo_vllm_replay.py --odc_run ODC_OUT --per_device_train_batch_size 8 ... --output_dir OUT
+    python tests/helpers/loops/grpo_vllm_replay.py --odc_run ODC_OUT --per_device_train_batch_size 8 ... --output_dir OUT
 
-The ODC run (``odc-accelerate grpo --use_vllm true`` through `tests/helpers/run_example.py` with
+The ODC run (``odc-accelerate grpo --use_vllm true`` through `tests/helpers/loops/run_example.py` with
 ``ODC_TEST_VLLM_CHECK=1``) saved its initial model in ``ODC_OUT/initial_model`` and each rank's vLLM rollouts (prompt
 ids, completion ids and vLLM's log-probs of every ``generate`` call) in ``ODC_OUT/vllm_check_rank<r>.json``. Here TRL
 trains the same initial model on the same offline prompts and rewards with ``use_vllm=True`` (so TRL's own

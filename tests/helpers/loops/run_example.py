@@ -1,7 +1,7 @@
 """Run a training script unchanged, with the instrumentation the tests and benchmarks read, added from outside.
 
-    accelerate launch --config_file CFG tests/helpers/run_example.py examples/sft/train.py ARGS
-    python tests/helpers/run_example.py examples/sft/train.py ARGS
+    accelerate launch --config_file CFG tests/helpers/loops/run_example.py examples/sft/train.py ARGS
+    python tests/helpers/loops/run_example.py examples/sft/train.py ARGS
 
 executes the script as ``__main__`` with ``ARGS`` (as ``python script ARGS`` would). Every ODC trainer the script
 builds (any `ODCTrainerMixin` subclass) gets:
@@ -36,7 +36,7 @@ with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``,
 (`odc_accelerate.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
 
 with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the checks of
-`tests/helpers/vllm_trainer_check.py` (torch.distributed calls counted in every vLLM weight sync and generation, the
+`tests/helpers/loops/vllm_trainer_check.py` (torch.distributed calls counted in every vLLM weight sync and generation, the
 engine, made to compute in float32 and run eagerly, compared with HF greedy decoding of the gathered model after every
 sync, its rollouts recorded, its shutdown recorded);
 
@@ -134,7 +134,7 @@ class RunReport:
             )
         out = trainer.args.output_dir
         if _flag("ODC_DUMP_PARAMS"):
-            from tests.helpers.shared_gpu import full_tensor_via_cpu
+            from tests.gpu.shared_gpu import full_tensor_via_cpu
 
             # Through CPU: a gather of CUDA DTensors over a gloo group can crash.
             params = {name: full_tensor_via_cpu(p).to(torch.float32) for name, p in trainer.model.named_parameters()}
@@ -158,7 +158,7 @@ def _report_callback(report: RunReport) -> Any:
 def instrument_trainers() -> None:
     """Give every `ODCTrainerMixin` trainer built from now on in this process a `RunReport`."""
     from odc_accelerate.integrations.trainer import ODCTrainerMixin
-    from tests.helpers.dist_counter import count_dist_calls
+    from tests.helpers.infra.dist_counter import count_dist_calls
 
     original_init = ODCTrainerMixin.__init__
 
@@ -178,7 +178,7 @@ def instrument_trainers() -> None:
         if _flag("ODC_BENCH_SKIP_SAVE"):
             self.save_model = lambda *args, **kwargs: None
         if _flag("ODC_TEST_VLLM_CHECK") and getattr(self, "use_vllm", False):
-            from tests.helpers.vllm_trainer_check import instrument_at_train_begin
+            from tests.helpers.loops.vllm_trainer_check import instrument_at_train_begin
 
             # At train begin: the trainer's own vLLM hooks are installed after this __init__ returns.
             self.add_callback(instrument_at_train_begin(self))
@@ -437,12 +437,12 @@ def _write_rss(directory: str) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python tests/helpers/run_example.py SCRIPT [ARGS...]")
+        raise SystemExit("usage: python tests/helpers/loops/run_example.py SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
     sys.path[0] = os.path.dirname(script)  # as `python script` sets it
     try:
-        from tests.helpers import shared_gpu
+        from tests.gpu import shared_gpu
 
         if shared_gpu.enabled():
             shared_gpu.enable()
@@ -450,7 +450,7 @@ def main() -> None:
             fixed_free_memory(os.environ["ODC_TEST_FREE_MEMORY"])
         instrument_trainers()
         if _flag("ODC_TEST_VLLM_CHECK"):
-            from tests.helpers.vllm_trainer_check import float32_eager_engines
+            from tests.helpers.loops.vllm_trainer_check import float32_eager_engines
 
             float32_eager_engines()
         runpy.run_path(script, run_name="__main__")

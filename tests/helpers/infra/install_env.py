@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-_ROOT = Path(__file__).parents[2]
+_ROOT = Path(__file__).parents[3]
 # torch first and exact: 2.13.0 is the CPU wheel this machine's pip finds on disk (an unpinned torch would be the
 # multi-GB CUDA build); then trl and transformers unpinned: whatever the registry has newest.
 _BEFORE = ("torch==2.13.0", "trl", "transformers")

@@ -94,7 +94,7 @@ def main() -> None:
     import contextlib
 
     if args.count_collectives:
-        from dist_counter import count_dist_calls  # tests/helpers, next to this script
+        from tests.helpers.infra.dist_counter import count_dist_calls  # the jobs have the repository on PYTHONPATH
     else:
         count_dist_calls = contextlib.nullcontext
     losses, collectives = [], []

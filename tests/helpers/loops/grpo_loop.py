@@ -1,7 +1,7 @@
 """GRPO on fixed completions, for the parity tests: ODC on several ranks vs TRL alone on one process.
 
-    accelerate launch --config_file CFG tests/helpers/grpo_loop.py --odc true --odc_plan free --output_dir OUT
-    python tests/helpers/grpo_loop.py --reference true --per_device_train_batch_size 16 --output_dir OUT
+    accelerate launch --config_file CFG tests/helpers/loops/grpo_loop.py --odc true --odc_plan free --output_dir OUT
+    python tests/helpers/loops/grpo_loop.py --reference true --per_device_train_batch_size 16 --output_dir OUT
 
 Completions come from a seeded stand-in for generation (TRL's public ``rollout_func``): the completion of the ``j``-th
 copy of a prompt is a function of the prompt's text and ``j`` alone, with a long-tailed length, so every run sees the

@@ -1,7 +1,7 @@
 """Launch-parameter sweep of the accumulate kernel on one GPU (one process): what each (BLOCK, warps, grid) costs.
 
-    python -m tests.helpers.accumulate_sweep [--mib 256] [--out sweep.json]
-    TRITON_INTERPRET=1 python -m tests.helpers.accumulate_sweep --device cpu     (the dry run: tiny, checks only)
+    python -m tests.gpu.accumulate_sweep [--mib 256] [--out sweep.json]
+    TRITON_INTERPRET=1 python -m tests.gpu.accumulate_sweep --device cpu     (the dry run: tiny, checks only)
 
 For fp32 and bf16 sources into an fp32 accumulator, it times the kernel (`odc_accelerate.transport.cuda.kernels`) at
 every ``BLOCK`` x ``num_warps`` x grid size below, against ``dst.add_(src)`` (the non-atomic fused add, the ceiling)
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from odc_accelerate.transport.cuda import kernels
-from tests.helpers.accumulate_bench import _timer
+from tests.gpu.accumulate_bench import _timer
 
 BLOCKS = (2048, 8192)
 WARPS = (4, 8, 16, 32)

@@ -1,5 +1,5 @@
 """Test-only start-up hook: a Python process started with ``ODC_TEST_WARM_START=<socket>`` and this folder on its
-``PYTHONPATH`` runs its script in a fork of the warm-start server (`tests/helpers/warm_start.py`), which has torch,
+``PYTHONPATH`` runs its script in a fork of the warm-start server (`tests/helpers/infra/warm_start.py`), which has torch,
 transformers, TRL, accelerate and datasets imported already, instead of importing them itself (~9 s of CPU per
 process). This process stays as a proxy with the same pid: the launcher's signals reach the fork, the fork's exit
 status becomes this process's, and the fork is killed if this process is. When the server is not there or cannot run

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from odc_accelerate.engine import ODCEngine
 from odc_accelerate.loss import loss_scale
 from odc_accelerate.testing.models import ToyConfig, build_model, make_steps, shard_model, token_loss_sum
+from tests.helpers.infra.dist_counter import count_dist_calls
 
-from .dist_counter import count_dist_calls
 from .engine_workers import full_params, run_claimed
 
 

@@ -1,5 +1,5 @@
 """The Trainer's speed against its limit: the GPU procedure's ``trainer:speed`` case
-(``python -m tests.helpers.gpu_trainer --cases speed --out DIR [--budget-s SECONDS]``).
+(``python -m tests.gpu.gpu_trainer --cases speed --out DIR [--budget-s SECONDS]``).
 
 A Qwen2.5-0.5B-shaped model (built from its config with random weights: hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, tied embeddings; in bf16, no mixed precision) trains with the SFT example on the offline long-tailed

@@ -681,7 +681,7 @@ def case_memory() -> dict[str, Any]:
 
 
 def case_memory_policy() -> dict[str, Any]:
-    from .memory_workers import neither_bound, peak_memory
+    from tests.helpers.workers.memory_workers import neither_bound, peak_memory
 
     plan = [[[256, 128], [192]], [[160], [256, 64]], [[256], [256]]]
     spec = dict(plan=plan, cfg=MEDIUM, policies=["neither", "both"], device="cuda")
@@ -802,6 +802,6 @@ def _write(out: str, results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    # Run through the package (`from tests.helpers.gpu_check import main`) so that the spawned ranks import
+    # Run through the package (`from tests.gpu.gpu_check import main`) so that the spawned ranks import
     # the workers from this module's real name; scripts/gpu_check.sh does.
     sys.exit(main())

@@ -1,6 +1,6 @@
 """The parity reference of the SFT and DPO tests: TRL's own trainer in one process, on the same optimizer steps.
 
-    python tests/helpers/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
+    python tests/helpers/loops/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
         (any SFTConfig / DPOConfig argument)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the

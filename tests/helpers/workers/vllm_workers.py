@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist_counter import count_dist_calls
+from tests.helpers.infra.dist_counter import count_dist_calls
 
 #: What every rank sets before its process group exists (`odc_accelerate.testing.launch(env=...)`).
 VLLM_ENV = {
@@ -84,8 +84,7 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.integrations.vllm import iter_full_parameters, shutdown_vllm, sync_vllm_weights
     from odc_accelerate.testing.models import world_mesh
-
-    from .vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
+    from tests.helpers.loops.vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
 
     path, max_tokens = spec["path"], spec.get("max_tokens", 16)
     (spec["pid_dir"] / f"rank{rank}.pid").write_text(str(os.getpid()))

@@ -17,7 +17,7 @@ the launcher, and it shares the server's hash seed. A command the server cannot 
 differs in anything read at import) starts as usual; `Server.entries` lists them, and the session's summary says
 how many forked.
 
-    python tests/helpers/warm_start.py SOCKET LOG    # serve until the parent process exits
+    python tests/helpers/infra/warm_start.py SOCKET LOG    # serve until the parent process exits
 """
 
 from __future__ import annotations

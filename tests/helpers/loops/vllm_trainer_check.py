@@ -1,11 +1,11 @@
 """Checks of an ODC GRPO trainer that generates with vLLM (``--use_vllm true --vllm_mode colocate``), added from
-outside by `tests/helpers/run_example.py` with ``ODC_TEST_VLLM_CHECK=1``; the results go to
+outside by `tests/helpers/loops/run_example.py` with ``ODC_TEST_VLLM_CHECK=1``; the results go to
 ``<output_dir>/vllm_check_rank<r>.json``.
 
 On the trainer's `VLLMGeneration` instance (whose ``sync_weights`` is ODC's per-rank sync):
 
 * every weight sync and every vLLM ``generate`` call runs inside the torch.distributed call counter
-  (`tests.helpers.dist_counter`): ``sync_dist_calls`` / ``generation_dist_calls``, one entry per call;
+  (`tests.helpers.infra.dist_counter`): ``sync_dist_calls`` / ``generation_dist_calls``, one entry per call;
 * after every sync, outside the counter, the engine is compared with a Hugging Face model holding the trained weights
   gathered with DTensor's own collectives (with PEFT, the adapters merged into them by PEFT's ``merge_and_unload`` in
   this process) (every rank syncs once per step, at the same point): the log-probability of every token of
@@ -14,7 +14,7 @@ On the trainer's `VLLMGeneration` instance (whose ``sync_weights`` is ODC's per-
   with the engine's tokens before the sync (those of the previous check: the weights do not change in between) and
   after it, and HF's;
 * every ``generate`` call's prompts, completions and vLLM log-probs are recorded (``rollouts``), so that a one-process
-  run can train on exactly these completions (`tests/helpers/grpo_vllm_replay.py`);
+  run can train on exactly these completions (`tests/helpers/loops/grpo_vllm_replay.py`);
 * the engine's shutdown at the end of the run is recorded (``shutdown``: whether the job's process group was still
   there after it).
 
@@ -201,7 +201,7 @@ def instrument(trainer: Any) -> None:
     """Add the checks to ``trainer`` (an `ODCGRPOTrainer` with ``use_vllm=True``); written when the run ends."""
     import torch.distributed as dist
 
-    from tests.helpers.dist_counter import count_dist_calls
+    from tests.helpers.infra.dist_counter import count_dist_calls
 
     check = VLLMTrainerCheck(trainer)
     generation = trainer.vllm_generation

@@ -11,7 +11,7 @@ Run with ``python -m torch.distributed.run --standalone --nproc_per_node 2 engin
 ``--destroy-first`` destroys the group before ``engine.close()``; ``--fsdp2-steps-after-close N`` trains N more steps
 with FSDP2's own collectives after ``engine.close()`` (the group still exists).
 
-``python -m tests.helpers.engine_loop --repeat N --out DIR`` runs the job N times cheaply: each rank is a
+``python -m tests.helpers.loops.engine_loop --repeat N --out DIR`` runs the job N times cheaply: each rank is a
 process forked from this one after the imports (a fresh rank spends ~4 s of CPU importing torch and transformers, a
 forked one under 1 s on the whole job), initialises the group from the environment as under ``torchrun`` and exits
 through the normal interpreter shutdown, exit handlers included. ``DIR/repeat.json`` lists every run's exit codes,

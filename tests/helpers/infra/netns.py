@@ -35,7 +35,7 @@ from typing import Any
 
 _PREFIX = "odcvh"
 _PORT = 29533
-_MODULE = "tests.helpers.netns"  # not __name__, which is "__main__" inside the hosts
+_MODULE = "tests.helpers.infra.netns"  # not __name__, which is "__main__" inside the hosts
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -195,7 +195,8 @@ class VirtualHosts:
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/helpers/infra
+    return os.path.dirname(os.path.dirname(os.path.dirname(here)))
 
 
 # ---------------------------------------------------------------------------------------------- inside the hosts
@@ -276,12 +277,12 @@ if __name__ == "__main__":
 
 
 def train_as_host(rank: int, world_size: int, spec: dict[str, Any], host_ids: Sequence[str] | None = None) -> Any:
-    """:func:`~tests.helpers.engine_workers.train` with ``ODC_HOST_ID`` set to ``host_ids[rank]``.
+    """:func:`~tests.helpers.workers.engine_workers.train` with ``ODC_HOST_ID`` set to ``host_ids[rank]``.
 
     The fallback when namespaces are unavailable: ranks of one machine that claim distinct hosts. Returns
     ``{"value": train's result, "logs": ODC transport log lines}`` like :meth:`VirtualHosts.run`.
     """
-    from .engine_workers import train
+    from tests.helpers.workers.engine_workers import train
 
     if host_ids is not None:
         os.environ["ODC_HOST_ID"] = host_ids[rank]

@@ -99,10 +99,10 @@ def _command(case: str, device: str, out: Path, seconds: float) -> list[str]:
         raise ValueError(f"unknown case {case!r}: {kind}:NAME takes {', '.join(NAMES[kind])}")
     py = sys.executable
     if kind == "check":
-        return [py, "-c", "import sys; from tests.helpers.gpu_check import main; sys.exit(main(sys.argv[1:]))",
+        return [py, "-c", "import sys; from tests.gpu.gpu_check import main; sys.exit(main(sys.argv[1:]))",
                 "--out", str(out), "--device", device, "--cases", name]  # fmt: skip
     if kind == "trainer":
-        cmd = [py, "-m", "tests.helpers.gpu_trainer", "--device", device, "--cases", name, "--out", str(out)]
+        cmd = [py, "-m", "tests.gpu.gpu_trainer", "--device", device, "--cases", name, "--out", str(out)]
         if name == "speed":  # it plans its repeats to end within its cap, leaving time to stop
             cmd += ["--budget-s", str(max(int(seconds - 15), 30))]
         return cmd

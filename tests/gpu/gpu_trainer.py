@@ -1,4 +1,4 @@
-"""Trainer-level check of ODC on one GPU: ``python -m tests.helpers.gpu_trainer --out DIR [--device cuda|cpu]``.
+"""Trainer-level check of ODC on one GPU: ``python -m tests.gpu.gpu_trainer --out DIR [--device cuda|cpu]``.
 
 The SFT, DPO and GRPO examples (offline default model, tokenizer and data) under real ``accelerate launch``. On
 ``cuda`` every rank shares the one GPU over a gloo process group (``--ddp_backend gloo``; NCCL refuses two ranks on
@@ -7,7 +7,7 @@ test-only switch ``ODC_TEST_SHARED_GPU=1`` (`shared_gpu.py`: accelerate's barrie
 FSDP2 mesh, no CPU-RAM-efficient loading, state dicts gathered through CPU), on CPU too. Cases:
 
 * ``sft_fp32``: 11 samples per optimizer step, against TRL's own trainer in one process on the same steps
-  (`tests/helpers/trl_reference.py`), three ODC runs: 2 ranks (6 and 5 microbatches), 8 ranks (2 or 1 each), and 8
+  (`tests/helpers/loops/trl_reference.py`), three ODC runs: 2 ranks (6 and 5 microbatches), 8 ranks (2 or 1 each), and 8
   ranks under the ``dynamic`` plan with the last rank late by construction (it claims none; the other 7 claim the
   step's 11 microbatches, each exactly once). Both sides start from the same weights, the learning rate moves every
   weight tensor on both sides, and the per-step loss and the weight updates (final weights - initial weights) must
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_EXAMPLE = ROOT / "tests" / "helpers" / "run_example.py"
-TRL_REFERENCE = ROOT / "tests" / "helpers" / "trl_reference.py"
+RUN_EXAMPLE = ROOT / "tests" / "helpers" / "loops" / "run_example.py"
+TRL_REFERENCE = ROOT / "tests" / "helpers" / "loops" / "trl_reference.py"
 PRESETS = ROOT / "odc_accelerate" / "cli" / "accelerate_configs"
 CASES = ("sft_fp32", "dpo_fp32", "sft_bf16", "grpo", "speed")
 #: samples per optimizer step (default 5): 11 over 2 ranks is 6 and 5 microbatches, over 8 ranks 2 or 1 each
@@ -94,7 +94,7 @@ ARGS = {
 
 
 #: the caller's ODC_* variables the runs keep: the cache, the offline vocabulary, and the test suite's warm start
-#: (`tests/helpers/warm_start.py`: where the dry run runs in CI, its processes start as forks of the session's server)
+#: (`tests/helpers/infra/warm_start.py`: where the dry run runs in CI, its processes start as forks of the session's server)
 KEPT = ("ODC_CACHE", "ODC_OFFLINE_BPE_RANKS", "ODC_TEST_WARM_START")
 
 
