@@ -2,9 +2,9 @@
 
 The trainer's `~odc_accelerate.config.ODCConfig` (``odc_config``) holds the options as they were resolved and is
 read-only. The values the trainer derives from them (how many samples one optimizer step plans, the gradient
-accumulation folded into each rank's step, the token budget per microbatch once chosen) are on its ``odc_run``, an
-`ODCRun`: one frozen object per stage of the set-up, replaced (never edited) when the loader chooses the budget, so
-every reader (the banner, the loaders, the step planner) reads the final value from one place.
+accumulation folded into each rank's step, the token budget per microbatch once chosen) are on its ``odc_run``, a
+frozen `ODCRun` made at set-up and replaced, never edited, when the loader chooses the budget: every reader (the
+banner, the loaders, the step planner, run reports) reads the final value from one place.
 """
 
 from __future__ import annotations
