@@ -77,7 +77,7 @@ def test_the_trainers_plugin_is_built_from_the_trainers_config(monkeypatch, reso
     trainer = ODCTrainer()
     trainer.odc_config = ODCConfig(enable=True, transport="shm")
     trainer.args = SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2})
-    plugin = trainer._build_accelerator_args()["fsdp_plugin"]
+    plugin = ODCAcceleratorSetup._build_accelerator_args(trainer)["fsdp_plugin"]
     assert plugin.odc_config is trainer.odc_config and resolutions == []
 
 
