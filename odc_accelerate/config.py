@@ -8,7 +8,10 @@ Each option is one field of `ODCConfig`. Its metadata names the same option on e
   for the worker processes.
 
 `ODCConfig.from_sources` resolves the options of one run: explicit values (constructor or training arguments) win
-over the ``fsdp_config`` section, which wins over the environment, which wins over the defaults. The plugin
+over the ``fsdp_config`` section, which wins over the environment, which wins over the defaults. A constructed config
+is read-only (assigning to it raises `dataclasses.FrozenInstanceError`; `dataclasses.replace` makes a changed copy),
+so the values a run reads are the values it resolved; what a trainer derives from them at run time (samples per step,
+the chosen token budget) lives on its `~odc_accelerate.integrations.trainer.run.ODCRun`. The plugin
 (`~odc_accelerate.integrations.accelerate.ODCPlugin`), the TRL configs (`~odc_accelerate.integrations.trl`), the
 Trainer mixin and the launcher all derive from this class.
 """
@@ -17,8 +20,8 @@ import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from dataclasses import Field, FrozenInstanceError, dataclass, field, fields
+from typing import Any, ClassVar
 
 from .planning import PlanName, normalize_plan
 from .validation import check_positive_int, str_to_bool
@@ -53,7 +56,9 @@ class ODCConfig:
     """Settings of On-Demand Communication for one run.
 
     Fields left `None` are "not set": `ODCConfig.from_sources` fills them from the next source, and construction
-    fills what is still unset with the defaults below, then validates.
+    fills what is still unset with the defaults below, then validates. Once constructed the config is read-only:
+    assigning to it raises `dataclasses.FrozenInstanceError`, and `dataclasses.replace(config, plan="lockstep")` makes a
+    changed (re-validated) copy.
 
     Args:
         enable (`bool`, *optional*, defaults to `False`; key `odc`, env `ODC_ENABLE`):
@@ -192,7 +197,34 @@ class ODCConfig:
         for f in option_fields():
             if getattr(self, f.name) is None:
                 setattr(self, f.name, f.metadata["default"])
-        self.validate()
+        self._validate()
+        self._freeze()
+
+    # ------------------------------------------------------------------ read-only once resolved
+    # Not `frozen=True`: `ODCPlugin` is also a (mutable) accelerate plugin, and construction coerces values in place.
+    #: Names that are read-only once resolved; `None`: every attribute (`ODCPlugin` names its ODC fields only).
+    _read_only_names: ClassVar[frozenset[str] | None] = None
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_resolved", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._check_writable(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._check_writable(name)
+        object.__delattr__(self, name)
+
+    def _check_writable(self, name: str) -> None:
+        if not self.__dict__.get("_resolved", False):
+            return
+        if self._read_only_names is None or name in self._read_only_names:
+            raise FrozenInstanceError(
+                f"{type(self).__name__} is resolved once per run and read-only: cannot set {name!r}. Make a changed "
+                f"copy with dataclasses.replace(config, {name}=...); values a trainer derives at run time (samples "
+                "per step, the chosen token budget, the folded gradient accumulation) are on its odc_run."
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -210,8 +242,9 @@ class ODCConfig:
         return {f.name: getattr(self, f.name) for f in option_fields()}
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
-        """Coerce option values to their types and raise one `ValueError` naming the option to change."""
+    def _validate(self) -> None:
+        """Coerce option values to their types and raise one `ValueError` naming the option to change (at
+        construction, before the config is read-only)."""
         from .transport import TRANSPORTS, Transport
 
         self.enable = str_to_bool(self.enable, _name("enable"))

@@ -23,11 +23,14 @@ accelerator.end_training()  # closes the engine, destroys the process group
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import weakref
-from dataclasses import InitVar, dataclass
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import InitVar, dataclass, field, fields
+from typing import Any, ClassVar
 
 from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -45,6 +48,7 @@ __all__ = [
     "odc_plugin_from_env",
     "prepare_frozen_model",
     "release_frozen_model",
+    "resolved_options",
 ]
 
 
@@ -84,11 +88,19 @@ class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
     ``engine.pre_optimizer_step()`` before gradient clipping / ``optimizer.step()`` and
     ``engine.post_optimizer_step()`` after it.
 
+    ``odc_config`` passes options already resolved (the ODC Trainer passes its own ``odc_config``): the plugin then
+    takes them as they are, with no option argument beside it, and resolves nothing. Either way the plugin holds the
+    one resolved `ODCConfig` as ``odc_config`` and its ODC fields are that config's values, read-only like it.
+
     ``odc=`` and ``balance=`` are deprecated spellings of ``enable=`` and ``plan=``.
     """
 
+    odc_config: ODCConfig | None = field(default=None, repr=False, compare=False)
     odc: InitVar[bool | None] = None
     balance: InitVar[str | None] = None
+
+    # Read-only once built: the ODC options and the config they come from; accelerate's FSDP fields stay its own.
+    _read_only_names: ClassVar[frozenset[str] | None] = frozenset([f.name for f in fields(ODCConfig)] + ["odc_config"])
 
     def __post_init__(self, odc: bool | None = None, balance: str | None = None) -> None:  # type: ignore[override]
         import warnings
@@ -106,17 +118,48 @@ class ODCPlugin(ODCConfig, FullyShardedDataParallelPlugin):
             )
         self.fsdp_version = 2
         explicit = {f.name: getattr(self, f.name) for f in option_fields()}
-        resolved = ODCConfig.from_sources(overrides=explicit, enable_default=True)
-        for name, value in resolved.options().items():
+        if self.odc_config is None:
+            self.odc_config = ODCConfig.from_sources(overrides=explicit, enable_default=True)
+        else:
+            both = sorted(name for name, value in explicit.items() if value is not None)
+            if both:
+                raise TypeError(
+                    f"ODCPlugin got odc_config and ODC option(s) {', '.join(both)}: pass the options in the config "
+                    "(dataclasses.replace(config, ...)) or as arguments, not both."
+                )
+        config = self.odc_config
+        for name, value in config.options().items():
             setattr(self, name, value)
-        self.source, self.given = resolved.source, resolved.given
+        self.source, self.given = config.source, config.given
         enable()
         FullyShardedDataParallelPlugin.__post_init__(self)
+        self._freeze()
+
+
+#: The options an ODC Trainer resolved, while it builds its accelerator (`resolved_options`).
+_TRAINER_CONFIG: contextvars.ContextVar[ODCConfig | None] = contextvars.ContextVar("odc_trainer_config", default=None)
+
+
+@contextlib.contextmanager
+def resolved_options(config: ODCConfig) -> Iterator[None]:
+    """Within the block, a plain ``Accelerator()`` under ``odc-accelerate launch`` takes ``config`` (a trainer's own
+    resolved options) instead of resolving the environment again (`odc_plugin_from_env`)."""
+    token = _TRAINER_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _TRAINER_CONFIG.reset(token)
 
 
 def odc_plugin_from_env() -> ODCPlugin | None:
-    """The plugin ``odc-accelerate launch`` asks for through ``ODC_ENABLE=true``, else `None`."""
-    if not ODCConfig.from_sources().enable:  # the environment alone: what the launcher exported
+    """The plugin ``odc-accelerate launch`` asks for through ``ODC_ENABLE=true``, else `None`.
+
+    Inside `resolved_options` (an ODC Trainer building its accelerator) the trainer's options decide instead.
+    """
+    config = _TRAINER_CONFIG.get()
+    if config is None:
+        config = ODCConfig.from_sources()  # the environment alone: what the launcher exported
+    if not config.enable:
         return None
     version = (
         os.environ.get("FSDP_VERSION", "2") if str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")) else None
@@ -126,7 +169,7 @@ def odc_plugin_from_env() -> ODCPlugin | None:
             "ODC_ENABLE=true but the launch is not FSDP: ODC needs `distributed_type: FSDP` and `fsdp_version: 2` in "
             "the accelerate config."
         )
-    return ODCPlugin(fsdp_version=int(version))
+    return ODCPlugin(fsdp_version=int(version), odc_config=config)
 
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -149,15 +192,16 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         return
     from ..engine import ODCEngine
 
+    config = plugin.odc_config
     engine = ODCEngine(
         model,
-        transport=plugin.transport,
-        timeout=plugin.timeout,
-        memory_policy=plugin.memory_policy,
-        memory_headroom=plugin.memory_headroom,
+        transport=config.transport,
+        timeout=config.timeout,
+        memory_policy=config.memory_policy,
+        memory_headroom=config.memory_headroom,
     )
     _ENGINES[accelerator] = engine
-    logger.info("ODC engine attached (transport=%s, %d param groups).", plugin.transport, len(engine.param_groups))
+    logger.info("ODC engine attached (transport=%s, %d param groups).", config.transport, len(engine.param_groups))
 
 
 _FROZEN_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -183,13 +227,14 @@ def prepare_frozen_model(accelerator: Any, model: Any) -> Any:
     if isinstance(plugin, ODCPlugin) and plugin.enable:
         from ..engine import ODCEngine
 
+        config = plugin.odc_config
         engine = ODCEngine(
             model,
-            transport=plugin.transport,
-            timeout=plugin.timeout,
+            transport=config.transport,
+            timeout=config.timeout,
             frozen=True,
-            memory_policy=plugin.memory_policy,
-            memory_headroom=plugin.memory_headroom,
+            memory_policy=config.memory_policy,
+            memory_headroom=config.memory_headroom,
         )
         _FROZEN_ENGINES.setdefault(accelerator, []).append(engine)
         logger.info("ODC gather-only engine attached to a frozen %s.", type(model).__name__)

@@ -145,14 +145,15 @@ def test_the_old_spelling_still_converts():
     ],
 )
 def test_the_banner_and_the_odc_off_warning_name_the_plan_as_before(name, shown, caplog):
+    from odc_accelerate.integrations.trainer.run import ODCRun
     from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
 
     trainer = SimpleNamespace(
-        odc_config=ODCConfig(enable=True, plan=name, max_tokens_per_microbatch=64, samples_per_step=4),
+        odc_config=ODCConfig(enable=True, plan=name),
+        odc_run=ODCRun(samples_per_step=4, folded_accumulation=1, max_tokens_per_microbatch=64),
         is_world_process_zero=lambda: True,
         odc_engine=None,
         args=SimpleNamespace(world_size=2, per_device_train_batch_size=2),
-        odc_folded_accumulation=1,
         odc_plans_from_dataset=True,
     )
     with caplog.at_level(logging.WARNING, logger="odc_accelerate.integrations.trainer.setup"):

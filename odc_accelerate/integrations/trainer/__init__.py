@@ -4,6 +4,7 @@ Use as ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL trainers of `od
 
 * `mixin`: the mixin, made of one part per concern: `setup` (accelerator, banner), `loaders` and `streaming` (the
   balanced step loaders), `step` (the microbatch loop, exact loss), `resume` (checkpoints);
+* `run`: `ODCRun`, what a run derives from its read-only options (samples per step, the chosen token budget);
 * `budget`: the token budget per microbatch, one rule for every trainer;
 * `callback`: closes each ODC step after the optimizer;
 * `metrics`: metric gathers answered locally during microbatches and reduced once per step;
@@ -13,5 +14,6 @@ Use as ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL trainers of `od
 
 from .callback import ODCCallback
 from .mixin import ODCTrainerMixin
+from .run import ODCRun
 
-__all__ = ["ODCCallback", "ODCTrainerMixin"]
+__all__ = ["ODCCallback", "ODCRun", "ODCTrainerMixin"]

@@ -61,13 +61,13 @@ class ODCStepLoaders:
         """Each sample's tokens as the budget counts them (its length; a DPO pair counts both rows)."""
         return np.asarray(lengths)
 
-    def _odc_budget(self, lengths: Any, rule: BudgetRule | None = None) -> int:
-        """The token budget per microbatch for ``lengths`` (`budget.token_budget` with the trainer's rule); warns once
-        when samples are over it."""
+    def _odc_budget(self, lengths: Any, rule: BudgetRule | None = None, chosen: int | None = None) -> int:
+        """The token budget per microbatch for ``lengths`` (`budget.token_budget` with the trainer's rule): the one
+        already ``chosen`` (a stream's later steps), else the ``odc_max_tokens_per_microbatch`` option, else the
+        rule's default. Raises or warns (once) when samples are over it, as the rule says."""
         tokens = self._odc_budget_tokens(lengths)
-        budget = token_budget(
-            tokens, self.odc_config.max_tokens_per_microbatch, rule or self._odc_budget_rule(lengths)
-        )
+        explicit = self.odc_config.max_tokens_per_microbatch if chosen is None else chosen
+        budget = token_budget(tokens, explicit, rule or self._odc_budget_rule(lengths))
         longest = int(np.max(tokens))
         if longest > budget:
             self._odc_warn_over_budget(tokens, budget, longest)
@@ -125,14 +125,14 @@ class ODCStepLoaders:
         dataset = tcompat.remove_unused_columns(self, self.train_dataset, description="training")
         lengths = self._odc_lengths(dataset)
         config = self.odc_config
-        config.max_tokens_per_microbatch = self._odc_budget(lengths)
+        self.odc_run = run = self.odc_run.with_token_budget(self._odc_budget(lengths))
         world = max(1, int(self.args.world_size))
         self._odc_sampler = LengthBalancedBatchSampler(
             lengths,
             world_size=world,
             rank=int(self.args.process_index),
-            samples_per_step=int(config.samples_per_step),
-            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+            samples_per_step=run.samples_per_step,
+            max_tokens_per_microbatch=run.max_tokens_per_microbatch,
             plan=config.effective_plan,
             shuffle=True,
             seed=int(self.args.data_seed if self.args.data_seed is not None else self.args.seed),

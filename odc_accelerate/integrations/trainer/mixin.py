@@ -66,7 +66,9 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
     ``distributed_type: FSDP`` and ``fsdp_version: 2``); on CPU it runs with gloo and shared memory.
 
     Attributes:
-        odc_config (`ODCConfig`): the resolved settings.
+        odc_config (`ODCConfig`): the settings, resolved once per trainer and read-only.
+        odc_run (`ODCRun`): what the run derives from them: samples per step, the folded gradient accumulation, the
+            token budget per microbatch once the loader chose it.
         odc_engine (`ODCEngine` or `None`): the engine, once the model is prepared.
         odc_step_timer (`StepTimer`): per-step timing behind the ``odc/*`` metrics.
     """

@@ -14,7 +14,8 @@ from typing import Any
 from ...config import ODCConfig
 from ...planning import PlanName
 from ...validation import str_to_bool
-from ..accelerate import ODCPlugin, get_engine
+from ..accelerate import ODCPlugin, get_engine, resolved_options
+from .run import ODCRun
 from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -30,34 +31,33 @@ LAUNCH_HINT = (
 
 
 class ODCAcceleratorSetup:
-    """Part of `ODCTrainerMixin`: the resolved settings (``odc_config``), the step timer, the accelerator and its
-    ODC engine (``odc_engine``)."""
+    """Part of `ODCTrainerMixin`: the resolved settings (``odc_config``, read-only), what the run derives from them
+    (``odc_run``), the step timer, the accelerator and its ODC engine (``odc_engine``)."""
 
     def create_accelerator_and_postprocess(self) -> None:
-        self.odc_config = ODCConfig.from_sources(args=self.args)
-        config = self.odc_config
+        # The options are resolved once per trainer: a trainer that needed them before the Trainer's own set-up
+        # (`_odc_resolve_early`) left them here, and this set-up takes that same object.
+        config = self.__dict__.pop("_odc_early_config", None) or ODCConfig.from_sources(args=self.args)
+        self.odc_config = config
+        self._odc_check_settings(config)
         self.odc_step_timer = StepTimer(
             rank=int(getattr(self.args, "process_index", 0)),
             trace_dir=config.trace_dir,
             time_collectives=config.time_collectives,
         )
-        self.odc_folded_accumulation = 1
+        self.odc_run = ODCRun.derive(config, self.args)
         if config.balanced:
-            world = max(1, int(getattr(self.args, "world_size", 1)))
-            ga = int(self.args.gradient_accumulation_steps)
-            if config.samples_per_step is None:
-                config.samples_per_step = int(self.args.per_device_train_batch_size) * ga * world
             # Ranks may run different numbers of microbatches: the Trainer's accumulation counts them globally, so one
             # dataloader item holds this rank's whole step instead (the effective batch is unchanged; the banner says
             # so, since the Trainer's own banner then shows gradient_accumulation_steps=1).
-            self.odc_folded_accumulation = ga
             self.args.gradient_accumulation_steps = 1
         if not config.enable and self.args.process_index == 0:
             self._odc_warn_if_off(config)
         if config.balanced:
             # Before the accelerator exists: nothing is sharded, no log-prob precomputed, no completion generated.
             check_router_aux_loss(getattr(self, "model", None), self.args, config)
-        super().create_accelerator_and_postprocess()
+        with resolved_options(config):
+            super().create_accelerator_and_postprocess()
         if config.enable:
             from accelerate.utils import DistributedType
 
@@ -68,6 +68,18 @@ class ODCAcceleratorSetup:
                     f"ODC needs FSDP2 across several processes, but this run is {state.distributed_type} with "
                     f"{state.num_processes} process(es). {LAUNCH_HINT}"
                 )
+
+    def _odc_resolve_early(self, args: Any) -> ODCConfig:
+        """Resolve the options from ``args`` before the Trainer's set-up, for a trainer that needs them then; the
+        set-up (`create_accelerator_and_postprocess`) takes this same object instead of resolving again."""
+        config = self.__dict__.get("_odc_early_config")
+        if config is None:
+            config = self._odc_early_config = ODCConfig.from_sources(args=args)
+        return config
+
+    def _odc_check_settings(self, config: ODCConfig) -> None:
+        """Refuse, right after the options are resolved (before gradient accumulation is folded, any model sharded
+        or any completion generated), the trainer's settings ODC cannot run. Nothing here; trainers add theirs."""
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         config = self.odc_config
@@ -88,7 +100,7 @@ class ODCAcceleratorSetup:
                     "accelerate config's fsdp_config (or in --fsdp_config)."
                 )
             plugin_args.pop("fsdp_version", None)
-            kwargs["fsdp_plugin"] = ODCPlugin(fsdp_version=2, **config.options(), **plugin_args)
+            kwargs["fsdp_plugin"] = ODCPlugin(fsdp_version=2, odc_config=config, **plugin_args)
         return super()._build_accelerator_args(**kwargs)
 
     @property
@@ -122,7 +134,7 @@ class ODCAcceleratorSetup:
     def _odc_banner(self) -> None:
         """Log, once per run on the main process at WARNING, what ODC runs with: transport and why, plan, token
         budget, samples per step and how gradient accumulation was folded into it."""
-        config = self.odc_config
+        config, run = self.odc_config, self.odc_run
         if not config.enable or getattr(self, "_odc_banner_shown", False):
             return
         self._odc_banner_shown = True
@@ -131,11 +143,11 @@ class ODCAcceleratorSetup:
         engine = self.odc_engine
         transport = getattr(engine, "transport", None)
         world = max(1, int(self.args.world_size))
-        ga = self.odc_folded_accumulation
+        ga = run.folded_accumulation
         if self.odc_plans_from_dataset:
-            budget = f"{config.max_tokens_per_microbatch} tokens per microbatch"
+            budget = f"{run.max_tokens_per_microbatch} tokens per microbatch"
             samples = (
-                f"{config.samples_per_step} samples per optimizer step over {world} ranks "
+                f"{run.samples_per_step} samples per optimizer step over {world} ranks "
                 f"(per_device_train_batch_size {self.args.per_device_train_batch_size} x gradient_accumulation_steps "
                 f"{ga} x {world} ranks"
                 + (", set by odc_samples_per_step" if "samples_per_step" in config.given else "")

@@ -46,13 +46,14 @@ class ODCStreamLoaders:
                 "(samples are truncated to it and the budget follows from it)."
             )
         self._odc_streaming = True
-        samples_per_step = int(config.samples_per_step)
+        samples_per_step = self.odc_run.samples_per_step
         columns, lengths = self._odc_stream_first_step(stream, samples_per_step)
-        config.max_tokens_per_microbatch = self._odc_budget(lengths)
+        # Fixed for the whole stream: later steps are checked against it (`_odc_stream_lengths`).
+        self.odc_run = run = self.odc_run.with_token_budget(self._odc_budget(lengths))
         planner = StreamingStepPlanner(
             max(1, int(args.world_size)),
             samples_per_step,
-            config.max_tokens_per_microbatch,
+            run.max_tokens_per_microbatch,
             plan=config.effective_plan,
             padded=self._odc_padded(),
         )
@@ -80,7 +81,8 @@ class ODCStreamLoaders:
         from ...planning import StepRows
 
         lengths = self._odc_lengths(StepRows(rows))
-        self._odc_budget(lengths)  # the budget is set: raises for samples it cannot hold, warns for longer ones
+        # The budget chosen at the first step: raises for samples it cannot hold, warns for longer ones.
+        self._odc_budget(lengths, chosen=self.odc_run.max_tokens_per_microbatch)
         return lengths
 
     def _odc_stream_first_step(self, stream: Any, samples_per_step: int) -> tuple[list[str] | None, Any]:

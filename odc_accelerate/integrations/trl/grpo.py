@@ -45,9 +45,10 @@ from ..trainer import ODCTrainerMixin
 from ..trainer.budget import BudgetRule
 from ..trainer.dynamic import ClaimedStep, ClaimQueue
 from ..trainer.metrics import StepMetrics
+from .grpo_checks import check_grpo_args, check_grpo_settings
 from .loss import grpo_loss_weight
 from .metrics import finalize_grpo_metrics
-from .reference import ODCReferenceModelMixin, check_reference_settings
+from .reference import ODCReferenceModelMixin
 from .rollouts import collate_rollouts, loss_tokens, split_rollouts
 
 logger = logging.getLogger(__name__)
@@ -107,16 +108,9 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             trl_grpo.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
 
     # ------------------------------------------------------------------ set-up
-    def create_accelerator_and_postprocess(self) -> None:
-        # Refuse what ODC cannot do (exactly) before the mixin folds gradient accumulation and before any model is
-        # sharded or any completion generated.
-        config = ODCConfig.from_sources(args=self.args)
-        check_grpo_args(self.args, config)
-        if config.enable and getattr(self.args, "use_vllm", False):
-            from ..vllm import check_vllm_sync_model
-
-            check_vllm_sync_model(self.model)  # before TRL builds the engine: a model whose sync would be wrong
-        super().create_accelerator_and_postprocess()
+    def _odc_check_settings(self, config: ODCConfig) -> None:
+        # Before the mixin folds gradient accumulation and before any model is sharded or any completion generated.
+        check_grpo_settings(self.args, self.model, config)
 
     def get_train_dataloader(self) -> Any:
         if self.odc_config.balanced:
@@ -356,63 +350,3 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
 
     def floating_point_ops(self, inputs: Any) -> int:
         return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
-
-
-def check_grpo_args(args: Any, config: ODCConfig) -> None:
-    """Refuse, before any work (and before any vLLM engine is created), the GRPO settings ODC cannot run (exactly)."""
-    if config.enable and getattr(args, "use_vllm", False):
-        check_vllm_args(args)
-    check_reference_settings(args, config)
-    if not config.balanced:
-        return
-    alternatives = "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)"
-    loss_type = getattr(args, "loss_type", None)
-    if loss_type not in trl_grpo.GRPO_LOSS_NORMALISATION:
-        raise ValueError(
-            f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
-            f"{sorted(trl_grpo.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
-        )
-    if int(getattr(args, "num_iterations", 1)) != 1:
-        raise ValueError(
-            f"num_iterations={args.num_iterations}: ODC's balanced plan trains each generation batch in one optimizer "
-            f"step. Set --num_iterations 1, or {alternatives}."
-        )
-    spg, ga = getattr(args, "steps_per_generation", None), int(args.gradient_accumulation_steps)
-    if spg is not None and int(spg) != ga:
-        raise ValueError(
-            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains "
-            "each generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
-            f"--gradient_accumulation_steps), or {alternatives}."
-        )
-    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        raise ValueError(
-            "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
-            f"cannot be made exact when ranks run different microbatches. Set --entropy_coef 0, or {alternatives}."
-        )
-    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
-        raise ValueError(
-            "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
-            f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
-        )
-
-
-def check_vllm_args(args: Any) -> None:
-    """Refuse the vLLM settings ODC's per-rank weight sync cannot serve: it refreshes one colocated engine per rank
-    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of the model (LoRA adapters
-    merged, see `odc_accelerate.integrations.vllm.iter_full_parameters`)."""
-    mode = getattr(args, "vllm_mode", "colocate")
-    if mode == "server":
-        raise ValueError(
-            "vllm_mode='server' is not supported with ODC: TRL's server mode syncs the weights by gathering the full "
-            "model with collectives on every rank and broadcasting it from rank 0 to the server, and sends every "
-            "rank's prompts through rank 0, so each step's generation waits for every rank. Use --vllm_mode "
-            "colocate (each rank then refreshes its own engine from ODC's shards and generates its own prompts, "
-            "without collectives), or run without --odc."
-        )
-    tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
-    if mode == "colocate" and tp != 1:
-        raise ValueError(
-            f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
-            "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
-            "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
-        )

@@ -9,7 +9,6 @@ from trl import SFTTrainer
 
 from ..._compat.trl import lm_head as trl_lm_head
 from ..._compat.trl import sft as trl_sft
-from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from .metrics import finalize_sft_metrics
@@ -30,7 +29,7 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
                 and getattr(training_args, "padding_free", False)
                 and not getattr(training_args, "packing", False)
                 and getattr(training_args, "max_length", None) is not None
-                and ODCConfig.from_sources(args=training_args).balanced
+                and self._odc_resolve_early(training_args).balanced  # the options the trainer then runs with
             ):
                 # The balanced plan bounds each padding-free microbatch by its token budget: samples are truncated to
                 # max_length as usual (TRL alone refuses padding_free with max_length and no packing).

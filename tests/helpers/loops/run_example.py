@@ -114,6 +114,7 @@ class RunReport:
             # what this rank's memory policy keeps through a step, per param group FQN
             "memory_choices": engine.memory_choices() if engine is not None else None,
             "odc_config": {**trainer.odc_config.options(), "source": trainer.odc_config.source},
+            "odc_run": trainer.odc_run.as_dict(),  # samples per step, folded accumulation, the chosen token budget
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "microbatch_dist_calls": self.microbatch_dist_calls,
             "generation_dist_calls": self.generation_dist_calls,

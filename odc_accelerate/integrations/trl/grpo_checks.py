@@ -1,0 +1,89 @@
+"""What ODC refuses of a GRPO run, before any work: loss types and options whose loss cannot be made exact under a
+plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve (`check_vllm_args`), and a model
+that sync would get wrong (`check_grpo_settings`, which `ODCGRPOTrainer` runs once its options are resolved)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._compat.trl import grpo as trl_grpo
+from ...config import ODCConfig
+from .reference import check_reference_settings
+
+__all__ = ["check_grpo_args", "check_grpo_settings", "check_vllm_args"]
+
+
+def check_grpo_settings(args: Any, model: Any, config: ODCConfig) -> None:
+    """Refuse what ODC cannot do (exactly) with these GRPO arguments and model, before the trainer folds gradient
+    accumulation, shards any model, builds any vLLM engine or generates any completion.
+
+    Args:
+        args (`ODCGRPOConfig` or `trl.GRPOConfig`): the training arguments.
+        model (`transformers.PreTrainedModel` or `peft.PeftModel`): the policy.
+        config (`ODCConfig`): the trainer's resolved options.
+    """
+    check_grpo_args(args, config)
+    if config.enable and getattr(args, "use_vllm", False):
+        from ..vllm import check_vllm_sync_model
+
+        check_vllm_sync_model(model)  # before TRL builds the engine: a model whose sync would be wrong
+
+
+def check_grpo_args(args: Any, config: ODCConfig) -> None:
+    """Refuse, before any work (and before any vLLM engine is created), the GRPO settings ODC cannot run (exactly)."""
+    if config.enable and getattr(args, "use_vllm", False):
+        check_vllm_args(args)
+    check_reference_settings(args, config)
+    if not config.balanced:
+        return
+    alternatives = "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)"
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type not in trl_grpo.GRPO_LOSS_NORMALISATION:
+        raise ValueError(
+            f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
+            f"{sorted(trl_grpo.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
+        )
+    if int(getattr(args, "num_iterations", 1)) != 1:
+        raise ValueError(
+            f"num_iterations={args.num_iterations}: ODC's balanced plan trains each generation batch in one optimizer "
+            f"step. Set --num_iterations 1, or {alternatives}."
+        )
+    spg, ga = getattr(args, "steps_per_generation", None), int(args.gradient_accumulation_steps)
+    if spg is not None and int(spg) != ga:
+        raise ValueError(
+            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains "
+            "each generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
+            f"--gradient_accumulation_steps), or {alternatives}."
+        )
+    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        raise ValueError(
+            "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
+            f"cannot be made exact when ranks run different microbatches. Set --entropy_coef 0, or {alternatives}."
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        raise ValueError(
+            "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
+            f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
+        )
+
+
+def check_vllm_args(args: Any) -> None:
+    """Refuse the vLLM settings ODC's per-rank weight sync cannot serve: it refreshes one colocated engine per rank
+    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of the model (LoRA adapters
+    merged, see `odc_accelerate.integrations.vllm.iter_full_parameters`)."""
+    mode = getattr(args, "vllm_mode", "colocate")
+    if mode == "server":
+        raise ValueError(
+            "vllm_mode='server' is not supported with ODC: TRL's server mode syncs the weights by gathering the full "
+            "model with collectives on every rank and broadcasting it from rank 0 to the server, and sends every "
+            "rank's prompts through rank 0, so each step's generation waits for every rank. Use --vllm_mode "
+            "colocate (each rank then refreshes its own engine from ODC's shards and generates its own prompts, "
+            "without collectives), or run without --odc."
+        )
+    tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
+    if mode == "colocate" and tp != 1:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
+            "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
+            "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
+        )
