@@ -326,7 +326,7 @@ def same(a, b):
 
 before = current()
 import odc_accelerate._compat.accelerate as compat
-import odc_accelerate.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers, odc_accelerate._compat.trl
+import odc_accelerate.engine.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers, odc_accelerate._compat.trl
 import odc_accelerate
 import odc_accelerate.integrations.trl  # the integrations too: patching is an explicit call, never an import
 odc_accelerate.ODCPlugin, odc_accelerate.ODCSFTTrainer, odc_accelerate.ODCTrainerMixin

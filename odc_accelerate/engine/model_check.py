@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._compat import fsdp as compat
+from .._compat import fsdp as compat
 
 #: A served FSDP2 param group and the module whose ``fully_shard`` call made it.
 Entry = tuple[nn.Module, Any]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .transport.base import ODCTimeoutError
+from ..transport.base import ODCTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def check_shard_group_hosts(shard_groups: list[list[int]], transport: object) ->
     Raises:
         ValueError: on every rank, naming the hosts and the fix.
     """
-    from .transport.hierarchical import gather_hosts, host_layout
+    from ..transport.hierarchical import gather_hosts, host_layout
 
     if transport in CPU_TRANSPORTS_ACROSS_HOSTS:
         return
@@ -199,7 +199,7 @@ class ReplicaReducer:
 
 # ---------------------------------------------------------------------- failure notes through the job's store
 def _store() -> object | None:
-    from ._compat import fsdp as compat
+    from .._compat import fsdp as compat
 
     try:
         return compat.default_store()

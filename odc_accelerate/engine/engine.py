@@ -10,7 +10,7 @@ Data path, per FSDP2 param group (one per ``fully_shard`` call):
 * ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
   ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
 
-The step memory policy (`odc_accelerate.memory`) decides, per group and per rank, whether the gathered parameters
+The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered parameters
 stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients stay until
 ``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every microbatch.
 
@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._compat import fsdp as compat
+from .._compat import warn_if_untested
+from ..transport import BufferSpec, ODCTimeoutError, Transport, create_transport
+from ..transport.base import is_out_of_memory
+from ..transport.claims import claim_counter, claim_indices
 from . import hsdp, memory, model_check, process_exit
-from ._compat import fsdp as compat
-from ._compat import warn_if_untested
-from .transport import BufferSpec, ODCTimeoutError, Transport, create_transport
-from .transport.base import is_out_of_memory
-from .transport.claims import claim_counter, claim_indices
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class ODCEngine:
             group per ``fully_shard`` call, ``reshard_after_forward`` a bool, and a 1-D mesh or a 2-D
             (replicate, shard) HSDP mesh covering every rank of the job. On an HSDP mesh ODC runs within each shard
             group, which must be on one host, and the gradient shards are all-reduced across replicas once per step
-            in ``pre_optimizer_step`` (see `odc_accelerate.hsdp`).
+            in ``pre_optimizer_step`` (see `odc_accelerate.engine.hsdp`).
         transport (`str` or `Transport`, *optional*, defaults to `"auto"`):
             ``"auto"`` (shared memory for CPU tensors), ``"shm"``, or a :class:`~odc_accelerate.transport.Transport`.
         timeout (`float`, *optional*, defaults to 600.0):
@@ -202,7 +202,7 @@ class ODCEngine:
             ``"grads"`` (reduce once per step, at `pre_optimizer_step`), ``"both"``, ``"neither"`` (memory bounded by
             the shard, the accumulator and one microbatch, as FSDP2 reducing every microbatch), ``"auto"`` (from this
             rank's free memory, re-chosen after every optimizer step), or ``pattern=choice`` pairs / a dict matched
-            against group FQNs (see `odc_accelerate.memory`). The result equals ``"neither"`` up to summation order.
+            against group FQNs (see `odc_accelerate.engine.memory`). The result equals ``"neither"`` up to summation order.
             A frozen engine keeps gathered params until `republish`.
         memory_headroom (`str` or `float`, *optional*, defaults to `"30%"`):
             What ``"auto"`` leaves free for activations and the optimizer: a percentage of this rank's memory
