@@ -10,9 +10,10 @@ Data path, per FSDP2 param group (one per ``fully_shard`` call):
 * ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
   ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
 
-The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered parameters
-stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients stay until
-``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every microbatch.
+The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered
+parameters stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients
+stay until ``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every
+microbatch. What ``__init__`` checks and builds is in `odc_accelerate.engine._setup`.
 
 Between ``post_optimizer_step`` and ``pre_optimizer_step`` the engine makes no torch.distributed
 call and waits for no peer, so ranks may run different numbers of microbatches, including zero.
@@ -20,11 +21,9 @@ call and waits for no peer, so ranks may run different numbers of microbatches, 
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,142 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._compat import fsdp as compat
-from .._compat import warn_if_untested
-from ..transport import BufferSpec, ODCTimeoutError, Transport, create_transport
+from ..transport import ODCTimeoutError, Transport, create_transport
 from ..transport.base import is_out_of_memory
-from ..transport.claims import claim_counter, claim_indices
-from . import hsdp, memory, model_check, process_exit
+from ..transport.claims import claim_indices
+from . import _setup, hsdp, memory, model_check, process_exit
+from ._setup import ServedGroup
+from .stats import EngineState, StepStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineState(enum.Enum):
-    """Where an `ODCEngine` is in the optimizer-step cycle."""
-
-    IN_STEP = "in_step"  # microbatches run: hooks gather and scatter-accumulate
-    IN_OPTIMIZER = "in_optimizer"  # gradients folded (pre_optimizer_step); the optimizer may run, then publish
-    CLOSED = "closed"  # FSDP2's own collectives restored; also the state while __init__ builds the engine
-    BROKEN = "broken"  # a barrier failed or set-up raised: the step is lost, only close() is allowed
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step cost this rank (seconds unless named otherwise).
-
-    Attributes:
-        gather_s: time inside all-gather hooks (reading peers' shards).
-        scatter_s: time inside reduce-scatter hooks (adding slices into owners' accumulators).
-        wait_s: time blocked in barriers: the step boundary's (and every hook's with ``sync_every_hook``).
-        fold_s: time folding the accumulators into ``.grad``.
-        publish_s: time publishing the new shards after the optimizer step.
-        flush_s: time waiting, before a barrier, for this rank's own queued device work (its backward, adds and
-            publishes; GPU transports only). Busy, not wait: ``wait_s`` is time blocked on peers only.
-        replicate_s: HSDP only: time in the step's all-reduce across replicas (packing and waiting; folding excluded).
-            Counted in ``wait_s`` too: a rank there is blocked on its replicas.
-        replicate_bytes: HSDP only: bytes this rank's step all-reduced across replicas.
-        gathers / scatters: hook calls during the step.
-        bytes_read / bytes_accumulated: payload moved through the transport.
-        transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
-        peak_memory_bytes: this rank's peak memory up to the end of the step (GPU: torch's ``max_memory_allocated``;
-            CPU: the process's peak resident set size, shared memory mapped from peers included). Not reset by the
-            engine, which would change what other readers of these figures see: reset them to measure one step.
-        kept_params / kept_grads: param groups whose gathered params / unsharded grads the memory policy kept.
-    """
-
-    gather_s: float = 0.0
-    scatter_s: float = 0.0
-    wait_s: float = 0.0
-    fold_s: float = 0.0
-    publish_s: float = 0.0
-    gathers: int = 0
-    scatters: int = 0
-    bytes_read: int = 0
-    bytes_accumulated: int = 0
-    flush_s: float = 0.0
-    transport_bytes: int = 0
-    replicate_s: float = 0.0
-    replicate_bytes: int = 0
-    peak_memory_bytes: int = 0
-    kept_params: int = 0
-    kept_grads: int = 0
-
-
-@dataclass
-class _Group:
-    """One FSDP2 param group as the engine sees it."""
-
-    index: int
-    fqn: str
-    group: Any  # FSDPParamGroup
-    module: nn.Module
-    gather_numel: int
-    gather_dtype: torch.dtype
-    reduce_numel: int
-    reduce_dtype: torch.dtype | None
-    saved_comms: tuple[Any, Any]
-    saved_flags: tuple[bool, bool]
-    touched: bool = False
-    saved_keep: Any = None  # compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
-    keep: tuple[bool, bool] = (False, False)  # (gathered params, unsharded grads) kept through the step
-
-
-class _ODCAllGather(compat.AllGather):
-    """FSDP2 all-gather hook: fill the peers' rows of the output from their published shards."""
-
-    def __init__(self, engine: ODCEngine, index: int) -> None:
-        self._engine, self._index = engine, index
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
-        self._engine._gather(self._index, output_tensor)
-        return None
-
-
-class _ODCReduceScatter(compat.ReduceScatter):
-    """FSDP2 reduce-scatter hook: add each owner's slice into its accumulator, return zeros."""
-
-    def __init__(self, engine: ODCEngine, index: int) -> None:
-        self._engine, self._index = engine, index
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # FSDP2 may turn the output into `.grad` (a view): it must be fresh memory every call.
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ):
-        self._engine._scatter_accumulate(self._index, input_tensor, output_tensor, op)
-        return None
-
-
-class _ODCReduceScatterHSDP(_ODCReduceScatter):
-    """The reduce-scatter hook on an HSDP mesh: FSDP2's per-microbatch all-reduce across replicas is switched off
-    (the engine all-reduces once per step)."""
-
-    odc_defers_all_reduce = True
-
-
-def _out_of_memory(err: BaseException, device: torch.device, what: str, detail: str, advice: str) -> RuntimeError:
-    """The refusal for a CUDA out-of-memory error ``err`` met on this rank in the engine's set-up (caused by ``err``).
-
-    Its text names this rank by its global rank: peers that raise it too (`model_check.agree_on_model`) say who ran
-    short. Free memory is read after torch's cache is released, as the transport's check reads it; a device other than
-    CUDA has no such reading.
-    """
-    free = memory.free_and_total(device, release_cache=True)[0] if device.type == "cuda" else None
-    text = memory.out_of_memory_text(
-        f"rank {dist.get_rank()}", what, free=free, detail=detail, ran_out="it ran out of GPU memory", advice=advice
-    )
-    refusal = RuntimeError(text)
-    refusal.__cause__ = err
-    return refusal
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 class ODCEngine:
@@ -202,8 +73,8 @@ class ODCEngine:
             ``"grads"`` (reduce once per step, at `pre_optimizer_step`), ``"both"``, ``"neither"`` (memory bounded by
             the shard, the accumulator and one microbatch, as FSDP2 reducing every microbatch), ``"auto"`` (from this
             rank's free memory, re-chosen after every optimizer step), or ``pattern=choice`` pairs / a dict matched
-            against group FQNs (see `odc_accelerate.engine.memory`). The result equals ``"neither"`` up to summation order.
-            A frozen engine keeps gathered params until `republish`.
+            against group FQNs (see `odc_accelerate.engine.memory`). The result equals ``"neither"`` up to summation
+            order. A frozen engine keeps gathered params until `republish`.
         memory_headroom (`str` or `float`, *optional*, defaults to `"30%"`):
             What ``"auto"`` leaves free for activations and the optimizer: a percentage of this rank's memory
             (``"30%"``) or a size (``"4GiB"``; a number is bytes).
@@ -244,141 +115,43 @@ class ODCEngine:
         memory_headroom: str | float = memory.DEFAULT_HEADROOM,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
-        self._groups: list[_Group] = []
+        self._groups: list[ServedGroup] = []
         self.transport: Transport | None = None
         self._replicas: hsdp.ReplicaReducer | None = None
+        self._pg: Any = None  # the shard group's process group: set-up only
+        self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         # Checked before any collective: the same bad value raises on every rank.
         self._policy = memory.parse_policy(memory_policy)
         self._headroom = memory.parse_headroom(memory_headroom)
         self.memory_policy = memory_policy
-        if sync_every_hook and self._policy != [("*", "neither")]:
-            raise ValueError(
-                "sync_every_hook (a benchmark arm with a barrier in every hook) needs every rank to gather and reduce "
-                f"in lockstep: use memory_policy='neither' with it, not {memory_policy!r}"
-            )
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not compat.is_fsdp2(model):
-            raise TypeError(
-                f"ODCEngine needs a model wrapped with FSDP2 (torch.distributed.fsdp.fully_shard), got "
-                f"{type(model).__name__}. Call fully_shard on each block and then on the root; FSDP1 "
-                "(FullyShardedDataParallel) and DDP are not supported."
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ODCEngine needs torch.distributed to be initialised (init_process_group) first")
-        warn_if_untested("torch", "The FSDP2 internals it reads may behave differently there.")
-        # This rank's out-of-memory refusal met before the ranks agree on the model: carried into that agreement (raised
-        # there on every rank), since a rank that raised alone would leave its peers waiting for it in the agreement's
-        # collective until the process group's timeout.
-        refusal: RuntimeError | None = None
-        try:
-            compat.lazy_init(model)
-        except Exception as err:
-            if not is_out_of_memory(err):
-                raise
-            # FSDP2's own set-up (streams, buffers), before ODC allocates anything: with a GPU this full, say so
-            # instead of a bare driver error.
-            refusal = _out_of_memory(
-                err,
-                _model_device(model),
-                "FSDP2's lazy initialisation",
-                "its CUDA streams and buffers, made when the ODC engine starts, before ODC allocates anything",
-                "Create the engine (or run the first step) with more GPU memory free: a smaller model or batch, fewer "
-                "other processes on this GPU, or more GPUs to shard over",
-            )
-        if refusal is None:
-            compat.check(model)  # FSDP2's state after its lazy init
-        self.model = model
-        self.timeout = float(timeout)
-        self.sync_every_hook = sync_every_hook
+        _setup.check_arguments(
+            model, timeout, sync_every_hook=sync_every_hook, policy=self._policy, memory_policy=memory_policy
+        )
+        refusal = _setup.lazy_init(model)  # raised in `_setup.serve`, on every rank
+        self.model, self.timeout, self.sync_every_hook = model, float(timeout), sync_every_hook
         self.frozen = bool(frozen)
         if self.frozen:
-            trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-            if trainable:
-                raise ValueError(
-                    f"ODCEngine(frozen=True) serves models that are never trained, but {len(trainable)} parameter(s) "
-                    f"require grad (first: {trainable[0]}). Call model.requires_grad_(False) before fully_shard, or "
-                    "use frozen=False for a trained model."
-                )
+            _setup.check_frozen(model)
         self.stats = StepStats()
         self.last_step_stats: StepStats | None = None
         self.steps = 0
-        self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         self._claimed_step = -1
-        self._optimizer_seen: tuple[Any, bytes, list[list[str]]] | None = None  # (groups' ids, fingerprint, layout)
-
-        entries, problem = model_check.served_groups(model)
-        layouts: list[tuple[int, torch.dtype]] = []
-        if refusal is None and problem is None:
-            try:
-                # From FSDP2's metadata, except for parameters with an all-gather extension, whose inputs are built
-                # (one parameter at a time) to learn their size: that much is allocated before the transport has
-                # checked its memory (see `compat.all_gather_input_layout`).
-                layouts = [compat.all_gather_input_layout(group) for _, group in entries]
-            except Exception as err:
-                if not is_out_of_memory(err):
-                    raise
-                refusal = _out_of_memory(
-                    err,
-                    compat.group_device(entries[0][1]),
-                    "the all-gather inputs of its parameters with an all-gather extension",
-                    "FSDP2's fsdp_pre_all_gather, e.g. float8: built one parameter at a time to learn their sizes, "
-                    "before ODC's memory check",
-                    "Create the engine with more GPU memory free, or shard over more GPUs",
-                )
-        # Agree across ranks before raising: a rank that raised alone would leave its peers waiting in the
-        # next collective.
-        self._pg = compat.shard_group(entries[0][1]) if entries else None
+        self._optimizer = model_check.OptimizerFingerprints(model)
+        served = _setup.serve(model, refusal, transport)
+        self._pg, self._device = served.shard_pg, served.device
         self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
-        replicate_pg = compat.replicate_group(entries[0][1]) if entries else None
         #: replicas of each shard (1 without HSDP); the engine's ``world_size`` is the shard group's
-        self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
-        if replicate_pg is not None and compat.mesh_of(entries[0][1]).size() != dist.get_world_size():
-            problem = problem or (
-                f"ODC with HSDP needs the (replicate, shard) mesh to cover every rank of the job, but it has "
-                f"{compat.mesh_of(entries[0][1]).size()} of {dist.get_world_size()}. Build the mesh over all ranks."
-            )
-        # HSDP: the whole job checks together (a refusal on one replica must reach the others).
-        model_check.agree_on_model(entries, refusal or problem, group=None if replicate_pg is not None else self._pg)
-        self._device = compat.group_device(entries[0][1])
-        if replicate_pg is not None:
-            compat.check_hsdp(entries[0][1])
-            name = transport if isinstance(transport, str) else getattr(transport, "name", "")
-            hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
+        self.replicas = dist.get_world_size(served.replicate_pg) if served.replicate_pg is not None else 1
+        self._groups, specs = _setup.build_groups(served, frozen=self.frozen)
+        if served.replicate_pg is not None and not self.frozen:
+            self._replicas = _setup.replica_reducer(served, self._groups, specs, self.timeout, replicate_bucket_bytes)
+        self._start(transport, specs, hsdp_mesh=served.replicate_pg is not None)
+        process_exit.watch(self)
+        _setup.log_ready(self)
 
-        specs: dict[str, BufferSpec] = {}
-        for index, ((module, group), (gather_numel, gather_dtype)) in enumerate(zip(entries, layouts, strict=True)):
-            rdtype = compat.reduce_dtype(group)
-            g = _Group(
-                index=index,
-                fqn=compat.group_fqn(group),
-                group=group,
-                module=module,
-                gather_numel=gather_numel,
-                gather_dtype=gather_dtype,
-                reduce_numel=compat.reduce_scatter_numel(group),
-                reduce_dtype=rdtype,
-                saved_comms=compat.get_comms(group),
-                saved_flags=compat.sum_and_unused_flags(group),
-            )
-            self._groups.append(g)
-            specs[f"p{index}"] = BufferSpec(numel=g.gather_numel, dtype=g.gather_dtype)
-            if rdtype is not None and not self.frozen:
-                specs[f"g{index}"] = BufferSpec(numel=g.reduce_numel, dtype=rdtype, accumulated=True)
-        # Exchanged at every step's barrier: per group whether this rank's backward reached it, then the fingerprint of
-        # the optimizer's param groups (`pre_optimizer_step`).
-        specs["touched"] = BufferSpec(numel=len(self._groups) + model_check.FINGERPRINT_BYTES, dtype=torch.uint8)
-
-        if replicate_pg is not None and not self.frozen:
-            layout = [(g.index, g.reduce_numel, g.reduce_dtype) for g in self._groups if f"g{g.index}" in specs]
-            self._replicas = hsdp.ReplicaReducer(
-                replicate_pg,
-                layout,
-                len(self._groups),
-                self._device,
-                self.timeout,
-                bucket_bytes=replicate_bucket_bytes,
-            )
+    def _start(self, transport: str | Transport, specs: dict[str, Any], *, hsdp_mesh: bool) -> None:
+        """Collective: create the transport, register the buffers, install the hooks and publish the first shards; on
+        any error after the transport exists, close and raise."""
         self.transport = create_transport(
             transport,
             rank=self.rank,
@@ -389,27 +162,9 @@ class ODCEngine:
         )
         try:
             self._buffers = self.transport.register(specs)
-            for g in self._groups:
-                # Engine owns the divisor (applied at the fold): sum-only hooks, and a known layout.
-                module = g.module
-                module.set_force_sum_reduction_for_comms(True)
-                compat.fix_reduce_scatter_layout(module, defer_all_reduce=replicate_pg is not None)
-                module.set_custom_all_gather(_ODCAllGather(self, g.index))
-                if not self.frozen:
-                    hook = _ODCReduceScatterHSDP if replicate_pg is not None else _ODCReduceScatter
-                    module.set_custom_reduce_scatter(hook(self, g.index))
-                compat.check_keep_support(g.group)
-                g.saved_keep = compat.keep_flags(g.group)
-            # The dynamic plan's counter: the transport's own (no communication here), or the store fallback for a
-            # transport without one (one broadcast, here at set-up and never inside a step). On an HSDP mesh every
-            # rank of every replica claims from one queue, beyond the shard group's transport (one host): the store.
-            if self.frozen:
-                self._claims = None
-            elif self.replicas > 1:
-                self._claims = claim_counter(None)
-            else:
-                self._claims = claim_counter(self.transport, self._pg)
-            self._claimed_step = -1
+            scatter = None if self.frozen else self._scatter_accumulate
+            _setup.install_hooks(self._groups, self._gather, scatter, hsdp_mesh=hsdp_mesh)
+            self._claims = _setup.claims(self.transport, self._pg, frozen=self.frozen, replicas=self.replicas)
             self._peak = memory.PeakMemory(self._device)
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
@@ -420,30 +175,8 @@ class ODCEngine:
             # Closing tells the peers waiting for this rank in a barrier that it will not come.
             self.close()
             if is_out_of_memory(err):
-                raise _out_of_memory(
-                    err,
-                    self._device,
-                    "ODC's set-up",
-                    f"its transport holds {held / 2**20:.1f} MiB per rank, and publishing the first shards needs room "
-                    "for one parameter's copy at a time",
-                    "Free memory before creating the engine (load the model after it, a smaller batch), accumulate in "
-                    "bf16, or shard over more GPUs",
-                ) from err
+                raise _setup.setup_refusal(err, self._device, held) from err
             raise
-        process_exit.watch(self)
-        logger.info(
-            "ODC engine on rank %d/%d: %d param groups%s, transport %s%s, memory policy %s: %s",
-            self.rank,
-            self.world_size,
-            len(self._groups),
-            " (frozen, gather-only)" if self.frozen else "",
-            self.transport.name,
-            f", HSDP: {self.replicas} replicas, {len(self._replicas.buckets)} all-reduce bucket(s) per step"
-            if self._replicas is not None
-            else "",
-            self.memory_policy,
-            self.memory_summary(),
-        )
 
     # ------------------------------------------------------------------ hooks
     def _check_usable(self) -> None:
@@ -606,7 +339,9 @@ class ODCEngine:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
         self._reduce_kept_grads()  # before the barrier: peers wait for these adds
         self._drop_kept_params()  # the optimizer changes the shards: gathered copies would be stale
-        fingerprint, layout = self._optimizer_fingerprint(optimizer)  # the sharded parameters are registered again
+        # The optimizer's param groups are read again only when they change (the sharded parameters are registered
+        # again, as by accelerate's prepare).
+        fingerprint, layout = self._optimizer.read(optimizer)
         exchanged = self._buffers["touched"]
         exchanged.copy_(torch.tensor([g.touched for g in self._groups] + list(fingerprint), dtype=torch.uint8))
         self._barrier()  # every rank has pushed all of this step's gradients
@@ -625,7 +360,11 @@ class ODCEngine:
             raise ValueError(refusal)
         any_touched = rows[:, :n].amax(dim=0)
         if self._replicas is not None:
-            self._fold_across_replicas(any_touched)
+            try:  # HSDP: sum the owned shards over the replicas, folding as their buckets arrive
+                self._replicas.fold(self._groups, self._buffers, any_touched, self.stats)
+            except BaseException:
+                self._state = EngineState.BROKEN
+                raise
         else:
             touched_anywhere = any_touched.tolist()
             for g in self._groups:
@@ -645,36 +384,6 @@ class ODCEngine:
             g.touched = False
         self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s
         self._state = EngineState.IN_OPTIMIZER
-
-    def _optimizer_fingerprint(self, optimizer: Any) -> tuple[bytes, list[list[str]] | None]:
-        """``optimizer``'s fingerprint and layout (`model_check.optimizer_layout`), read again only when its groups
-        change; all zero and None without an optimizer."""
-        if optimizer is None:
-            return bytes(model_check.FINGERPRINT_BYTES), None
-        key = (id(optimizer), tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups))
-        if self._optimizer_seen is None or self._optimizer_seen[0] != key:
-            layout = model_check.optimizer_layout(self.model, optimizer)
-            self._optimizer_seen = (key, model_check.optimizer_fingerprint(layout), layout)
-        return self._optimizer_seen[1], self._optimizer_seen[2]
-
-    def _fold_across_replicas(self, touched: torch.Tensor) -> None:
-        """HSDP: sum this rank's owned shards over the replicas (bucketed all-reduces), folding as buckets arrive."""
-        accumulators = {g.index: self._buffers[f"g{g.index}"] for g in self._groups if f"g{g.index}" in self._buffers}
-        waited = time.perf_counter()
-        try:
-            for index, summed, touched_anywhere in self._replicas.reduce(accumulators, touched):
-                blocked = time.perf_counter() - waited
-                self.stats.replicate_s += blocked
-                self.stats.wait_s += blocked
-                if index is not None and touched_anywhere[index]:
-                    compat.fold_into_grads(self._groups[index].group, summed)
-                waited = time.perf_counter()
-        except BaseException:
-            self._state = EngineState.BROKEN
-            raise
-        self.stats.replicate_bytes += self._replicas.nbytes()
-        for g in self._groups:
-            compat.clear_partial_reduce_output(g.group)
 
     @property
     def replicate_buckets(self) -> list[list[int]]:
@@ -705,48 +414,19 @@ class ODCEngine:
         self.stats.publish_s += time.perf_counter() - start
         self._barrier()  # nobody reads a shard before its owner has finished writing it
         if self.steps or self.stats.gathers or self.stats.scatters:
-            self.stats.transport_bytes = self.transport.memory_report().get("total", 0)
-            self.stats.peak_memory_bytes = self._peak.read()
-            self.last_step_stats = self.stats
+            self.last_step_stats = self.stats.finish(self.transport.memory_report().get("total", 0), self._peak.read())
         self.stats = StepStats()
         self._apply_memory_policy()  # nothing is kept now: free memory is what the next step starts from
         self.steps += 1
         self._state = EngineState.IN_STEP
 
     # ------------------------------------------------------------------ memory policy
-    def _group_costs(self) -> list[memory.GroupCost]:
-        costs = []
-        for g in self._groups:
-            grad_bytes = 0
-            if g.reduce_dtype is not None and not self.frozen:
-                grad_bytes = g.reduce_numel * self.world_size * g.reduce_dtype.itemsize
-            costs.append(
-                memory.GroupCost(
-                    fqn=g.fqn,
-                    param_bytes=g.gather_numel * self.world_size * g.gather_dtype.itemsize,
-                    grad_bytes=grad_bytes,
-                    gathers_per_microbatch=1 if self.frozen else compat.gathers_per_microbatch(g.group, g.saved_keep),
-                    world_size=self.world_size,
-                )
-            )
-        return costs
-
-    def _choose(self) -> dict[str, tuple[bool, bool]]:
-        if self._policy == memory.AUTO:
-            free, total = memory.free_and_total(self._device)
-            budget = free - memory.headroom_bytes(self._headroom, total)
-            return memory.choose_auto(self._group_costs(), budget)
-        return memory.choose_fixed(self._policy, [g.fqn for g in self._groups])
-
     def _apply_memory_policy(self) -> None:
         """Choose (``auto``: from this rank's free memory now) and set FSDP2's switches; no peer is involved."""
-        choices = self._choose()
-        for g in self._groups:
-            keep_params, keep_grads = choices[g.fqn]
-            g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not self.frozen)
-            compat.set_keep(g.group, g.saved_keep, *g.keep)
-        self.stats.kept_params = sum(g.keep[0] for g in self._groups)
-        self.stats.kept_grads = sum(g.keep[1] for g in self._groups)
+        choices = memory.choose(
+            self._policy, self._headroom, self._device, self._groups, world_size=self.world_size, frozen=self.frozen
+        )
+        self.stats.kept_params, self.stats.kept_grads = memory.apply_choices(self._groups, choices, frozen=self.frozen)
 
     def memory_choices(self) -> dict[str, str]:
         """What this rank keeps through the current step, per param group FQN (``"both"``, ``"params"``, ...)."""
@@ -754,9 +434,7 @@ class ODCEngine:
 
     def memory_summary(self) -> str:
         """How many groups keep what on this rank this step (``"both x3, neither x1"``), and the bytes kept."""
-        costs = zip(self._groups, self._group_costs(), strict=True)
-        kept = sum(c.param_bytes * g.keep[0] + c.grad_bytes * g.keep[1] for g, c in costs)
-        return f"{memory.summarize({g.fqn: g.keep for g in self._groups})} ({kept / 2**20:.1f} MiB kept unsharded)"
+        return memory.kept_summary(self._groups, world_size=self.world_size, frozen=self.frozen)
 
     def _reduce_kept_grads(self) -> None:
         """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``)."""
@@ -813,11 +491,7 @@ class ODCEngine:
                     self._drop_kept_params()
                 except Exception as err:  # closing must go on: the transport is released below either way
                     logger.warning("Dropping the gathered parameters at close failed: %s", err)
-            for g in self._groups:
-                if g.saved_keep is not None:
-                    compat.set_keep(g.group, g.saved_keep, False, False)
-                compat.set_comms(g.group, *g.saved_comms)
-                compat.set_sum_and_unused_flags(g.group, *g.saved_flags)
+            _setup.restore_hooks(self._groups)
             if self.transport is not None:
                 self._buffers = {}  # views of the transport's memory: a GPU segment is freed when the last one dies
                 self.transport.close()

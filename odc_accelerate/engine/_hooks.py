@@ -1,0 +1,58 @@
+"""FSDP2's collective hooks under ODC: they hand FSDP2's all-gather and reduce-scatter to the engine's data path.
+
+Each hook is given the callable that does the work for its param group (the engine's gather or scatter-accumulate,
+bound to the group's index), not the engine itself: the hooks only adapt FSDP2's call signature and allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._compat import fsdp as compat
+
+#: Fill the peers' rows of an all-gather output from their published shards.
+Gather = Callable[[torch.Tensor], None]
+#: Add each owner's slice of a reduce-scatter input (first) into its accumulator and zero the output (second); the
+#: third argument is the reduce op FSDP2 passed.
+ScatterAccumulate = Callable[[torch.Tensor, torch.Tensor, Any], None]
+
+
+class _ODCAllGather(compat.AllGather):
+    """FSDP2 all-gather hook: fill the peers' rows of the output from their published shards."""
+
+    def __init__(self, gather: Gather) -> None:
+        self._gather = gather
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+        self._gather(output_tensor)
+        return None
+
+
+class _ODCReduceScatter(compat.ReduceScatter):
+    """FSDP2 reduce-scatter hook: add each owner's slice into its accumulator, return zeros."""
+
+    def __init__(self, scatter_accumulate: ScatterAccumulate) -> None:
+        self._scatter_accumulate = scatter_accumulate
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # FSDP2 may turn the output into `.grad` (a view): it must be fresh memory every call.
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ):
+        self._scatter_accumulate(input_tensor, output_tensor, op)
+        return None
+
+
+class _ODCReduceScatterHSDP(_ODCReduceScatter):
+    """The reduce-scatter hook on an HSDP mesh: FSDP2's per-microbatch all-reduce across replicas is switched off
+    (the engine all-reduces once per step)."""
+
+    odc_defers_all_reduce = True
