@@ -2,16 +2,20 @@
 
 Each hook is given the callable that does the work for its param group (the engine's gather or scatter-accumulate,
 bound to the group's index), not the engine itself: the hooks only adapt FSDP2's call signature and allocation.
+`accumulator_rows` adapts FSDP2's reduce-scatter input to the accumulators' layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._compat import fsdp as compat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._setup import ServedGroup
 
 #: Fill the peers' rows of an all-gather output from their published shards.
 Gather = Callable[[torch.Tensor], None]
@@ -56,3 +60,28 @@ class _ODCReduceScatterHSDP(_ODCReduceScatter):
     (the engine all-reduces once per step)."""
 
     odc_defers_all_reduce = True
+
+
+def accumulator_rows(g: ServedGroup, inp: torch.Tensor, world_size: int) -> torch.Tensor:
+    """FSDP2's reduce-scatter input ``inp`` for group ``g`` as one row per owner, in the layout of the owners'
+    accumulators ``g<i>``.
+
+    Raises:
+        RuntimeError: ``inp``'s size or dtype is not the group's (its trainable parameters changed after set-up).
+    """
+    rows = inp.view(world_size, -1)
+    # None: the rows have the accumulator's layout. Else (torch 2.11, some params got no gradient) where each
+    # param's segment of the rows goes.
+    spans = compat.reduce_scatter_spans(g.group, compat.get_comms(g.group)[1])
+    expected = g.reduce_numel if spans is None else sum(numel for _, _, numel in spans)
+    if rows.shape[1] != expected or inp.dtype != g.reduce_dtype:
+        raise RuntimeError(
+            f"ODC reduce-scatter for {g.fqn}: got {rows.shape[1]} x {inp.dtype} per rank, expected "
+            f"{expected} x {g.reduce_dtype}; trainable parameters changed after ODCEngine()"
+        )
+    if spans is None:
+        return rows
+    full = rows.new_zeros(world_size, g.reduce_numel)  # params without a gradient add zeros
+    for src, dst, numel in spans:
+        full[:, dst : dst + numel] = rows[:, src : src + numel]
+    return full

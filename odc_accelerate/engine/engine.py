@@ -35,6 +35,7 @@ from ..transport import ODCTimeoutError, Transport, create_transport
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_indices
 from . import _setup, hsdp, memory, model_check, process_exit
+from ._hooks import accumulator_rows
 from ._setup import ServedGroup
 from .stats import EngineState, StepStats
 
@@ -219,21 +220,7 @@ class ODCEngine:
             raise RuntimeError(f"ODC expects sum reductions (the engine owns the divisor), FSDP2 passed {op}")
         start = self._enter_hook()
         g = self._groups[index]
-        rows = inp.view(self.world_size, -1)
-        # None: the rows have the accumulator's layout. Else (torch 2.11, some params got no gradient) where each
-        # param's segment of the rows goes.
-        spans = compat.reduce_scatter_spans(g.group, compat.get_comms(g.group)[1])
-        expected = g.reduce_numel if spans is None else sum(numel for _, _, numel in spans)
-        if rows.shape[1] != expected or inp.dtype != g.reduce_dtype:
-            raise RuntimeError(
-                f"ODC reduce-scatter for {g.fqn}: got {rows.shape[1]} x {inp.dtype} per rank, expected "
-                f"{expected} x {g.reduce_dtype}; trainable parameters changed after ODCEngine()"
-            )
-        if spans is not None:
-            full = rows.new_zeros(self.world_size, g.reduce_numel)  # params without a gradient add zeros
-            for src, dst, numel in spans:
-                full[:, dst : dst + numel] = rows[:, src : src + numel]
-            rows = full
+        rows = accumulator_rows(g, inp, self.world_size)
         name = f"g{index}"
         # Start with the next rank so that ranks finishing a layer together hit different owners.
         for k in range(1, self.world_size + 1):
@@ -337,22 +324,12 @@ class ODCEngine:
         self._check_trainable("pre_optimizer_step")
         if self._state != EngineState.IN_STEP:
             raise RuntimeError("pre_optimizer_step() called twice without post_optimizer_step() in between")
-        self._reduce_kept_grads()  # before the barrier: peers wait for these adds
-        self._drop_kept_params()  # the optimizer changes the shards: gathered copies would be stale
-        # The optimizer's param groups are read again only when they change (the sharded parameters are registered
-        # again, as by accelerate's prepare).
-        fingerprint, layout = self._optimizer.read(optimizer)
-        exchanged = self._buffers["touched"]
-        exchanged.copy_(torch.tensor([g.touched for g in self._groups] + list(fingerprint), dtype=torch.uint8))
+        memory.reduce_kept_grads(self._groups)  # before the barrier: peers wait for these adds
+        memory.drop_kept_params(self._groups)  # the optimizer changes the shards: gathered copies would be stale
+        layout = self._write_flags(optimizer)
         self._barrier()  # every rank has pushed all of this step's gradients
         start = time.perf_counter()
-        rows = exchanged.new_empty((self.world_size, exchanged.numel()))
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                rows[peer].copy_(exchanged)
-            else:
-                self.transport.read(peer, "touched", rows[peer])
-        rows = rows.cpu()  # one device-to-host copy per step, not one per param group
+        rows = self._read_flags()
         n = len(self._groups)
         refusal = model_check.optimizer_refusal([bytes(row[n:].tolist()) for row in rows], layout)
         if refusal is not None:  # the same fingerprints on every rank: every rank refuses here
@@ -366,24 +343,48 @@ class ODCEngine:
                 self._state = EngineState.BROKEN
                 raise
         else:
-            touched_anywhere = any_touched.tolist()
-            for g in self._groups:
-                if g.reduce_dtype is None or not touched_anywhere[g.index]:
-                    continue
-                acc = self._buffers[f"g{g.index}"]
-                if compat.all_grads_exist(g.group):
-                    # Every .grad exists: the fold only adds into them, so it may read the accumulator itself (no
-                    # copy of a whole shard at the step's memory peak).
-                    compat.fold_into_grads(g.group, acc)
-                    acc.zero_()  # safe: no peer adds again before the post-step barrier
-                    continue
-                reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
-                acc.zero_()
-                compat.fold_into_grads(g.group, reduce_output)
+            self._fold(any_touched.tolist())
         for g in self._groups:
             g.touched = False
         self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s
         self._state = EngineState.IN_OPTIMIZER
+
+    def _write_flags(self, optimizer: Any) -> list[list[str]] | None:
+        """Write this rank's flags into ``touched``: which groups its backward reached, then its optimizer's
+        fingerprint. Returns the optimizer's layout (None without one)."""
+        # The optimizer's param groups are read again only when they change (the sharded parameters are registered
+        # again, as by accelerate's prepare).
+        fingerprint, layout = self._optimizer.read(optimizer)
+        flags = torch.tensor([g.touched for g in self._groups] + list(fingerprint), dtype=torch.uint8)
+        self._buffers["touched"].copy_(flags)
+        return layout
+
+    def _read_flags(self) -> torch.Tensor:
+        """Every rank's ``touched`` flags (after the barrier), one row per rank, on the CPU."""
+        exchanged = self._buffers["touched"]
+        rows = exchanged.new_empty((self.world_size, exchanged.numel()))
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                rows[peer].copy_(exchanged)
+            else:
+                self.transport.read(peer, "touched", rows[peer])
+        return rows.cpu()  # one device-to-host copy per step, not one per param group
+
+    def _fold(self, touched_anywhere: list[bool]) -> None:
+        """Fold each accumulator a backward reached on some rank into ``.grad`` and zero it (1-D mesh)."""
+        for g in self._groups:
+            if g.reduce_dtype is None or not touched_anywhere[g.index]:
+                continue
+            acc = self._buffers[f"g{g.index}"]
+            if compat.all_grads_exist(g.group):
+                # Every .grad exists: the fold only adds into them, so it may read the accumulator itself (no copy of
+                # a whole shard at the step's memory peak).
+                compat.fold_into_grads(g.group, acc)
+                acc.zero_()  # safe: no peer adds again before the post-step barrier
+                continue
+            reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
+            acc.zero_()
+            compat.fold_into_grads(g.group, reduce_output)
 
     @property
     def replicate_buckets(self) -> list[list[int]]:
@@ -436,17 +437,6 @@ class ODCEngine:
         """How many groups keep what on this rank this step (``"both x3, neither x1"``), and the bytes kept."""
         return memory.kept_summary(self._groups, world_size=self.world_size, frozen=self.frozen)
 
-    def _reduce_kept_grads(self) -> None:
-        """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``)."""
-        for g in self._groups:
-            if g.reduce_dtype is not None and compat.has_pending_grads(g.group):
-                compat.reduce_pending_grads(g.group)
-
-    def _drop_kept_params(self) -> None:
-        for g in self._groups:
-            if compat.is_unsharded(g.group):
-                compat.reshard(g.group)
-
     def reshard(self) -> None:
         """Drop every gathered copy of the parameters that the memory policy keeps (the next forward gathers again).
 
@@ -455,7 +445,7 @@ class ODCEngine:
         the next forward, where they are dropped already. Local: no peer is involved.
         """
         self._check_usable()
-        self._drop_kept_params()
+        memory.drop_kept_params(self._groups)
 
     @torch.no_grad()
     def republish(self) -> None:
@@ -472,7 +462,7 @@ class ODCEngine:
             or any(g.reduce_dtype is not None and compat.has_pending_grads(g.group) for g in self._groups)
         ):
             raise RuntimeError("republish() must run between optimizer steps, before any microbatch of the next one")
-        self._drop_kept_params()  # gathered before the change: stale
+        memory.drop_kept_params(self._groups)  # gathered before the change: stale
         for g in self._groups:
             compat.copy_all_gather_input(g.group, self._buffers[f"p{g.index}"])
         self._barrier(count_wait=False)
@@ -488,7 +478,7 @@ class ODCEngine:
         if self._state != EngineState.CLOSED or self.transport is not None:
             if self._state != EngineState.BROKEN:
                 try:  # a plain FSDP2 model from here on: no gathered copy left behind (a frozen model keeps them)
-                    self._drop_kept_params()
+                    memory.drop_kept_params(self._groups)
                 except Exception as err:  # closing must go on: the transport is released below either way
                     logger.warning("Dropping the gathered parameters at close failed: %s", err)
             _setup.restore_hooks(self._groups)

@@ -249,6 +249,21 @@ def kept_summary(groups: Sequence[ServedGroup], *, world_size: int, frozen: bool
     return f"{summarize({g.fqn: g.keep for g in groups})} ({kept / 2**20:.1f} MiB kept unsharded)"
 
 
+def reduce_kept_grads(groups: Sequence[ServedGroup]) -> None:
+    """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``), through
+    FSDP2's own post-backward and so the engine's reduce-scatter hook."""
+    for g in groups:
+        if g.reduce_dtype is not None and compat.has_pending_grads(g.group):
+            compat.reduce_pending_grads(g.group)
+
+
+def drop_kept_params(groups: Sequence[ServedGroup]) -> None:
+    """Drop every gathered copy of the parameters still held (the next forward gathers again)."""
+    for g in groups:
+        if compat.is_unsharded(g.group):
+            compat.reshard(g.group)
+
+
 # ---------------------------------------------------------------------- memory readings
 def local_ranks() -> int:
     """Ranks sharing this host's RAM (``LOCAL_WORLD_SIZE`` from torchrun / accelerate; 1 if unset)."""
