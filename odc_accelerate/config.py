@@ -104,7 +104,7 @@ class ODCConfig:
             once per step), ``"grads"`` (reduced once per step), ``"both"``, ``"neither"`` (memory bounded by the
             shard, the accumulator and one microbatch), ``"auto"`` (each rank from its own free memory, re-chosen
             every step), or ``pattern=choice`` pairs matched against group FQNs (``"<root>=params,*layers.*=both"``).
-            See `odc_accelerate.memory`. The default keeps the memory of FSDP2 reducing every microbatch;
+            See `odc_accelerate.engine.memory`. The default keeps the memory of FSDP2 reducing every microbatch;
             ``"grads"`` is what the ODC Trainer did before this option (one reduce per step).
         memory_headroom (`str`, *optional*, defaults to `"30%"`; key `odc_memory_headroom`, env
             `ODC_MEMORY_HEADROOM`):
@@ -282,7 +282,7 @@ class ODCConfig:
         self.metrics = str(self.metrics).strip().lower()
         if self.metrics not in METRICS:
             raise ValueError(f"{_name('metrics')} must be one of {', '.join(METRICS)}, got {self.metrics!r}.")
-        from . import memory
+        from .engine import memory
 
         for name, check in (("memory_policy", memory.parse_policy), ("memory_headroom", memory.parse_headroom)):
             value = getattr(self, name)

@@ -7,7 +7,7 @@ The mesh is ``R`` replicas x ``S`` shards with ``S`` = GPUs per node (the shard 
 - **FSDP2-HSDP**: per layer an all-gather and a reduce-scatter inside the node, then an all-reduce of the reduced
   shard across the ``R`` replicas (inter-node), every microbatch; the all-reduce couples the replicas, so all ``R x S``
   ranks still move in lockstep, slot by slot.
-- **ODC-HSDP** (what `odc_accelerate.hsdp` runs): inside the node ODC as on one node (one-sided reads and
+- **ODC-HSDP** (what `odc_accelerate.engine.hsdp` runs): inside the node ODC as on one node (one-sided reads and
   accumulates, each rank its own microbatches); per optimizer step one all-reduce of each rank's folded gradient
   shard across the replicas, after the node's barrier.
 - **ODC full shard** (a prediction for the NVSHMEM route of ``docs/multinode.md``; not built): `simulate` ``"odc"``

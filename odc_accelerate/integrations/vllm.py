@@ -37,10 +37,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .. import model_check
 from .._compat import transformers as transformers_compat
 from .._compat.torch import fsdp as fsdp_compat
-from ..engine import EngineState, ODCEngine
+from ..engine import EngineState, ODCEngine, model_check
 from . import peft
 
 __all__ = [

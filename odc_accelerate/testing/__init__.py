@@ -31,7 +31,7 @@ class LaunchError(RuntimeError):
 # Imported once by the fork server; every rank is a fork of it, so a job starts without importing torch and the engine
 # again (seconds per rank). The server creates no process group and no CUDA context; a fork copies only its main
 # thread (after these imports the server has one helper thread of torch's, which no rank needs).
-_PRELOAD = ["torch", "torch.distributed", "odc_accelerate.engine"]
+_PRELOAD = ["torch", "torch.distributed", "odc_accelerate.engine.engine"]
 
 
 def _context(start_method: str | None) -> Any:

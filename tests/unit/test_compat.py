@@ -384,7 +384,7 @@ def same(a, b):
 
 before = current()
 import odc_accelerate._compat.accelerate as compat
-import odc_accelerate.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers
+import odc_accelerate.engine.engine, odc_accelerate.telemetry, odc_accelerate._compat.transformers
 import odc_accelerate._compat.trl.sft, odc_accelerate._compat.trl.dpo, odc_accelerate._compat.trl.grpo
 import odc_accelerate._compat.trl.lm_head, odc_accelerate._compat.trl.classes
 import odc_accelerate

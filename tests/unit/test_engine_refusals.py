@@ -14,7 +14,7 @@ def test_non_fsdp_model_is_refused_without_distributed():
 
 def test_release_at_exit_only_warns_about_a_missing_torch_internal(caplog, monkeypatch):
     """A torch whose DeviceMesh lacks what the release reads: the exit handler warns, naming it, and does not raise."""
-    from odc_accelerate import process_exit
+    from odc_accelerate.engine import process_exit
 
     real = process_exit.compat.release_process_groups
     monkeypatch.setattr(process_exit.compat, "release_process_groups", lambda meshes: real([object(), *meshes]))

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from odc_accelerate import memory
-from odc_accelerate.engine import ODCEngine
+from odc_accelerate.engine import ODCEngine, memory
 
 
 def test_parse_policy_accepts_choices_auto_and_patterns():

@@ -12,7 +12,7 @@ import torch
 from .. import CompatError
 from . import _require, has
 
-# The step memory policy (`odc_accelerate.memory`) sets FSDP2's own per-group switches: `post_forward_mesh_info`
+# The step memory policy (`odc_accelerate.engine.memory`) sets FSDP2's own per-group switches: `post_forward_mesh_info`
 # (None: no reshard after forward, as `set_reshard_after_forward(False)`), `reshard_after_backward` (as
 # `set_reshard_after_backward`) and `reduce_grads` / `all_reduce_grads` (as `set_requires_gradient_sync`), per group
 # rather than per module tree. Kept gradients are reduced through FSDP2's own `post_backward` at the step boundary.

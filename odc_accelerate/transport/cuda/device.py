@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ... import memory
+from ...engine import memory
 from ..base import BufferSpec, host_id
 from .kernels import kernel_available, probe
 from .plan import OVERLAP_ENV, DeviceFacts, accumulate_kernel_agreement, accumulator_dtype

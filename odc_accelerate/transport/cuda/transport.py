@@ -49,7 +49,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ... import memory
+from ...engine import memory
 from ..base import BufferSpec, Transport, is_out_of_memory
 from ..shm import ShmTransport
 from . import watchdog

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = ODCEngine(model)
     if args.keep_exit_handler == "false":
-        from odc_accelerate import process_exit
+        from odc_accelerate.engine import process_exit
 
         atexit.unregister(process_exit.release_process_groups_at_exit)
 
@@ -167,7 +167,7 @@ def repeat(
     import torch.distributed.fsdp  # noqa: F401
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: F401
 
-    import odc_accelerate.engine  # noqa: F401
+    import odc_accelerate.engine.engine  # noqa: F401
     from odc_accelerate.testing import free_port
 
     # The objects imported so far are left out of every garbage collection, the one at a rank's exit included: it

@@ -33,7 +33,7 @@ model is not wanted);
 
 with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``, one per rank), rank ``r`` reads
 ``SIZE<r>`` as both its free and its total memory wherever the memory policy's ``auto`` asks
-(`odc_accelerate.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
+(`odc_accelerate.engine.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
 
 with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the checks of
 `tests/helpers/loops/vllm_trainer_check.py` (torch.distributed calls counted in every vLLM weight sync and generation, the
@@ -416,7 +416,7 @@ class _CountedMethod:
 
 def fixed_free_memory(sizes: str) -> None:
     """Make this rank (``RANK``) read its entry of ``sizes`` (``"1TiB,2MiB"``) as its free and total memory."""
-    from odc_accelerate import memory
+    from odc_accelerate.engine import memory
 
     budgets = []
     for size in sizes.split(","):

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from ._compat import CompatError
-from ._compat.torch import c10d as compat
+from .._compat import CompatError
+from .._compat.torch import c10d as compat
 
 __all__ = ["release_destroyed_groups", "release_process_groups_at_exit", "watch"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._compat.torch import fsdp as compat
+from .._compat.torch import fsdp as compat
 
 #: A served FSDP2 param group and the module whose ``fully_shard`` call made it.
 Entry = tuple[nn.Module, Any]
@@ -148,6 +148,28 @@ def optimizer_fingerprint(layout: list[list[str]]) -> bytes:
     """`FINGERPRINT_BYTES` bytes standing for an `optimizer_layout` (never all zero)."""
     digest = hashlib.blake2b(repr(layout).encode(), digest_size=FINGERPRINT_BYTES).digest()
     return digest if any(digest) else b"\x01" * FINGERPRINT_BYTES
+
+
+class OptimizerFingerprints:
+    """The fingerprint and layout of the optimizer a rank steps, read again only when its param groups change.
+
+    Args:
+        model (`torch.nn.Module`): the model whose parameter names the layout gives.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._seen: tuple[Any, bytes, list[list[str]]] | None = None  # (groups' ids, fingerprint, layout)
+
+    def read(self, optimizer: Any) -> tuple[bytes, list[list[str]] | None]:
+        """``optimizer``'s `optimizer_fingerprint` and `optimizer_layout`; all zero and None without an optimizer."""
+        if optimizer is None:
+            return bytes(FINGERPRINT_BYTES), None
+        key = (id(optimizer), tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups))
+        if self._seen is None or self._seen[0] != key:
+            layout = optimizer_layout(self._model, optimizer)
+            self._seen = (key, optimizer_fingerprint(layout), layout)
+        return self._seen[1], self._seen[2]
 
 
 def optimizer_refusal(fingerprints: Sequence[bytes], layout: list[list[str]] | None) -> str | None:

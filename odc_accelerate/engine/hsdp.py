@@ -22,13 +22,17 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .transport.base import ODCTimeoutError
+from .._compat.torch import c10d as c10d_compat
+from .._compat.torch import fsdp as compat
+from ..transport.base import ODCTimeoutError
+from .stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ def check_shard_group_hosts(shard_groups: list[list[int]], transport: object) ->
     Raises:
         ValueError: on every rank, naming the hosts and the fix.
     """
-    from .transport.hierarchical import gather_hosts, host_layout
+    from ..transport.hierarchical import gather_hosts, host_layout
 
     if transport in CPU_TRANSPORTS_ACROSS_HOSTS:
         return
@@ -170,6 +174,31 @@ class ReplicaReducer:
                 yield index, buffer.narrow(0, offset, numel), flags
                 offset += numel
 
+    def fold(
+        self, groups: Sequence[Any], buffers: Mapping[str, torch.Tensor], touched: torch.Tensor, stats: StepStats
+    ) -> None:
+        """Sum this rank's owned shards over the replicas (`reduce`), folding each into ``.grad`` as its bucket arrives.
+
+        Args:
+            groups: the engine's param groups (``index`` and FSDP2 ``group`` of each), by index.
+            buffers: the engine's transport buffers; ``g<i>`` is group ``i``'s accumulator, where it has one.
+            touched: per group, whether a backward reached it on any rank of this shard group.
+            stats: the step's figures: time blocked counts in ``replicate_s`` and ``wait_s``, bytes in
+                ``replicate_bytes``.
+        """
+        accumulators = {g.index: buffers[f"g{g.index}"] for g in groups if f"g{g.index}" in buffers}
+        waited = time.perf_counter()
+        for index, summed, touched_anywhere in self.reduce(accumulators, touched):
+            blocked = time.perf_counter() - waited
+            stats.replicate_s += blocked
+            stats.wait_s += blocked
+            if index is not None and touched_anywhere[index]:
+                compat.fold_into_grads(groups[index].group, summed)
+            waited = time.perf_counter()
+        stats.replicate_bytes += self.nbytes()
+        for g in groups:
+            compat.clear_partial_reduce_output(g.group)
+
     def nbytes(self) -> int:
         """Bytes one step's all-reduces carry (per rank, before the algorithm's own factor)."""
         return sum((sum(b.numels) + b.flags) * b.dtype.itemsize for b in self.buckets)
@@ -199,10 +228,8 @@ class ReplicaReducer:
 
 # ---------------------------------------------------------------------- failure notes through the job's store
 def _store() -> object | None:
-    from ._compat.torch import c10d as compat
-
     try:
-        return compat.default_store()
+        return c10d_compat.default_store()
     except Exception:  # no store (a bare init with a file:// method, or already destroyed): no note
         return None
 

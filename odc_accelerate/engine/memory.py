@@ -10,6 +10,9 @@ from that rank's free memory, and again after every optimizer step.
 A policy is written as one choice for every group (``"both"``), ``"auto"``, or ``pattern=choice`` pairs separated by
 commas, matched against each group's FQN with `fnmatch` (first match wins, unmatched groups keep ``neither``; the
 root group's FQN is ``<root>``): ``"<root>=params,layers.*=both"``.
+
+`choose` and `apply_choices` run a policy over an engine's param groups (after every optimizer step); the memory
+readings at the end (`free_and_total`, `PeakMemory`, `out_of_memory_text`) are the package's, the transports' too.
 """
 
 from __future__ import annotations
@@ -19,8 +22,15 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from .._compat.torch import fsdp as compat
+from .._compat.torch import keep as keep_compat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._setup import ServedGroup
 
 #: The fixed choices, as (keep gathered params, keep unsharded grads).
 CHOICES: dict[str, tuple[bool, bool]] = {
@@ -176,6 +186,83 @@ def summarize(choices: Mapping[str, tuple[bool, bool]]) -> str:
         name = choice_name(keep)
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{name} x{counts[name]}" for name in CHOICES if name in counts)
+
+
+# ---------------------------------------------------------------------- the policy over an engine's param groups
+def group_costs(groups: Sequence[ServedGroup], *, world_size: int, frozen: bool) -> list[GroupCost]:
+    """What keeping each served group's unsharded state costs on this rank (a frozen engine keeps no gradient)."""
+    costs = []
+    for g in groups:
+        grad_bytes = 0
+        if g.reduce_dtype is not None and not frozen:
+            grad_bytes = g.reduce_numel * world_size * g.reduce_dtype.itemsize
+        costs.append(
+            GroupCost(
+                fqn=g.fqn,
+                param_bytes=g.gather_numel * world_size * g.gather_dtype.itemsize,
+                grad_bytes=grad_bytes,
+                gathers_per_microbatch=1 if frozen else keep_compat.gathers_per_microbatch(g.group, g.saved_keep),
+                world_size=world_size,
+            )
+        )
+    return costs
+
+
+def choose(
+    policy: str | list[tuple[str, str]],
+    headroom: tuple[float, bool],
+    device: torch.device,
+    groups: Sequence[ServedGroup],
+    *,
+    world_size: int,
+    frozen: bool,
+) -> dict[str, tuple[bool, bool]]:
+    """(keep params, keep grads) per group FQN under ``policy`` (`parse_policy`'s result): ``auto`` from this rank's
+    free memory on ``device`` now, less ``headroom`` (`parse_headroom`'s result)."""
+    if policy == AUTO:
+        free, total = free_and_total(device)
+        budget = free - headroom_bytes(headroom, total)
+        return choose_auto(group_costs(groups, world_size=world_size, frozen=frozen), budget)
+    return choose_fixed(policy, [g.fqn for g in groups])
+
+
+def apply_choices(
+    groups: Sequence[ServedGroup], choices: Mapping[str, tuple[bool, bool]], *, frozen: bool
+) -> tuple[int, int]:
+    """Set each group's ``keep`` and FSDP2's switches for it from ``choices``; no peer is involved.
+
+    A group without trainable parameters, or a frozen engine's, keeps no gradient whatever the choice.
+
+    Returns:
+        `tuple[int, int]`: how many groups keep their gathered params, and how many their unsharded grads.
+    """
+    for g in groups:
+        keep_params, keep_grads = choices[g.fqn]
+        g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not frozen)
+        keep_compat.set_keep(g.group, g.saved_keep, *g.keep)
+    return sum(g.keep[0] for g in groups), sum(g.keep[1] for g in groups)
+
+
+def kept_summary(groups: Sequence[ServedGroup], *, world_size: int, frozen: bool) -> str:
+    """How many groups keep what (``"both x3, neither x1"``), and the bytes kept unsharded."""
+    costs = zip(groups, group_costs(groups, world_size=world_size, frozen=frozen), strict=True)
+    kept = sum(c.param_bytes * g.keep[0] + c.grad_bytes * g.keep[1] for g, c in costs)
+    return f"{summarize({g.fqn: g.keep for g in groups})} ({kept / 2**20:.1f} MiB kept unsharded)"
+
+
+def reduce_kept_grads(groups: Sequence[ServedGroup]) -> None:
+    """Scatter-add every unsharded gradient still held (kept by the policy, or left by a caller's ``no_sync``), through
+    FSDP2's own post-backward and so the engine's reduce-scatter hook."""
+    for g in groups:
+        if g.reduce_dtype is not None and keep_compat.has_pending_grads(g.group):
+            keep_compat.reduce_pending_grads(g.group)
+
+
+def drop_kept_params(groups: Sequence[ServedGroup]) -> None:
+    """Drop every gathered copy of the parameters still held (the next forward gathers again)."""
+    for g in groups:
+        if compat.is_unsharded(g.group):
+            compat.reshard(g.group)
 
 
 # ---------------------------------------------------------------------- memory readings
