@@ -282,9 +282,12 @@ class ODCConfig:
         self.metrics = str(self.metrics).strip().lower()
         if self.metrics not in METRICS:
             raise ValueError(f"{_name('metrics')} must be one of {', '.join(METRICS)}, got {self.metrics!r}.")
-        from .engine import memory
+        from . import memory_spec
 
-        for name, check in (("memory_policy", memory.parse_policy), ("memory_headroom", memory.parse_headroom)):
+        for name, check in (
+            ("memory_policy", memory_spec.parse_policy),
+            ("memory_headroom", memory_spec.parse_headroom),
+        ):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = value.strip()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import memory_spec
 from .._compat import warn_if_untested
 from .._compat.torch import fsdp as compat
 from .._compat.torch import keep as keep_compat
@@ -25,7 +26,7 @@ from .._compat.torch import layout as layout_compat
 from ..transport import BufferSpec
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_counter
-from . import hsdp, memory, model_check
+from . import hsdp, model_check
 from ._hooks import _ODCAllGather, _ODCReduceScatter, _ODCReduceScatterHSDP
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,7 +73,7 @@ def check_arguments(
     """Refuse bad arguments, a model FSDP2 did not shard, or a missing process group; no peer is involved.
 
     Args:
-        policy: ``memory_policy`` as `memory.parse_policy` read it.
+        policy: ``memory_policy`` as `memory_spec.parse_policy` read it.
     """
     if sync_every_hook and policy != [("*", "neither")]:
         raise ValueError(
@@ -110,8 +111,8 @@ def out_of_memory(err: BaseException, device: torch.device, what: str, detail: s
     short. Free memory is read after torch's cache is released, as the transport's check reads it; a device other than
     CUDA has no such reading.
     """
-    free = memory.free_and_total(device, release_cache=True)[0] if device.type == "cuda" else None
-    text = memory.out_of_memory_text(
+    free = memory_spec.free_and_total(device, release_cache=True)[0] if device.type == "cuda" else None
+    text = memory_spec.out_of_memory_text(
         f"rank {dist.get_rank()}", what, free=free, detail=detail, ran_out="it ran out of GPU memory", advice=advice
     )
     refusal = RuntimeError(text)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import memory_spec
 from .._compat.torch import fsdp as compat
 from .._compat.torch import keep as keep_compat
 from ..transport import ODCTimeoutError, Transport, create_transport
@@ -113,8 +114,8 @@ class ODCEngine:
         sync_every_hook: bool = False,
         frozen: bool = False,
         replicate_bucket_bytes: int = hsdp.DEFAULT_BUCKET_BYTES,
-        memory_policy: str | Mapping[str, str] = memory.DEFAULT_POLICY,
-        memory_headroom: str | float = memory.DEFAULT_HEADROOM,
+        memory_policy: str | Mapping[str, str] = memory_spec.DEFAULT_POLICY,
+        memory_headroom: str | float = memory_spec.DEFAULT_HEADROOM,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[ServedGroup] = []
@@ -123,8 +124,8 @@ class ODCEngine:
         self._pg: Any = None  # the shard group's process group: set-up only
         self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         # Checked before any collective: the same bad value raises on every rank.
-        self._policy = memory.parse_policy(memory_policy)
-        self._headroom = memory.parse_headroom(memory_headroom)
+        self._policy = memory_spec.parse_policy(memory_policy)
+        self._headroom = memory_spec.parse_headroom(memory_headroom)
         self.memory_policy = memory_policy
         _setup.check_arguments(
             model, timeout, sync_every_hook=sync_every_hook, policy=self._policy, memory_policy=memory_policy
@@ -167,7 +168,7 @@ class ODCEngine:
             scatter = None if self.frozen else self._scatter_accumulate
             _setup.install_hooks(self._groups, self._gather, scatter, hsdp_mesh=hsdp_mesh)
             self._claims = _setup.claims(self.transport, self._pg, frozen=self.frozen, replicas=self.replicas)
-            self._peak = memory.PeakMemory(self._device)
+            self._peak = memory_spec.PeakMemory(self._device)
             self._state = EngineState.IN_OPTIMIZER  # so that the initial publish is the normal post-step path
             self._publish()
             self.steps = 0

@@ -3,37 +3,38 @@
 import pytest
 import torch
 
+from odc_accelerate import memory_spec
 from odc_accelerate.engine import ODCEngine, memory
 
 
 def test_parse_policy_accepts_choices_auto_and_patterns():
-    assert memory.parse_policy("both") == [("*", "both")]
-    assert memory.parse_policy(" Neither ") == [("*", "neither")]
-    assert memory.parse_policy("auto") == "auto"
-    assert memory.parse_policy("<root>=params, layers.*=both") == [("<root>", "params"), ("layers.*", "both")]
-    assert memory.parse_policy({"layers.0": "grads"}) == [("layers.0", "grads")]
+    assert memory_spec.parse_policy("both") == [("*", "both")]
+    assert memory_spec.parse_policy(" Neither ") == [("*", "neither")]
+    assert memory_spec.parse_policy("auto") == "auto"
+    assert memory_spec.parse_policy("<root>=params, layers.*=both") == [("<root>", "params"), ("layers.*", "both")]
+    assert memory_spec.parse_policy({"layers.0": "grads"}) == [("layers.0", "grads")]
 
 
 @pytest.mark.parametrize("bad", ["all", "layers.*=everything", "=both", "", 3])
 def test_parse_policy_refuses_bad_values_naming_the_choices(bad):
     with pytest.raises(ValueError, match="neither"):
-        memory.parse_policy(bad)
+        memory_spec.parse_policy(bad)
 
 
 def test_fixed_policy_first_match_wins_and_unmatched_groups_keep_nothing():
-    pairs = memory.parse_policy("layers.0=both,layers.*=grads")
+    pairs = memory_spec.parse_policy("layers.0=both,layers.*=grads")
     got = memory.choose_fixed(pairs, ["<root>", "layers.0", "layers.1"])
     assert got == {"<root>": (False, False), "layers.0": (True, True), "layers.1": (False, True)}
 
 
 def test_parse_headroom():
-    assert memory.parse_headroom("30%") == (0.3, True)
-    assert memory.parse_headroom("4GiB") == (4 * 2**30, False)
-    assert memory.parse_headroom("512 MB") == (512e6, False)
-    assert memory.parse_headroom(1024) == (1024.0, False)
+    assert memory_spec.parse_headroom("30%") == (0.3, True)
+    assert memory_spec.parse_headroom("4GiB") == (4 * 2**30, False)
+    assert memory_spec.parse_headroom("512 MB") == (512e6, False)
+    assert memory_spec.parse_headroom(1024) == (1024.0, False)
     for bad in ("lots", "150%", -1, True):
         with pytest.raises(ValueError, match="headroom"):
-            memory.parse_headroom(bad)
+            memory_spec.parse_headroom(bad)
 
 
 def test_auto_keeps_largest_gain_per_byte_first_within_budget():
@@ -53,9 +54,9 @@ def test_auto_keeps_largest_gain_per_byte_first_within_budget():
 
 def test_free_memory_on_cpu_is_shared_by_the_hosts_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    free1, total1 = memory.free_and_total(torch.device("cpu"))
+    free1, total1 = memory_spec.free_and_total(torch.device("cpu"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    free4, total4 = memory.free_and_total(torch.device("cpu"))
+    free4, total4 = memory_spec.free_and_total(torch.device("cpu"))
     assert 0 < free1 <= total1 and total4 == total1 // 4
     assert free4 <= free1 // 4 + 2**30  # MemAvailable moves a little between the reads
 

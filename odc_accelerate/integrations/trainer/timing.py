@@ -219,11 +219,11 @@ class StepTimer:
 
 def _peak_memory_mb(engine: Any) -> float:
     """This rank's peak memory so far in MiB: the engine's figure for the step it just published, else (plain runs)
-    read the same way (`odc_accelerate.engine.memory.PeakMemory`)."""
+    read the same way (`odc_accelerate.memory_spec.PeakMemory`)."""
     stats = getattr(engine, "last_step_stats", None)
     if stats is not None and getattr(stats, "peak_memory_bytes", 0):
         return stats.peak_memory_bytes / 2**20
-    from ...engine.memory import PeakMemory
+    from ...memory_spec import PeakMemory
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ...engine import memory
+from ... import memory_spec
 from ..base import BufferSpec, host_id
 from .kernels import kernel_available, probe
 from .plan import OVERLAP_ENV, DeviceFacts, accumulate_kernel_agreement, accumulator_dtype
@@ -135,7 +135,7 @@ def local_device_facts(device: torch.device | None, settings: tuple = ()) -> Dev
     atomics = tuple(True if i == index else _p2p_native_atomics(index, i) for i in range(count))
     # The segment comes from cuMemCreate, which cannot reuse blocks PyTorch's caching allocator holds unused: they are
     # given back first, so that the free figure is what the allocation can get (a loaded model leaves many behind).
-    free, _ = memory.free_and_total(torch.device("cuda", index), release_cache=True)
+    free, _ = memory_spec.free_and_total(torch.device("cuda", index), release_cache=True)
     return DeviceFacts(
         uuid=visible[index],
         visible=visible,

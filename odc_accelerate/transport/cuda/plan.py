@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...engine import memory
+from ... import memory_spec
 from ..base import BufferSpec
 
 #: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
@@ -480,9 +480,9 @@ def memory_refusal(
 def transport_memory_text(
     who: str, need: int, free: int, plan: SegmentPlan, margin_bytes: int, ran_out: str = ""
 ) -> str:
-    """The transport's refusal for too little GPU memory (`odc_accelerate.engine.memory.out_of_memory_text`, with what the
+    """The transport's refusal for too little GPU memory (`odc_accelerate.engine.memory_spec.out_of_memory_text`, with what the
     transport needs memory for and what to lower); ``ran_out`` says what ran out, after an allocation failed."""
-    return memory.out_of_memory_text(
+    return memory_spec.out_of_memory_text(
         who,
         "the 'cuda' ODC transport",
         need=need,

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ...engine import memory
+from ... import memory_spec
 from ..base import BufferSpec, Transport, is_out_of_memory
 from ..shm import ShmTransport
 from . import watchdog
@@ -282,7 +282,7 @@ class CudaTransport(Transport):
 
     def _free_bytes(self, device: torch.device) -> int:
         """Free memory on this rank's GPU now, after releasing torch's cache (what a refusal names)."""
-        return memory.free_and_total(device, release_cache=True)[0]
+        return memory_spec.free_and_total(device, release_cache=True)[0]
 
     def _report_out_of_memory(self, device: torch.device) -> None:
         """Tell the peers (control plane) that this rank's allocation ran out of memory, and how much was free."""

@@ -33,7 +33,7 @@ model is not wanted);
 
 with ``ODC_TEST_FREE_MEMORY=SIZE0,SIZE1,...`` (bytes, or sizes such as ``2MiB``, one per rank), rank ``r`` reads
 ``SIZE<r>`` as both its free and its total memory wherever the memory policy's ``auto`` asks
-(`odc_accelerate.engine.memory.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
+(`odc_accelerate.engine.memory_spec.free_and_total`): ranks with known, different budgets, for the per-rank choice tests;
 
 with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the checks of
 `tests/helpers/loops/vllm_trainer_check.py` (torch.distributed calls counted in every vLLM weight sync and generation, the
@@ -416,16 +416,16 @@ class _CountedMethod:
 
 def fixed_free_memory(sizes: str) -> None:
     """Make this rank (``RANK``) read its entry of ``sizes`` (``"1TiB,2MiB"``) as its free and total memory."""
-    from odc_accelerate.engine import memory
+    from odc_accelerate import memory_spec
 
     budgets = []
     for size in sizes.split(","):
-        amount, fraction = memory.parse_headroom(size)
+        amount, fraction = memory_spec.parse_headroom(size)
         if fraction:
             raise ValueError(f"ODC_TEST_FREE_MEMORY takes sizes, not percentages: {sizes!r}")
         budgets.append(int(amount))
     mine = budgets[int(os.environ.get("RANK", "0"))]
-    memory.free_and_total = lambda device: (mine, mine)  # the engine reads it through the module
+    memory_spec.free_and_total = lambda device: (mine, mine)  # the engine reads it through the module
 
 
 def _write_rss(directory: str) -> None:
