@@ -16,6 +16,7 @@ _LAZY = {
     "loss_scale": "odc_accelerate.loss",
     "LengthBalancedBatchSampler": "odc_accelerate.planning",
     "PlanName": "odc_accelerate.planning",
+    "ReductionName": "odc_accelerate.reduction",
     "plan_step": "odc_accelerate.planning",
     # Hugging Face integrations (importing them patches nothing; see `odc_accelerate.integrations.accelerate.enable`)
     "ODCPlugin": "odc_accelerate.integrations.accelerate",
@@ -46,6 +47,7 @@ __all__ = [
     "ODCTimeoutError",
     "ODCTrainerMixin",
     "PlanName",
+    "ReductionName",
     "enable",
     "get_engine",
     "loss_scale",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .loss import loss_scale
     from .planning import LengthBalancedBatchSampler, PlanName, plan_step
+    from .reduction import ReductionName
     from .transport.base import ODCTimeoutError
 
 

@@ -24,6 +24,7 @@ from dataclasses import Field, FrozenInstanceError, dataclass, field, fields
 from typing import Any, ClassVar
 
 from .planning import PlanName, normalize_plan
+from .reduction import REDUCTIONS, ReductionName, normalize_reduction
 from .validation import check_positive_int, str_to_bool
 
 __all__ = [
@@ -110,6 +111,13 @@ class ODCConfig:
             `ODC_MEMORY_HEADROOM`):
             What ``memory_policy="auto"`` leaves free for activations and the optimizer: a percentage of the rank's
             memory (``"30%"``) or a size (``"4GiB"``, ``"512MB"``).
+        reduction (`ReductionName`, *optional*, defaults to `"atomic"`; key `odc_reduction`, env `ODC_REDUCTION`):
+            How a step's gradients reach their owners. ``"atomic"``: each microbatch's gradient slices are added into
+            their owners' accumulators as ranks finish them (the sum's order varies, so runs differ in the last bits).
+            ``"ordered"``: each rank sums its own gradient for the step locally, in its microbatches' order, and each
+            owner sums the ranks' contributions in rank order once per step: bitwise reproducible, no remote atomics
+            (GPUs without native peer-to-peer atomics), one unsharded gradient per rank in memory. See
+            ``docs/reduction.md``.
 
     Attributes:
         source (`str`): where ``enable`` was set: ``"args"``, ``"fsdp_config"``, ``"env"`` or ``"default"``.
@@ -188,6 +196,16 @@ class ODCConfig:
         "ODC_MEMORY_HEADROOM",
         "Memory that memory_policy=auto leaves free: a percentage of the rank's memory (default 30 percent) or a size "
         "such as 4GiB.",
+        str,
+    )
+    reduction: ReductionName | None = _option(
+        ReductionName.ATOMIC,
+        "odc_reduction",
+        "ODC_REDUCTION",
+        f"How gradients reach their owners: {' or '.join(REDUCTIONS)}. 'atomic' adds each microbatch's gradients "
+        "into the owners as ranks finish (order varies); 'ordered' sums each rank's step locally and each owner sums "
+        "the ranks in rank order once per step (bitwise reproducible, no peer atomics, one unsharded gradient per "
+        "rank).",
         str,
     )
     source: str = field(default="default", compare=False, repr=False)
@@ -296,6 +314,8 @@ class ODCConfig:
                 check(value)
             except ValueError as err:
                 raise ValueError(f"{_name(name)}: {err}.") from None
+        # Checked, not rewritten: the resolved config is not written to; a valid name equals its `ReductionName`.
+        normalize_reduction(self.reduction, where=_name("reduction"))
         if self.source not in SOURCES:
             raise ValueError(f"ODCConfig.source must be one of {', '.join(SOURCES)}, got {self.source!r}.")
 

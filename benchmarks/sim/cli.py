@@ -1,4 +1,5 @@
-"""Command line of the simulator: ``python -m benchmarks.sim [scale|hsdp|accumulate|validate|validate-e2e] [args]``."""
+"""Command line of the simulator: ``python -m benchmarks.sim [scale|hsdp|accumulate|ordered|validate|validate-e2e]
+[args]``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.calibration.load import CalibrationError
-from benchmarks.sim import crossover, hsdp
+from benchmarks.sim import crossover, hsdp, ordered
 from benchmarks.sim.results import E2E_SFT_RESULTS, ENGINE_RESULTS, TRANSPORT_RESULTS
 from benchmarks.sim.scale import MODELS, run_scale
 from benchmarks.sim.simulator import H100
@@ -21,6 +22,9 @@ DESCRIPTIONS = {
     "it), 16-1024 GPUs, 8 per node, H100-like figures (assumed); and which models fit HSDP in 80 GB.",
     "accumulate": "One node of 8 H100s, SFT and DPO at 1.5B / 7B: the accumulate bandwidth at which ODC overtakes "
     "FSDP2 on NCCL, from the compute and read rate measured on one H100 and a sweep of accumulate bandwidths.",
+    "ordered": "One node of 8 H100s, SFT and DPO at 1.5B / 7B: ODC's ordered gradient reduction (one exchange per "
+    "step at the measured read rate) beside the atomic one (adds in the backward at measured accumulate rates), and "
+    "where each wins.",
     "validate": "Predict the stored engine benchmark's 2-rank CPU arms (python -m benchmarks.engine) and print the "
     "errors.",
     "validate-e2e": "Replay the stored end-to-end benchmark's steps (python -m benchmarks.e2e sft) and print each "
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "accumulate":
         crossover.add_arguments(p)
         run = crossover.run_crossover
+    elif cmd == "ordered":
+        ordered.add_arguments(p)
+        run = ordered.run_ordered
     elif cmd == "validate-e2e":
         p.add_argument(
             "--e2e-json",

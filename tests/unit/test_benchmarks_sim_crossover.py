@@ -37,7 +37,7 @@ def test_dpo_pairs_are_padded_rows_each_planned_once():
     pairs = crossover.dpo_pair_lengths(rng, 10_000)
     assert pairs.min() >= 64 and pairs.max() <= 32768  # two padded rows of a pair fit one 64K-token microbatch
     assert np.median(pairs) > 4000  # a long prompt and the longer of two answers
-    (step,) = crossover._steps("dpo", QWEN2_5_1_5B, rng, steps=1, per_rank=4)
+    (step,) = crossover.workload_steps("dpo", QWEN2_5_1_5B, rng, steps=1, per_rank=4)
     assert step["lengths"].size == 2 * 8 * 4 and np.array_equal(step["lengths"][0::2], step["lengths"][1::2])
     for plan in step["plans"].values():
         rows = sorted(r for rank in plan for mb in rank for r in mb)

@@ -452,9 +452,10 @@ def test_config_takes_every_odc_option_by_its_key(tmp_path, no_cuda):
     out = tmp_path / "cfg.yaml"
     argv = ["config", "--cpu", "--default", "--config_file", str(out), "--odc_transport", "shm", "--plan", "dynamic"]
     argv += ["--odc_memory_policy", "auto", "--odc_memory_headroom", "2GiB", "--odc_reproducible", "true"]
-    argv += ["--odc_metrics", "per_rank", "--odc_timeout", "30"]
+    argv += ["--odc_metrics", "per_rank", "--odc_timeout", "30", "--odc_reduction", "ordered"]
     assert main(argv) == 0
     config, env = _written(out)
+    assert config["fsdp_config"]["odc_reduction"] == "ordered"
     assert env == {
         "ODC_ENABLE": "true",
         "ODC_TRANSPORT": "shm",
@@ -464,7 +465,17 @@ def test_config_takes_every_odc_option_by_its_key(tmp_path, no_cuda):
         "ODC_REPRODUCIBLE": "true",
         "ODC_METRICS": "per_rank",
         "ODC_TIMEOUT": "30.0",
+        "ODC_REDUCTION": "ordered",
     }
+
+
+def test_config_writes_enum_values_given_in_python_as_plain_names():
+    from odc_accelerate.cli.config import build_config
+    from odc_accelerate.reduction import ReductionName
+
+    config = build_config(device="cpu", num_processes=2, reduction=ReductionName.ORDERED)
+    assert type(config["fsdp_config"]["odc_reduction"]) is str and config["fsdp_config"]["odc_reduction"] == "ordered"
+    yaml.safe_dump(config)  # refuses enums
 
 
 def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
@@ -473,6 +484,8 @@ def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
     assert "plan must be one of free, lockstep, dynamic, got 'nope'" in capsys.readouterr().err
     assert main(["config", "--cpu", "--num_processes", "0", "--default", "--config_file", str(out)]) == 2
     assert "num_processes must be a positive integer" in capsys.readouterr().err
+    assert main(["config", "--cpu", "--odc_reduction", "sorted", "--default", "--config_file", str(out)]) == 2
+    assert "odc_reduction (ODC_REDUCTION) must be one of atomic, ordered, got 'sorted'" in capsys.readouterr().err
     assert not out.exists() and os.listdir(tmp_path) == []
 
 

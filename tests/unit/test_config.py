@@ -105,6 +105,46 @@ def test_memory_policy_on_every_surface(monkeypatch):
     assert ODCConfig.from_sources(args=_args(odc_memory_policy="auto")).memory_policy == "auto"  # args win
 
 
+def test_reduction_from_every_source(monkeypatch):
+    from odc_accelerate.reduction import REDUCTIONS, ReductionName
+
+    assert REDUCTIONS == ("atomic", "ordered")  # the default first
+    default = ODCConfig.from_sources(args=_args(odc=True))
+    assert (
+        default.reduction == "atomic"
+        and default.reduction is ReductionName.ATOMIC
+        and "reduction" not in default.given
+    )
+    assert ODCConfig(reduction=ReductionName.ORDERED).reduction == "ordered"  # Python: the enum or its name
+    monkeypatch.setenv("ODC_REDUCTION", "ordered")
+    from_env = ODCConfig.from_sources(args=_args(odc=True))
+    assert (from_env.reduction, from_env.given["reduction"]) == ("ordered", "env")
+    # an fsdp_config key (flat or in the odc section) wins over the environment, an argument over both
+    for fsdp_config in ({"odc_reduction": "atomic"}, {"odc": {"enable": True, "reduction": "atomic"}}):
+        from_file = ODCConfig.from_sources(args=_args(odc=True, fsdp_config=fsdp_config))
+        assert (from_file.reduction, from_file.given["reduction"]) == ("atomic", "fsdp_config")
+    from_args = ODCConfig.from_sources(
+        args=_args(odc=True, odc_reduction="ordered", fsdp_config={"odc_reduction": "atomic"})
+    )
+    assert (from_args.reduction, from_args.given["reduction"]) == ("ordered", "args")
+    # the plugin's constructor keywords (overrides) and the launcher's export of a config file
+    assert (
+        ODCConfig.from_sources(overrides={"reduction": "atomic"}, env={"ODC_REDUCTION": "ordered"}).reduction
+        == "atomic"
+    )
+    assert env_from_fsdp_config({"odc": True, "odc_reduction": "ordered"})["ODC_REDUCTION"] == "ordered"
+    # the training-argument field and its flag, typed as a string
+    (field_type,) = [kind for name, kind, _ in training_args_fields() if name == "odc_reduction"]
+    assert field_type == str | None
+
+
+@pytest.mark.parametrize("value", ["Ordered", "sorted", " ordered", "", 1, True])
+def test_bad_reductions_name_the_option_and_the_accepted_values(value):
+    with pytest.raises(ValueError) as err:
+        ODCConfig.from_sources(overrides={"reduction": value}, env={})
+    assert str(err.value) == f"odc_reduction (ODC_REDUCTION) must be one of atomic, ordered, got {value!r}."
+
+
 def test_the_launchers_env_resolves_like_the_file_it_came_from():
     fsdp_config = {"odc": True, "odc_transport": "shm", "odc_timeout": 12.5, "odc_plan": "lockstep"}
     fsdp_config["odc_max_tokens_per_microbatch"] = 2048

@@ -31,7 +31,7 @@ def _plan_choices_missing(text: str) -> list[str]:
 
 
 def test_the_expected_list_is_every_option():
-    assert len(FLAGS) == 12 and "--odc" in FLAGS and "--odc_memory_headroom" in FLAGS
+    assert len(FLAGS) == 13 and "--odc" in FLAGS and "--odc_reduction" in FLAGS
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

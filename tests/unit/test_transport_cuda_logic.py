@@ -231,6 +231,24 @@ def test_no_peer_access_or_no_native_atomics_is_refused():
     assert "could not query" in device_refusal(unknown)
 
 
+def test_a_refusal_for_missing_peer_atomics_names_the_ordered_reduction():
+    ordered = (
+        "To run on these GPUs, set odc_reduction: ordered (ODC_REDUCTION=ordered, --odc_reduction ordered): each owner "
+        "then reads the ranks' gradients and sums them itself in rank order, with no atomic adds. Or use plain FSDP2 "
+        "on this machine"
+    )
+    pcie_p2p = [_gpu(r, NODE[:2], r, atomics=(r == 0, r == 1)) for r in range(2)]
+    assert device_refusal(pcie_p2p) == (
+        "rank 0's GPU has no native atomic adds into rank 1's GPU (peer-to-peer over PCIe rather than NVLink); the "
+        f"'cuda' ODC transport's atomic reduction adds gradients with them. {ordered}"
+    )
+    unknown = [_gpu(r, NODE[:2], r, atomics=(True, None) if r == 0 else (True, True)) for r in range(2)]
+    assert device_refusal(unknown).endswith(ordered)
+    # the other refusals do not offer it: the ordered reduction changes nothing about peer access
+    no_access = [_gpu(r, NODE[:2], r, access=(r == 0, r == 1)) for r in range(2)]
+    assert "odc_reduction" not in device_refusal(no_access)
+
+
 def test_backend_hosts_determinism_and_local_problems_are_refused():
     facts = [_gpu(r, NODE[:2], r) for r in range(2)]
     nccl = [facts[0], DeviceFacts(**{**facts[1].__dict__, "backend": "NCCL"})]

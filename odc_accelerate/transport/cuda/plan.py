@@ -357,6 +357,15 @@ class DeviceFacts:
     accumulate_kernel_reason: str = ""
 
 
+# What a refusal for missing peer-to-peer atomics offers: the ordered reduction reads peers' memory and never adds
+# into it (docs/reduction.md).
+_NO_ATOMICS_ADVICE = (
+    "To run on these GPUs, set odc_reduction: ordered (ODC_REDUCTION=ordered, --odc_reduction ordered): each owner "
+    "then reads the ranks' gradients and sums them itself in rank order, with no atomic adds. Or use plain FSDP2 on "
+    "this machine"
+)
+
+
 def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
     """Why the ranks described by ``facts`` (indexed by rank) cannot run the CUDA transport, or None if they can.
 
@@ -420,14 +429,14 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
             if f.atomics[j] is None:
                 return (
                     f"could not query whether rank {rank}'s GPU has native atomic adds into rank {peer}'s GPU "
-                    "(cuDeviceGetP2PAttribute from the CUDA driver failed); the 'cuda' ODC transport needs them. "
-                    "Use plain FSDP2 on this machine"
+                    "(cuDeviceGetP2PAttribute from the CUDA driver failed); the 'cuda' ODC transport's atomic "
+                    f"reduction needs them. {_NO_ATOMICS_ADVICE}"
                 )
             if not f.atomics[j]:
                 return (
                     f"rank {rank}'s GPU has no native atomic adds into rank {peer}'s GPU (peer-to-peer over PCIe "
-                    "rather than NVLink); the 'cuda' ODC transport adds gradients with them. Use plain FSDP2 on this "
-                    "machine"
+                    "rather than NVLink); the 'cuda' ODC transport's atomic reduction adds gradients with them. "
+                    f"{_NO_ATOMICS_ADVICE}"
                 )
     return None
 
