@@ -41,20 +41,16 @@ def _model(seed: int, path: str | None = None) -> AutoModelForCausalLM:
 
 
 def _reward_model(seed: int, path: str | None = None):
-    """The reward model the reward scripts train: the offline default built as `odc_accelerate.scripts.reward` builds
-    it (seed, sequence classifier with one output, the tokenizer's pad token), or the model saved at ``path`` loaded
-    as TRL's `RewardTrainer` loads a name (``num_labels=1``, float32)."""
+    """The reward model the reward scripts train: the offline default (`odc_accelerate.testing.models.tiny_reward_model`,
+    the model `odc_accelerate.scripts.reward` builds), or the model saved at ``path`` loaded as TRL's `RewardTrainer`
+    loads a name (``num_labels=1``, float32)."""
     from transformers import AutoModelForSequenceClassification
+
+    from odc_accelerate.testing.models import tiny_reward_model
 
     if path is not None:
         return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
-
-    config = tiny_qwen2_config()
-    config.num_labels = 1
-    config.pad_token_id = load_offline_tokenizer().pad_token_id
-    set_seed(seed)
-    return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return tiny_reward_model("untied", seed)
 
 
 def _params(model) -> dict[str, torch.Tensor]:
