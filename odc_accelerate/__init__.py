@@ -28,6 +28,8 @@ _LAZY = {
     "ODCDPOTrainer": "odc_accelerate.integrations.trl",
     "ODCGRPOConfig": "odc_accelerate.integrations.trl",
     "ODCGRPOTrainer": "odc_accelerate.integrations.trl",
+    "ODCRewardConfig": "odc_accelerate.integrations.trl",
+    "ODCRewardTrainer": "odc_accelerate.integrations.trl",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -42,6 +44,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCRewardConfig",
+    "ODCRewardTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
@@ -64,6 +68,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCDPOTrainer,
         ODCGRPOConfig,
         ODCGRPOTrainer,
+        ODCRewardConfig,
+        ODCRewardTrainer,
         ODCSFTConfig,
         ODCSFTTrainer,
     )

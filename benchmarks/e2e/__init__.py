@@ -1,4 +1,9 @@
-"""``python -m benchmarks.e2e sft`` (and ``dpo``, ``sft_hsdp``): the real training example, end to end, arm against arm.
+"""``python -m benchmarks.e2e sft`` (and ``dpo``, ``reward``, ``sft_hsdp``): the real training example, end to end, arm
+against arm.
+
+``reward`` trains the reward-model example (``examples/reward/train.py``) on the long-tailed offline preference pairs,
+written once per benchmark run with a ``length`` column (`benchmarks.e2e.data.reward_pairs`) so that transformers'
+``BatchRebalanceSampler`` can read their lengths; its arms are ``fsdp2_random``, ``fsdp2_rebalance`` and ``odc``.
 
 ``sft_hsdp`` runs the same arms on a 2-D mesh, 2 replicas x 2 shards (4 processes, ``fsdp2_hsdp_cpu.yaml`` /
 ``odc_hsdp_cpu.yaml``): FSDP2's HSDP against ODC within each shard group with one all-reduce across replicas per step.

@@ -102,6 +102,9 @@ class Workload:
         unsupported (`dict[str, str]`): arms that cannot run on this workload, with the reason.
         config_files (`dict[str, str]`): accelerate config files that replace the arms' own (e.g. the HSDP versions);
             the world size is the ODC arm's config's ``num_processes``.
+        data (`str`, *optional*): a dataset every arm trains on instead of the script's offline default, written once
+            per benchmark run into ``OUT/data`` by ``benchmarks.e2e.data.DATASETS[data]`` and passed as
+            ``--dataset_name`` (unless the script arguments name one).
     """
 
     name: str
@@ -117,6 +120,7 @@ class Workload:
     planned_args: tuple[str, ...] = ()
     unsupported: dict[str, str] = field(default_factory=dict)
     config_files: dict[str, str] = field(default_factory=dict)
+    data: str | None = None
 
     def config_of(self, arm: Arm) -> str | None:
         """The accelerate config file ``arm`` runs with on this workload (`None`: the limit)."""
@@ -153,6 +157,22 @@ WORKLOADS: dict[str, Workload] = {
             "column; TRL's tokenized preference data has prompt_ids / chosen_ids / rejected_ids only, so the Trainer "
             "raises before training (it would need a `length` column added after tokenization)",
         },
+    ),
+    # A reward model on the long-tailed preference pairs (a pair: chosen and rejected rows padded to the longer). The
+    # pairs carry a `length` column (benchmarks.e2e.data.reward_pairs) that BatchRebalanceSampler reads, and the
+    # Trainer keeps it (--remove_unused_columns false); TRL's collator ignores it.
+    "reward": Workload(
+        "reward",
+        "examples/reward/train.py",
+        "examples/reward/configs",
+        batch=1,
+        grad_accum=2,
+        max_length=512,
+        max_steps=5,
+        arms=("fsdp2_random", "fsdp2_rebalance", "odc"),
+        replaced={"max_length": 1024, "per_device_train_batch_size": 8},
+        args=("--remove_unused_columns", "false"),
+        data="reward_pairs",
     ),
 }
 # The SFT example on a 2-D mesh (2 replicas x 2 shards, 4 processes): FSDP2's HSDP under the three samplers vs ODC

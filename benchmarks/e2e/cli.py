@@ -1,4 +1,4 @@
-"""Command line of the end-to-end benchmark: ``python -m benchmarks.e2e <sft|dpo> [options] [-- script args]``."""
+"""Command line of the end-to-end benchmark: ``python -m benchmarks.e2e <workload> [options] [-- script args]``."""
 
 from __future__ import annotations
 

@@ -189,6 +189,11 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
     if not script.is_file():
         raise SystemExit(f"{script} not found: run the benchmark from a source checkout of odc_accelerate.")
     world = world_size_of(REPO / workload.configs / workload.config_of(ARMS["odc"]))
+    if workload.data is not None and "--dataset_name" not in opts.extra:
+        from benchmarks.e2e.data import DATASETS
+
+        # written once, before the first run: every arm and repeat reads the same files
+        opts.extra = [*opts.extra, "--dataset_name", str(DATASETS[workload.data](opts.out / "data"))]
     if getattr(opts, "slow_rank", None) is not None and opts.slow_rank >= world:
         raise SystemExit(f"--slow_rank {opts.slow_rank} is not a rank of the {world}-process runs")
     runs: dict[str, list[dict]] = {a: [] for a in opts.arms}

@@ -7,13 +7,14 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
 1. checks the script's ``--config`` recipe for misspelt ``odc*`` keys;
 2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
    gets the ODC plugin);
-3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig`` and ``GRPOTrainer`` on the
-   ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC
-   options as extra arguments): TRL's own ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and
-   trains with ODC, unmodified;
+3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
+   ``RewardConfig`` and ``RewardTrainer`` on the ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`,
+   `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
+   ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
 4. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer (a custom
    ``Trainer`` subclass, a trainer imported from where TRL defines it, a TRL trainer ODC does not support), with a
-   message naming the class and what to change: a run that asks for ODC never trains without it.
+   message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
+   ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
 
 Nothing happens on import; `install` does steps 2-4.
 """
@@ -38,6 +39,8 @@ ODC_CLASSES = {
     "DPOTrainer": "ODCDPOTrainer",
     "GRPOConfig": "ODCGRPOConfig",
     "GRPOTrainer": "ODCGRPOTrainer",
+    "RewardConfig": "ODCRewardConfig",
+    "RewardTrainer": "ODCRewardTrainer",
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE [ARGS]"
@@ -45,17 +48,22 @@ USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE
 
 def require_odc_trainer(trainer: Any) -> None:
     """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer (a subclass of
-    `odc_accelerate.ODCTrainerMixin`)."""
+    `odc_accelerate.ODCTrainerMixin`); for a TRL trainer ODC refuses (KTO, distillation) the message says why."""
     import odc_accelerate
+    from odc_accelerate.integrations.trl.unsupported import unsupported_trainer_message
 
     if isinstance(trainer, odc_accelerate.ODCTrainerMixin):
         return
+    refused = unsupported_trainer_message(trainer)
+    if refused is not None:
+        raise RuntimeError(refused)
     cls = type(trainer)
     raise RuntimeError(
         f"This run asks for ODC, but the script trains with {cls.__module__}.{cls.__qualname__}, which is not an ODC "
         "trainer: it would train without ODC, so it was stopped before training. Build the trainer from "
-        "`from trl import SFTTrainer` / `DPOTrainer` / `GRPOTrainer` (replaced by the ODC trainers in this run) or "
-        "from `odc_accelerate.ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer`; for a transformers Trainer "
+        "`from trl import SFTTrainer` / `DPOTrainer` / `GRPOTrainer` / `RewardTrainer` (replaced by the ODC trainers "
+        "in this run) or from `odc_accelerate.ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / "
+        "`ODCRewardTrainer`; for a transformers Trainer "
         "subclass, put `odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). To train without ODC, set `odc: false` in the accelerate "
         "config (or ODC_ENABLE=false)."

@@ -1,4 +1,5 @@
-"""What the SFT, DPO and GRPO scripts share: the argument parser, the offline default, dataset loading, the finish."""
+"""What the SFT, DPO, GRPO and reward scripts share: the argument parser, the offline default, dataset loading, the
+finish."""
 
 from __future__ import annotations
 
@@ -98,25 +99,36 @@ def demo_sizes(training_args: Any, sizes: Mapping[str, Any], given: Collection[s
 
 
 def offline_models(
-    training_args: Any, model_args: Any, copies: int = 1, shape: Mapping[str, int] | None = None
+    training_args: Any,
+    model_args: Any,
+    copies: int = 1,
+    shape: Mapping[str, int] | None = None,
+    num_labels: int | None = None,
 ) -> tuple[list[Any], Any]:
     """``copies`` tiny Qwen2 models with the same initial weights (from ``--seed``) on every rank, and the offline
     tokenizer. Honours ``--attn_implementation`` (default sdpa) and ``--dtype`` (default float32); ``shape`` overrides
-    `odc_accelerate.data.tiny_qwen2_config`'s sizes."""
+    `odc_accelerate.data.tiny_qwen2_config`'s sizes. Causal LMs, or with ``num_labels`` sequence classifiers
+    (``Qwen2ForSequenceClassification``: a reward model with ``num_labels=1``; the config's pad token is the
+    tokenizer's, which locates each row's last token)."""
     require_demo_extra()
     import torch
-    from transformers import AutoModelForCausalLM, set_seed
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from ..data import load_offline_tokenizer, tiny_qwen2_config
 
     tokenizer = load_offline_tokenizer()
     config = tiny_qwen2_config(**dict(shape or {}))
+    auto_class = AutoModelForCausalLM
+    if num_labels is not None:
+        config.num_labels = num_labels
+        config.pad_token_id = tokenizer.pad_token_id
+        auto_class = AutoModelForSequenceClassification
     attn = model_args.attn_implementation or "sdpa"
     dtype = getattr(torch, model_args.dtype if model_args.dtype not in (None, "auto") else "float32")
     models = []
     for _ in range(copies):
         set_seed(training_args.seed)
-        models.append(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
+        models.append(auto_class.from_config(config, dtype=dtype, attn_implementation=attn))
     return models, tokenizer
 
 

@@ -213,3 +213,30 @@ def save_tiny_causal_lm(kind: str, path: str | os.PathLike, seed: int = 0, hidde
     model.save_pretrained(out)
     load_offline_tokenizer().save_pretrained(out)
     return out
+
+
+def tiny_reward_model(kind: str = "untied", seed: int = 0, hidden_size: int = 64) -> Any:
+    """The tiny model of ``kind`` (`tiny_causal_lm_config`) as a reward model: a sequence classifier with one output
+    (``Qwen2ForSequenceClassification``, ``LlamaForSequenceClassification``, ...), fp32, built with ``seed``. Its
+    config's pad token is the offline tokenizer's, which the classifier uses to find each row's last token. The
+    ``untied`` one is what ``odc-accelerate reward`` trains by default (same seed, same weights)."""
+    from transformers import AutoModelForSequenceClassification, set_seed
+
+    from odc_accelerate.data import load_offline_tokenizer
+
+    config = tiny_causal_lm_config(kind, hidden_size)
+    config.num_labels = 1
+    config.pad_token_id = load_offline_tokenizer().pad_token_id
+    set_seed(seed)
+    return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def save_tiny_reward_model(kind: str, path: str | os.PathLike, seed: int = 0, hidden_size: int = 64) -> Path:
+    """`tiny_reward_model` saved with the offline tokenizer to ``path``: a folder TRL's reward script loads with
+    ``--model_name_or_path path`` (no network). Returns the folder."""
+    from odc_accelerate.data import load_offline_tokenizer
+
+    out = Path(path)
+    tiny_reward_model(kind, seed, hidden_size).save_pretrained(out)
+    load_offline_tokenizer().save_pretrained(out)
+    return out

@@ -137,7 +137,7 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
         assert files["png"].stat().st_size > 1000
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward"])
 def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_arguments(tmp_path, name):
     workload, opts = parse_args([name, "--batch", "2", "--grad_accum", "3", "--max_length", "300"])
     spec = importlib.util.spec_from_file_location(f"{name}_train", ROOT / workload.script)
@@ -169,7 +169,7 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
 
 
 def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cannot_run():
-    with pytest.raises(SystemExit, match="sft\\|dpo"):
+    with pytest.raises(SystemExit, match="sft\\|dpo\\|reward"):
         parse_args([])
     with pytest.raises(SystemExit):
         parse_args(["sft", "--max_length", "1024"])
@@ -179,6 +179,23 @@ def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cann
         parse_args(["sft", "--arms", "fsdp2_random,nope"])
     _, opts = parse_args(["sft", "--quick", "--no_limit"])
     assert opts.arms == ["fsdp2_random", "odc"] and opts.repeats == 1
+
+
+def test_reward_pairs_carry_the_length_batch_rebalance_reads(tmp_path):
+    """The reward workload's data: the offline pairs, each with the tokens of its longer side (+ TRL's EOS)."""
+    from benchmarks.e2e.data import DATASETS
+    from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset
+
+    folder = DATASETS[WORKLOADS["reward"].data](tmp_path / "data")
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    pairs = offline_dpo_dataset()
+    assert len(rows) == len(pairs) and rows[0]["prompt"] == pairs[0]["prompt"]
+    tokenizer = load_offline_tokenizer()
+    for row in rows[:5]:
+        sides = [len(tokenizer(row["prompt"] + row[k])["input_ids"]) + 1 for k in ("chosen", "rejected")]
+        assert row["length"] == max(sides)
+    lengths = sorted(row["length"] for row in rows)
+    assert lengths[-1] > 3 * lengths[len(lengths) // 2]  # long-tailed
 
 
 def test_full_runs_write_to_the_stored_results_and_quick_runs_never_do():

@@ -263,7 +263,8 @@ def test_examples_are_the_package_scripts(name):
     package = importlib.import_module(f"odc_accelerate.scripts.{name}")
     assert example.main is package.main and example.make_parser is package.make_parser
     _, args, _, _ = example.make_parser().parse_args_and_config(["--odc", "true", "--max_steps", "2"])
-    assert isinstance(args, getattr(odc_accelerate, f"ODC{name.upper()}Config")) and args.odc is True
+    config = {"sft": "ODCSFTConfig", "dpo": "ODCDPOConfig", "grpo": "ODCGRPOConfig", "reward": "ODCRewardConfig"}[name]
+    assert isinstance(args, getattr(odc_accelerate, config)) and args.odc is True
 
 
 # ---------------------------------------------------------------------------------------------------------- launch
@@ -536,6 +537,24 @@ def test_bootstrap_swaps_trls_public_classes_and_guards_train(restore_bootstrap)
 
     bootstrap.install()  # twice changes nothing
     assert trl.SFTTrainer is odc_accelerate.ODCSFTTrainer
+
+
+@pytest.mark.parametrize("trainer", ["KTOTrainer", "DistillationTrainer"])
+def test_bootstrap_refuses_kto_and_distillation_by_name_before_training(restore_bootstrap, trainer):
+    import trl
+    from transformers import Trainer
+
+    from odc_accelerate.cli import bootstrap
+
+    bootstrap.install()
+    cls = getattr(trl, trainer)  # TRL's own: not replaced
+    assert cls.__module__.startswith("trl.trainer.")
+    with pytest.raises(RuntimeError) as err:
+        Trainer.train(object.__new__(cls))
+    message = str(err.value)
+    assert message.startswith(f"ODC does not support TRL's {trainer}: its loss ")
+    assert f"{trainer} was stopped before training" in message
+    assert "train it with plain FSDP2 (`odc: false`)" in message and "not an ODC trainer" not in message
 
 
 def test_replace_public_classes_refuses_what_is_not_a_subclass(restore_bootstrap):

@@ -15,7 +15,16 @@ from . import _LIBRARY
 #: SFTTrainer`` and ``from trl.trainer import SFTTrainer``. The modules that define them (``trl.trainer.sft_trainer``,
 #: ...) keep TRL's classes, so TRL's own code and the TRL trainers defined on top of them (GKD, GOLD, ...) are
 #: unchanged.
-PUBLIC_CLASSES = ("SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer")
+PUBLIC_CLASSES = (
+    "SFTConfig",
+    "SFTTrainer",
+    "DPOConfig",
+    "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "RewardConfig",
+    "RewardTrainer",
+)
 PUBLIC_MODULES = ("trl", "trl.trainer")
 _REPLACED: dict[tuple[str, str], Any] = {}
 

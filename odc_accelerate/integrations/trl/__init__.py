@@ -1,4 +1,4 @@
-"""ODC for TRL: the SFT, DPO and GRPO trainers and their training arguments (``--odc true`` and friends).
+"""ODC for TRL: the SFT, DPO, GRPO and reward-model trainers and their training arguments (``--odc true`` and friends).
 
 ```python
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
@@ -14,8 +14,9 @@ recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_a
 
 One module per concern:
 
-* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`);
-* `sft`, `dpo`, `grpo`: one trainer each;
+* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`);
+* `sft`, `dpo`, `grpo`, `reward`: one trainer each;
+* `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
 * `reference`: the reference model of DPO and GRPO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
 * `rollouts`: GRPO completions re-batched per row and per planned microbatch;
@@ -33,6 +34,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCRewardConfig",
+    "ODCRewardTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTrainingArgumentsMixin",
@@ -41,17 +44,20 @@ __all__ = [
 _LAZY = {
     "ODCDPOConfig": "config",
     "ODCGRPOConfig": "config",
+    "ODCRewardConfig": "config",
     "ODCSFTConfig": "config",
     "ODCTrainingArgumentsMixin": "config",
     "ODCDPOTrainer": "dpo",
     "ODCGRPOTrainer": "grpo",
+    "ODCRewardTrainer": "reward",
     "ODCSFTTrainer": "sft",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ODCDPOConfig, ODCGRPOConfig, ODCSFTConfig, ODCTrainingArgumentsMixin
+    from .config import ODCDPOConfig, ODCGRPOConfig, ODCRewardConfig, ODCSFTConfig, ODCTrainingArgumentsMixin
     from .dpo import ODCDPOTrainer
     from .grpo import ODCGRPOTrainer
+    from .reward import ODCRewardTrainer
     from .sft import ODCSFTTrainer
 
 

@@ -11,12 +11,19 @@ from typing import Any
 
 from ..._compat.trl.grpo import GRPO_LOSS_NORMALISATION
 
-__all__ = ["dpo_loss_weight", "grpo_loss_weight"]
+__all__ = ["dpo_loss_weight", "grpo_loss_weight", "reward_loss_weight"]
 
 
 def dpo_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
     """DPO averages over the pairs of a microbatch: ``pairs x W / pairs of the whole step``."""
     return pairs * world_size / float(total_pairs)
+
+
+def reward_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
+    """The reward-model loss averages over the pairs of a microbatch (``-logsigmoid`` of each pair's reward difference,
+    and the ``center_rewards_coefficient`` term, a mean of each pair's squared reward sum): the weight of DPO,
+    ``pairs x W / pairs of the whole step``."""
+    return dpo_loss_weight(pairs, total_pairs, world_size)
 
 
 def grpo_loss_weight(

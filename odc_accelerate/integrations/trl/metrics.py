@@ -4,7 +4,7 @@ During a step's microbatches the trainers' metric gathers are answered with this
 (`~odc_accelerate.integrations.trainer.metrics.DeferredGather`); at the step boundary one reduction gives the sums of
 every rank (`~odc_accelerate.integrations.trainer.metrics.StepMetrics`), and the functions below replace what TRL
 recorded for each microbatch with the value one process logs when the global batch is one microbatch. What each
-gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl` (its `sft`, `dpo` and `grpo` modules).
+gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl` (its `sft`, `dpo`, `grpo` and `reward` modules).
 """
 
 from __future__ import annotations
@@ -14,10 +14,22 @@ from typing import Any
 from ..._compat import trl as trl_compat
 from ..._compat.trl import dpo as trl_dpo
 from ..._compat.trl import grpo as trl_grpo
+from ..._compat.trl import reward as reward_compat
 from ..._compat.trl import sft as trl_sft
 from ..trainer.metrics import StepMetrics
 
-__all__ = ["finalize_dpo_metrics", "finalize_grpo_metrics", "finalize_sft_metrics"]
+__all__ = [
+    "REWARD_ODC_GATHERS",
+    "finalize_dpo_metrics",
+    "finalize_grpo_metrics",
+    "finalize_reward_metrics",
+    "finalize_sft_metrics",
+]
+
+#: The gathers `ODCRewardTrainer` adds after TRL's own in each microbatch (answered locally, never a collective): each
+#: pair's accuracy (chosen scored above rejected) and margin (chosen minus rejected), so that the step's values are
+#: means over its pairs.
+REWARD_ODC_GATHERS = ("correct_pairs", "pair_margins")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -65,6 +77,29 @@ def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
         values[key] = _ratio(total[key], count[key])
     for key, value in values.items():
         recorded[key].append(value)
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
+
+
+def finalize_reward_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """Reward model: ``min_reward`` / ``mean_reward`` / ``max_reward`` over every reward (chosen and rejected) of the
+    step on every rank, ``accuracy`` and ``margin`` means over every pair of the step, ``num_tokens`` counting the
+    input tokens of all ranks: the values TRL logs when the global batch is one microbatch."""
+    names = reward_compat.REWARD_TRAIN_GATHERS + REWARD_ODC_GATHERS
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    count = dict(zip(names, metrics.global_counts, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    index = {name: i for i, name in enumerate(names)}
+    recorded = trl_compat.train_metrics(trainer)
+    _drop_microbatch_values(recorded, reward_compat.REWARD_PER_MICROBATCH, metrics.local_microbatches)
+    values = {
+        "min_reward": metrics.global_mins[index["rewards"]],
+        "mean_reward": _ratio(total["rewards"], count["rewards"]),
+        "max_reward": metrics.global_maxs[index["rewards"]],
+        "accuracy": _ratio(total["correct_pairs"], count["correct_pairs"]),
+        "margin": _ratio(total["pair_margins"], count["pair_margins"]),
+    }
+    for key, value in values.items():
+        recorded[key].append(float(value))
     trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
 
 

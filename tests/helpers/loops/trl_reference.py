@@ -1,12 +1,15 @@
 """The parity reference of the SFT and DPO tests: TRL's own trainer in one process, on the same optimizer steps.
 
     python tests/helpers/loops/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
-        (any SFTConfig / DPOConfig argument)
+        (any SFTConfig / DPOConfig / RewardConfig argument; the first argument is sft, dpo or reward)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
 examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
 each optimizer step accumulates ``samples_per_step`` samples through TRL's own gradient accumulation and
-normalisation. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
+normalisation. ``reward`` trains TRL's `RewardTrainer` (the offline default reward model: the tiny Qwen2 as a sequence
+classifier with one output; the DPO pairs) with ``per_device_train_batch_size=samples_per_step`` and no accumulation:
+the whole global batch is one microbatch, so TRL's metrics of a step (the minimum and maximum reward among them) are
+those of the whole step. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
@@ -18,6 +21,7 @@ that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -37,6 +41,19 @@ def _model(seed: int, path: str | None = None) -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
+def _reward_model(seed: int, path: str | None = None):
+    """The reward model the reward scripts train: the offline default (`odc_accelerate.testing.models.tiny_reward_model`,
+    the model `odc_accelerate.scripts.reward` builds), or the model saved at ``path`` loaded as TRL's `RewardTrainer`
+    loads a name (``num_labels=1``, float32)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from odc_accelerate.testing.models import tiny_reward_model
+
+    if path is not None:
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    return tiny_reward_model("untied", seed)
+
+
 def _params(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
@@ -49,21 +66,29 @@ def _in_step_order(dataset, samples_per_step: int, seed: int):
 
 def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from odc_accelerate._compat.trl import lm_head as trl_lm_head
     from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("trainer", choices=["sft", "dpo"])
+    parser.add_argument("trainer", choices=["sft", "dpo", "reward"])
     parser.add_argument("--samples_per_step", type=int, required=True)
     parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
     own, rest = parser.parse_known_args(argv)
-    config_class, trainer_class = (SFTConfig, SFTTrainer) if own.trainer == "sft" else (DPOConfig, DPOTrainer)
+    config_class, trainer_class = {
+        "sft": (SFTConfig, SFTTrainer),
+        "dpo": (DPOConfig, DPOTrainer),
+        "reward": (RewardConfig, RewardTrainer),
+    }[own.trainer]
     # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
     (args,) = HfArgumentParser(config_class).parse_args_into_dataclasses(["--bf16", "false", *rest])
-    args.per_device_train_batch_size = 1
-    args.gradient_accumulation_steps = own.samples_per_step
+    if own.trainer == "reward":  # the global batch as one microbatch (see the module docstring)
+        args.per_device_train_batch_size = own.samples_per_step
+        args.gradient_accumulation_steps = 1
+    else:
+        args.per_device_train_batch_size = 1
+        args.gradient_accumulation_steps = own.samples_per_step
 
     class InStepOrder(trainer_class):  # TRL's trainer; only the order in which it reads the training set is fixed
         def _get_train_sampler(self, *args, **kwargs):
@@ -72,8 +97,17 @@ def main(argv: list[str]) -> None:
     tokenizer = load_offline_tokenizer()  # as saved beside a --model_name_or_path model (`save_tiny_causal_lm`)
     # TRL 1.15's fused LM head is a Triton kernel whatever the device: on CPU it takes the torch path TRL 1.16 has
     # (as the ODC trainers do; nothing changes on TRL 1.16)
-    with trl_lm_head.fused_lm_head_torch_path(own.trainer):
-        if own.trainer == "sft":
+    # (the reward model is a sequence classifier: no LM head)
+    fused = contextlib.nullcontext() if own.trainer == "reward" else trl_lm_head.fused_lm_head_torch_path(own.trainer)
+    with fused:
+        if own.trainer == "reward":
+            trainer = InStepOrder(
+                model=_reward_model(args.seed, own.model_name_or_path),
+                args=args,
+                train_dataset=offline_dpo_dataset(),
+                processing_class=tokenizer,
+            )
+        elif own.trainer == "sft":
             trainer = InStepOrder(
                 model=_model(args.seed, own.model_name_or_path),
                 args=args,
