@@ -35,6 +35,9 @@ class ODCStepLoaders:
     def _odc_lengths(self, dataset: Any) -> Any:
         from ...planning import dataset_lengths
 
+        if not getattr(dataset, "column_names", None):
+            # A map-style dataset without named columns (a torch Dataset of dicts): each row's own input_ids.
+            return dataset_lengths(dataset, length_fn=_row_length)
         return dataset_lengths(dataset)
 
     def _odc_padded(self) -> bool:
@@ -169,3 +172,14 @@ class ODCStepLoaders:
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu",
         )
+
+
+def _row_length(row: Any) -> int:
+    """The length of one training row without named columns: its ``input_ids``."""
+    try:
+        return len(row["input_ids"])
+    except (KeyError, TypeError, IndexError):
+        raise ValueError(
+            "ODC plans each step by the samples' lengths, but a training row has no input_ids: give the dataset an "
+            "input_ids (or length) column, or rows that are dicts with input_ids."
+        ) from None
