@@ -44,8 +44,6 @@ PLAN_ENV = {
     "ODC_SAMPLES_PER_STEP": str(SAMPLES_PER_STEP),
     "ODC_MAX_TOKENS_PER_MICROBATCH": "128",
     "ODC_DUMP_PARAMS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
 }
 
 
@@ -65,7 +63,7 @@ def runs(tmp_path_factory):
     subclass.write_text(_variant(source, "Trainer"))
     mixin.write_text(_variant(source, "ODCTrainerMixin, Trainer", "from odc_accelerate import ODCTrainerMixin\n"))
     out = {name: root / name for name in ("odc", "subclass", "mixin", "fsdp2", "reference")}
-    env = {**PLAN_ENV, "HF_DATASETS_CACHE": str(root / "hf_datasets")}
+    env = dict(PLAN_ENV)  # the offline text is built in memory: no Hub, no datasets cache
     odc_launch = [sys.executable, "-m", "odc_accelerate.cli", "launch", "--config_file", CONFIGS / "odc_cpu.yaml"]
     odc_launch += ["--main_process_port", "0", RUN_EXAMPLE]
 
