@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_CLM = ROOT / "examples" / "trainer" / "run_clm.py"
 REFERENCE = ROOT / "tests" / "helpers" / "trainer_reference.py"
 SAMPLES_PER_STEP = 5
-# 2 steps of SGD with momentum, fp32, as the SFT parity runs; 128-token samples and a 128-token budget
+# 2 steps of SGD with momentum, fp32, as the SFT parity runs; samples of at most 128 tokens
 PARITY = [
     "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--block_size", "128",
     "--optim", "sgd", "--optim_args", "momentum=0.9", "--learning_rate", "0.5", "--seed", "0",
@@ -42,7 +42,9 @@ PARITY = [
 # what odc-accelerate launch exports from a config's odc_samples_per_step / odc_max_tokens_per_microbatch keys
 PLAN_ENV = {
     "ODC_SAMPLES_PER_STEP": str(SAMPLES_PER_STEP),
-    "ODC_MAX_TOKENS_PER_MICROBATCH": "128",
+    # two 128-token samples fit one microbatch: the lockstep plan then gives every rank non-empty microbatches (plain
+    # FSDP2 needs the same number on every rank; a rank's empty one would leave its peer alone in a collective)
+    "ODC_MAX_TOKENS_PER_MICROBATCH": "256",
     "ODC_DUMP_PARAMS": "1",
 }
 
