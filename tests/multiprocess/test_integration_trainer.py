@@ -54,7 +54,9 @@ def _variant(source: str, base: str, imports: str = "") -> str:
     head, main = source.split("\ndef main() -> None:", 1)
     assert "    trainer = Trainer(" in main
     main = main.replace("    trainer = Trainer(", "    trainer = MyTrainer(")
-    return f"{imports}{head}\nclass MyTrainer({base}):\n    pass\n\n\ndef main() -> None:{main}"
+    future = "from __future__ import annotations\n"
+    head = head.replace(future, future + imports, 1)
+    return f"{head}\nclass MyTrainer({base}):\n    pass\n\n\ndef main() -> None:{main}"
 
 
 @pytest.fixture(scope="module")
