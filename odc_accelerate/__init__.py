@@ -22,6 +22,7 @@ _LAZY = {
     "ODCPlugin": "odc_accelerate.integrations.accelerate",
     "enable": "odc_accelerate.integrations.accelerate",
     "get_engine": "odc_accelerate.integrations.accelerate",
+    "ODCTrainer": "odc_accelerate.integrations.trainer",
     "ODCTrainerMixin": "odc_accelerate.integrations.trainer",
     "ODCCallback": "odc_accelerate.integrations.trainer",
     "ODCDPOConfig": "odc_accelerate.integrations.trl",
@@ -49,6 +50,7 @@ __all__ = [
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
+    "ODCTrainer",
     "ODCTrainerMixin",
     "PlanName",
     "ReductionName",
@@ -62,7 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import ODCConfig
     from .engine import ODCEngine
     from .integrations.accelerate import ODCPlugin, enable, get_engine
-    from .integrations.trainer import ODCCallback, ODCTrainerMixin
+    from .integrations.trainer import ODCCallback, ODCTrainer, ODCTrainerMixin
     from .integrations.trl import (
         ODCDPOConfig,
         ODCDPOTrainer,

@@ -45,10 +45,9 @@ _METHODS = {
 def check() -> None:
     """Raise `~odc_accelerate._compat.CompatError` if a Trainer internal the ODC mixin overrides is missing or
     changed shape."""
-    from transformers import Trainer
-
     detail = "The Trainer methods it overrides may behave differently there."
     warn_if_untested(_LIBRARY, detail)
+    Trainer = original_trainer()  # noqa: N806 - transformers' own, also while `replace_trainer` swapped it
     for name, params in _METHODS.items():
         method = require(Trainer, name, library=_LIBRARY, where="transformers.Trainer")
         check_signature(method, params, library=_LIBRARY, where=f"transformers.Trainer.{name}")
@@ -186,8 +185,10 @@ def generation_without_peer_sync(
 
 def guard_trainer_train(check: Callable[[Any], None]) -> None:
     """Make ``transformers.Trainer.train`` call ``check(trainer)`` first: ``check`` raises to stop a run before it
-    trains (`odc_accelerate.cli.bootstrap`). Idempotent; `odc_accelerate._compat.restore_attribute` undoes it."""
-    from transformers import Trainer
+    trains (`odc_accelerate.cli.bootstrap`). transformers' own ``Trainer`` is patched, also while `replace_trainer`
+    swapped it, so every trainer (TRL's, the swapped-in class and its subclasses) is checked. Idempotent;
+    `odc_accelerate._compat.restore_attribute` undoes it."""
+    Trainer = original_trainer()  # noqa: N806
 
     def wrap(original: Any) -> Any:
         @functools.wraps(original)
@@ -211,3 +212,54 @@ def checkpoint_weights(model: Any, weights: dict[str, Any]) -> dict[str, Any]:
     revert = import_attr("transformers.core_model_loading", "revert_weight_conversion", library=_LIBRARY)
     check_signature(revert, ("model", "state_dict"), library=_LIBRARY, where="revert_weight_conversion")
     return revert(model=model, state_dict=weights)
+
+
+# ------------------------------------------------------------------------------ the Trainer class (odc_accelerate.cli)
+#: The modules a script imports ``Trainer`` from: ``from transformers import Trainer`` reads the attribute of the lazy
+#: ``transformers`` module (its ``__getattr__`` runs only while the attribute is absent, so an attribute set on it
+#: wins), ``from transformers.trainer import Trainer`` the attribute of the module that defines it.
+TRAINER_MODULES = ("transformers", "transformers.trainer")
+#: transformers' own modules that subclass ``Trainer`` when imported (``Seq2SeqTrainer``): imported before the swap,
+#: so that their classes keep the original base and are refused by name, not silently turned into ODC trainers.
+TRAINER_SUBCLASS_MODULES = ("transformers.trainer_seq2seq",)
+_TRAINER_REPLACED: dict[str, Any] = {}
+
+
+def original_trainer() -> type:
+    """transformers' own ``Trainer`` class, also while `replace_trainer` has put a subclass in its place."""
+    import transformers.trainer as trainer_mod
+
+    return _TRAINER_REPLACED.get("transformers.trainer") or require(
+        trainer_mod, "Trainer", library=_LIBRARY, where="transformers.trainer"
+    )
+
+
+def replace_trainer(cls: type) -> None:
+    """Make ``Trainer`` of `TRAINER_MODULES` return ``cls`` (a subclass of transformers' ``Trainer``): a script's
+    ``from transformers import Trainer`` and ``class MyTrainer(Trainer)`` then get ``cls``. Classes already defined
+    on the original (TRL's trainers, imported before this call, and those of `TRAINER_SUBCLASS_MODULES`) keep it.
+    Idempotent; `restore_trainer` undoes it.
+
+    Raises:
+        TypeError: ``cls`` does not subclass transformers' ``Trainer``.
+    """
+    import importlib
+
+    original = original_trainer()
+    if not (isinstance(cls, type) and issubclass(cls, original) and cls is not original):
+        raise TypeError(f"transformers.Trainer can only be replaced by a subclass of it, not {cls!r}.")
+    for module_name in TRAINER_SUBCLASS_MODULES:
+        importlib.import_module(module_name)  # bound to the original Trainer now, before the swap
+    for module_name in TRAINER_MODULES:
+        module = importlib.import_module(module_name)
+        _TRAINER_REPLACED.setdefault(module_name, require(module, "Trainer", library=_LIBRARY, where=module_name))
+        module.Trainer = cls
+
+
+def restore_trainer() -> None:
+    """Give back transformers' ``Trainer`` replaced by `replace_trainer`."""
+    import sys
+
+    for module_name, original in _TRAINER_REPLACED.items():
+        sys.modules[module_name].Trainer = original
+    _TRAINER_REPLACED.clear()

@@ -11,12 +11,15 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
    ``RewardConfig`` and ``RewardTrainer`` on the ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`,
    `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
    ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
-4. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer (a custom
-   ``Trainer`` subclass, a trainer imported from where TRL defines it, a TRL trainer ODC does not support), with a
+4. replaces ``Trainer`` on ``transformers`` and ``transformers.trainer`` with `odc_accelerate.ODCTrainer`: a plain
+   ``Trainer`` script, and a ``class MyTrainer(Trainer)`` it defines, train with ODC, unmodified (TRL's trainers and
+   transformers' ``Seq2SeqTrainer``, defined before the swap, keep transformers' own base);
+5. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer ODC can serve
+   (a trainer imported from where TRL defines it, a TRL trainer ODC does not support, ``Seq2SeqTrainer``), with a
    message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
    ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
 
-Nothing happens on import; `install` does steps 2-4.
+Nothing happens on import; `install` does steps 2-5.
 """
 
 from __future__ import annotations
@@ -47,38 +50,83 @@ USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE
 
 
 def require_odc_trainer(trainer: Any) -> None:
-    """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer (a subclass of
-    `odc_accelerate.ODCTrainerMixin`); for a TRL trainer ODC refuses (KTO, distillation) the message says why."""
+    """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer ODC can serve: a subclass of
+    `odc_accelerate.ODCTrainerMixin` none of whose classes below ODC's is another library trainer (a transformers or
+    TRL trainer class defined on the swapped-in `odc_accelerate.ODCTrainer`, which ODC has not been made for); for a TRL
+    trainer ODC refuses (KTO, distillation) the message says why."""
     import odc_accelerate
     from odc_accelerate.integrations.trl.unsupported import unsupported_trainer_message
 
+    cls = type(trainer)
+    off = "To train without ODC, set `odc: false` in the accelerate config (or ODC_ENABLE=false)."
     if isinstance(trainer, odc_accelerate.ODCTrainerMixin):
-        return
+        library = _library_trainer_below_odc(cls)
+        if library is None:
+            return
+        raise RuntimeError(
+            f"This run asks for ODC, but the script trains with {_name(library)}, a trainer ODC does not support: it "
+            f"was stopped before training. {_unsupported_hint(library)}{off}"
+        )
     refused = unsupported_trainer_message(trainer)
     if refused is not None:
         raise RuntimeError(refused)
-    cls = type(trainer)
     raise RuntimeError(
-        f"This run asks for ODC, but the script trains with {cls.__module__}.{cls.__qualname__}, which is not an ODC "
-        "trainer: it would train without ODC, so it was stopped before training. Build the trainer from "
-        "`from trl import SFTTrainer` / `DPOTrainer` / `GRPOTrainer` / `RewardTrainer` (replaced by the ODC trainers "
-        "in this run) or from `odc_accelerate.ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / "
-        "`ODCRewardTrainer`; for a transformers Trainer "
-        "subclass, put `odc_accelerate.ODCTrainerMixin` first among its bases "
-        f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). To train without ODC, set `odc: false` in the accelerate "
-        "config (or ODC_ENABLE=false)."
+        f"This run asks for ODC, but the script trains with {_name(cls)}, which is not an ODC trainer: it would train "
+        f"without ODC, so it was stopped before training. {_unsupported_hint(cls)}"
+        "Build the trainer from `from transformers import Trainer` or `from trl import SFTTrainer` / `DPOTrainer` / "
+        "`GRPOTrainer` / `RewardTrainer` (replaced by the ODC trainers in this run), or from `odc_accelerate.ODCTrainer` "
+        "/ `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer`; for a subclass of a transformers "
+        "Trainer imported from elsewhere, put `odc_accelerate.ODCTrainerMixin` first among its bases "
+        f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). {off}"
     )
 
 
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_library_class(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in ("transformers", "trl")
+
+
+def _library_trainer_below_odc(cls: type) -> type | None:
+    """The first transformers / TRL class in ``cls``'s MRO before `odc_accelerate.ODCTrainer`, if any: a library
+    trainer defined on the swapped-in ``Trainer`` (imported after the bootstrap), which ODC does not serve."""
+    import odc_accelerate
+
+    for base in cls.__mro__:
+        if base is odc_accelerate.ODCTrainer or issubclass(odc_accelerate.ODCTrainer, base):
+            return None
+        if _is_library_class(base):
+            return base
+    return None
+
+
+def _unsupported_hint(cls: type) -> str:
+    """What to use instead of a library trainer ODC does not serve, or ``""`` for a script's own class."""
+    seq2seq = [base for base in cls.__mro__ if base.__name__ == "Seq2SeqTrainer" and _is_library_class(base)]
+    if seq2seq:
+        return (
+            "ODC does not support transformers' Seq2SeqTrainer (encoder-decoder training with generation in its "
+            "evaluation; ODC plans causal-LM samples by their input length): train a causal LM with "
+            "`transformers.Trainer`, or run without ODC. "
+        )
+    if _is_library_class(cls):
+        return f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO and reward trainers, not {cls.__qualname__}. "
+    return ""
+
+
 def install() -> None:
-    """Steps 2-4 of the module docstring, in this process."""
+    """Steps 2-5 of the module docstring, in this process."""
     import odc_accelerate
 
     from .._compat import transformers as transformers_compat
     from .._compat.trl import classes as trl_classes
 
     odc_accelerate.enable()
+    # TRL first: its trainer modules bind transformers' own Trainer as they are imported, here, before the swap.
     trl_classes.replace_public_classes({name: getattr(odc_accelerate, odc) for name, odc in ODC_CLASSES.items()})
+    transformers_compat.replace_trainer(odc_accelerate.ODCTrainer)
     transformers_compat.guard_trainer_train(require_odc_trainer)
 
 

@@ -6,7 +6,8 @@
   JSON-lines dataset (the offline default model and SFT data); the ``odc*`` keys of its ``--config`` recipe reach the
   ODC trainer (5 samples per step, so the ranks run unequal microbatch counts), and it trains as TRL's own
   ``SFTTrainer`` in one process on the same samples per step (the session's ``sft_reference``, fp32).
-* A script whose trainer is a plain ``transformers.Trainer`` subclass stops before training under the same config.
+* A script whose trainer is a ``transformers.Seq2SeqTrainer`` subclass (which ODC does not support; a plain
+  ``Trainer`` one trains with ODC, `test_integration_trainer.py`) stops before training under the same config.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ CLI = [sys.executable, "-m", "odc_accelerate.cli"]
 SMALL = ["--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--max_length", "128", "--seed", "0"]
 SFT_SAMPLE = "Supervised fine-tuning through the command line."
 
-# A script that trains a tiny model with a plain Trainer subclass: under `odc: true` it must stop before training.
+# A script that trains a tiny model with a Seq2SeqTrainer subclass: under `odc: true` it must stop before training.
 PLAIN_TRAINER_SCRIPT = """
 import sys
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
+from transformers import Qwen2Config, Qwen2ForCausalLM, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 
-class MyTrainer(Trainer):
+class MyTrainer(Seq2SeqTrainer):
     pass
 
 
@@ -56,7 +57,7 @@ class Data(torch.utils.data.Dataset):
 
 config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1)
-args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, report_to="none", save_strategy="no")
+args = Seq2SeqTrainingArguments(output_dir=sys.argv[1], max_steps=2, report_to="none", save_strategy="no")
 trainer = MyTrainer(model=Qwen2ForCausalLM(config), args=args, train_dataset=Data())
 trainer.train()
 print("TRAINED WITHOUT ODC")
@@ -257,14 +258,14 @@ def test_trls_own_sft_script_trains_with_odc_under_launch_as_trl_in_one_process(
     assert max_rel(trained, expected) <= 1e-4
 
 
-def test_a_plain_trainer_subclass_stops_before_training(runs):
+def test_a_seq2seq_trainer_subclass_stops_before_training(runs):
     proc = runs["procs"]["plain"]
     assert proc.returncode != 0
     assert "TRAINED WITHOUT ODC" not in proc.stdout
     assert "This run asks for ODC, but the script trains with __main__.MyTrainer, which is not an ODC trainer" in (
         proc.stderr
     )
-    assert "class MyTrainer(ODCTrainerMixin, ...)" in proc.stderr
+    assert "ODC does not support transformers' Seq2SeqTrainer" in proc.stderr
     assert not (runs["out"]["plain"] / "checkpoint-1").exists()
 
 

@@ -494,10 +494,12 @@ def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
 @pytest.fixture
 def restore_bootstrap():
     yield
-    from transformers import Trainer
-
     from odc_accelerate._compat import restore_attribute
+    from odc_accelerate._compat import transformers as transformers_compat
     from odc_accelerate._compat.trl import classes as trl_classes
+
+    transformers_compat.restore_trainer()  # first: the Trainer imported below is transformers' own again
+    from transformers import Trainer
 
     trl_classes.restore_public_classes()
     restore_attribute(Trainer, "train")

@@ -1,7 +1,9 @@
-"""ODC for the transformers `Trainer`: `ODCTrainerMixin` and `ODCCallback`.
+"""ODC for the transformers `Trainer`: `ODCTrainer`, `ODCTrainerMixin` and `ODCCallback`.
 
-Use as ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL trainers of `odc_accelerate.integrations.trl`).
+Use `ODCTrainer` in place of ``transformers.Trainer``, or ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL
+trainers of `odc_accelerate.integrations.trl`).
 
+* `trainer`: `ODCTrainer`, the mixin on ``transformers.Trainer`` (what ``odc-accelerate launch`` swaps in);
 * `mixin`: the mixin, made of one part per concern: `setup` (accelerator, banner), `loaders` and `streaming` (the
   balanced step loaders), `step` (the microbatch loop, exact loss), `resume` (checkpoints);
 * `run`: `ODCRun`, what a run derives from its read-only options (samples per step, the chosen token budget);
@@ -15,5 +17,6 @@ Use as ``class MyTrainer(ODCTrainerMixin, Trainer)`` (or the TRL trainers of `od
 from .callback import ODCCallback
 from .mixin import ODCTrainerMixin
 from .run import ODCRun
+from .trainer import ODCTrainer
 
-__all__ = ["ODCCallback", "ODCRun", "ODCTrainerMixin"]
+__all__ = ["ODCCallback", "ODCRun", "ODCTrainer", "ODCTrainerMixin"]

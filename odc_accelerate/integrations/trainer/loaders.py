@@ -18,6 +18,7 @@ from ..._compat import transformers as tcompat
 from .budget import BudgetRule, token_budget
 from .data import StepCollator, StepDataLoader, StepDataset
 from .dynamic import QueueDataset, keep_queue
+from .plain import check_collator
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class ODCStepLoaders:
     def _odc_lengths(self, dataset: Any) -> Any:
         from ...planning import dataset_lengths
 
+        if not getattr(dataset, "column_names", None):
+            # A map-style dataset without named columns (a torch Dataset of dicts): each row's own input_ids.
+            return dataset_lengths(dataset, length_fn=_row_length)
         return dataset_lengths(dataset)
 
     def _odc_padded(self) -> bool:
@@ -48,8 +52,15 @@ class ODCStepLoaders:
 
     def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
         """How samples count against the token budget: their own length; by default the budget is ``max_length`` (or
-        the longest sample), and without truncation an over-budget sample stops the run."""
-        max_length = getattr(self.args, "max_length", None)
+        the longest sample), and without truncation an over-budget sample stops the run. The plain Trainer's
+        arguments have no ``max_length``: its samples come tokenized, truncated (or not) by the script."""
+        if not hasattr(self.args, "max_length"):
+            return BudgetRule(
+                default=int(np.max(lengths)),
+                oversize="raise",
+                remedy="truncate the samples when tokenizing them (tokenizer(..., truncation=True, max_length=N))",
+            )
+        max_length = self.args.max_length
         return BudgetRule(
             default=int(max_length) if max_length else int(np.max(lengths)),
             oversize="warn" if max_length else "raise",
@@ -124,6 +135,8 @@ class ODCStepLoaders:
         self._odc_streaming = False
         dataset = tcompat.remove_unused_columns(self, self.train_dataset, description="training")
         lengths = self._odc_lengths(dataset)
+        # A collator that cannot collate planned microbatches is refused here, before the model is sharded.
+        check_collator(self.data_collator, lengths, list(getattr(dataset, "column_names", None) or []))
         config = self.odc_config
         self.odc_run = run = self.odc_run.with_token_budget(self._odc_budget(lengths))
         world = max(1, int(self.args.world_size))
@@ -159,3 +172,14 @@ class ODCStepLoaders:
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu",
         )
+
+
+def _row_length(row: Any) -> int:
+    """The length of one training row without named columns: its ``input_ids``."""
+    try:
+        return len(row["input_ids"])
+    except (KeyError, TypeError, IndexError):
+        raise ValueError(
+            "ODC plans each step by the samples' lengths, but a training row has no input_ids: give the dataset an "
+            "input_ids (or length) column, or rows that are dicts with input_ids."
+        ) from None

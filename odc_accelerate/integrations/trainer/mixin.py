@@ -33,8 +33,10 @@ What the mixin changes, and why:
   the next one when it is free and loads and collates only what it claims (see `dynamic`).
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
   time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
-* **Refused under a plan:** a mixture-of-experts router's auxiliary loss (TRL's ``router_aux_loss_coef``, on by
-  default for such models), a function of which samples share a microbatch (`setup.check_router_aux_loss`).
+* **Refused under a plan:** the plain Trainer's own loss where it would be a mean per microbatch, and collators
+  that cannot collate samples of different lengths together (`plain`); a mixture-of-experts router's auxiliary loss
+  (TRL's ``router_aux_loss_coef``, on by default for such models), a function of which samples share a microbatch
+  (`setup.check_router_aux_loss`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
   sampler is deterministic (seed, epoch, step) and a stream is read in its own order, so skipping the trained steps
   resumes the exact data order.
@@ -49,6 +51,7 @@ from ..._compat import transformers as tcompat
 from ..accelerate import enable
 from .callback import ODCCallback
 from .loaders import ODCStepLoaders
+from .plain import check_token_mean_loss
 from .resume import ODCResume
 from .setup import ODCAcceleratorSetup, check_router_aux_loss
 from .step import ODCStepLoop
@@ -90,4 +93,6 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
             check_router_aux_loss(
                 self.model, self.args, self.odc_config, coef=getattr(self, "router_aux_loss_coef", None)
             )
+        if self.odc_config.balanced and self.odc_plans_from_dataset:
+            check_token_mean_loss(self)  # the Trainer's own loss, should it be a mean per microbatch
         self.add_callback(ODCCallback(self))
