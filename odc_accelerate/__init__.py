@@ -27,6 +27,8 @@ _LAZY = {
     "ODCDPOTrainer": "odc_accelerate.integrations.trl",
     "ODCGRPOConfig": "odc_accelerate.integrations.trl",
     "ODCGRPOTrainer": "odc_accelerate.integrations.trl",
+    "ODCRLOOConfig": "odc_accelerate.integrations.trl",
+    "ODCRLOOTrainer": "odc_accelerate.integrations.trl",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -41,6 +43,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
@@ -62,6 +66,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCDPOTrainer,
         ODCGRPOConfig,
         ODCGRPOTrainer,
+        ODCRLOOConfig,
+        ODCRLOOTrainer,
         ODCSFTConfig,
         ODCSFTTrainer,
     )

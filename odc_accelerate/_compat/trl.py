@@ -519,7 +519,16 @@ def count_train_tokens(trainer: Any, global_tokens: float, local_tokens: float) 
 #: SFTTrainer`` and ``from trl.trainer import SFTTrainer``. The modules that define them (``trl.trainer.sft_trainer``,
 #: ...) keep TRL's classes, so TRL's own code and the TRL trainers defined on top of them (GKD, GOLD, ...) are
 #: unchanged.
-PUBLIC_CLASSES = ("SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer")
+PUBLIC_CLASSES = (
+    "SFTConfig",
+    "SFTTrainer",
+    "DPOConfig",
+    "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
+)
 PUBLIC_MODULES = ("trl", "trl.trainer")
 _REPLACED: dict[tuple[str, str], Any] = {}
 

@@ -7,10 +7,10 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
 1. checks the script's ``--config`` recipe for misspelt ``odc*`` keys;
 2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
    gets the ODC plugin);
-3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig`` and ``GRPOTrainer`` on the
-   ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC
-   options as extra arguments): TRL's own ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and
-   trains with ODC, unmodified;
+3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
+   ``RLOOConfig`` and ``RLOOTrainer`` on the ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`, `ODCSFTTrainer`,
+   ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own ``trl/scripts/sft.py`` then parses
+   ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
 4. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer (a custom
    ``Trainer`` subclass, a trainer imported from where TRL defines it, a TRL trainer ODC does not support), with a
    message naming the class and what to change: a run that asks for ODC never trains without it.
@@ -38,6 +38,8 @@ ODC_CLASSES = {
     "DPOTrainer": "ODCDPOTrainer",
     "GRPOConfig": "ODCGRPOConfig",
     "GRPOTrainer": "ODCGRPOTrainer",
+    "RLOOConfig": "ODCRLOOConfig",
+    "RLOOTrainer": "ODCRLOOTrainer",
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE [ARGS]"
@@ -54,9 +56,9 @@ def require_odc_trainer(trainer: Any) -> None:
     raise RuntimeError(
         f"This run asks for ODC, but the script trains with {cls.__module__}.{cls.__qualname__}, which is not an ODC "
         "trainer: it would train without ODC, so it was stopped before training. Build the trainer from "
-        "`from trl import SFTTrainer` / `DPOTrainer` / `GRPOTrainer` (replaced by the ODC trainers in this run) or "
-        "from `odc_accelerate.ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer`; for a transformers Trainer "
-        "subclass, put `odc_accelerate.ODCTrainerMixin` first among its bases "
+        "`from trl import SFTTrainer` / `DPOTrainer` / `GRPOTrainer` / `RLOOTrainer` (replaced by the ODC trainers in "
+        "this run) or from `odc_accelerate.ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRLOOTrainer`; "
+        "for a transformers Trainer subclass, put `odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). To train without ODC, set `odc: false` in the accelerate "
         "config (or ODC_ENABLE=false)."
     )

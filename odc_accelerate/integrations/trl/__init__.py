@@ -1,4 +1,4 @@
-"""ODC for TRL: the SFT, DPO and GRPO trainers and their training arguments (``--odc true`` and friends).
+"""ODC for TRL: the SFT, DPO, GRPO and RLOO trainers and their training arguments (``--odc true`` and friends).
 
 ```python
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
@@ -14,14 +14,16 @@ recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_a
 
 One module per concern:
 
-* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`);
-* `sft`, `dpo`, `grpo`: one trainer each;
-* `reference`: the reference model of DPO and GRPO, served by a gather-only engine;
+* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRLOOConfig`);
+* `sft`, `dpo`, `grpo`, `rloo`: one trainer each;
+* `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
+* `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
-* `rollouts`: GRPO completions re-batched per row and per planned microbatch;
+* `rollouts`: generated completions re-batched per row and per planned microbatch;
 * `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
 
-TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`. Names are imported on
+TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl` (RLOO's in
+`odc_accelerate._compat.trl_rloo`). Names are imported on
 first use, so that an SFT run does not import TRL's GRPO trainer.
 """
 
@@ -33,6 +35,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTrainingArgumentsMixin",
@@ -41,17 +45,20 @@ __all__ = [
 _LAZY = {
     "ODCDPOConfig": "config",
     "ODCGRPOConfig": "config",
+    "ODCRLOOConfig": "config",
     "ODCSFTConfig": "config",
     "ODCTrainingArgumentsMixin": "config",
     "ODCDPOTrainer": "dpo",
     "ODCGRPOTrainer": "grpo",
+    "ODCRLOOTrainer": "rloo",
     "ODCSFTTrainer": "sft",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ODCDPOConfig, ODCGRPOConfig, ODCSFTConfig, ODCTrainingArgumentsMixin
+    from .config import ODCDPOConfig, ODCGRPOConfig, ODCRLOOConfig, ODCSFTConfig, ODCTrainingArgumentsMixin
     from .dpo import ODCDPOTrainer
     from .grpo import ODCGRPOTrainer
+    from .rloo import ODCRLOOTrainer
     from .sft import ODCSFTTrainer
 
 

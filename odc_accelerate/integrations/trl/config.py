@@ -1,4 +1,4 @@
-"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`.
+"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRLOOConfig`.
 
 Each is TRL's config plus one field per `odc_accelerate.config.ODCConfig` option, named by its key (``--odc``,
 ``--odc_plan``, ...), generated from `ODCConfig` so that each option is defined once. The fields parse from the
@@ -11,12 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, make_dataclass
 from typing import Any
 
-from trl import DPOConfig, GRPOConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, RLOOConfig, SFTConfig
 
 from ...config import training_args_fields
 from ..accelerate import enable
 
-__all__ = ["ODCDPOConfig", "ODCGRPOConfig", "ODCSFTConfig", "ODCTRLConfigMixin", "ODCTrainingArgumentsMixin"]
+__all__ = [
+    "ODCDPOConfig",
+    "ODCGRPOConfig",
+    "ODCRLOOConfig",
+    "ODCSFTConfig",
+    "ODCTRLConfigMixin",
+    "ODCTrainingArgumentsMixin",
+]
 
 ODCTrainingArgumentsMixin = make_dataclass("ODCTrainingArgumentsMixin", training_args_fields(), kw_only=False)
 ODCTrainingArgumentsMixin.__module__ = __name__
@@ -104,3 +111,8 @@ class ODCDPOConfig(ODCTRLConfigMixin, DPOConfig):
 @dataclass
 class ODCGRPOConfig(ODCTRLConfigMixin, GRPOConfig):
     """`trl.GRPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+
+@dataclass
+class ODCRLOOConfig(ODCTRLConfigMixin, RLOOConfig):
+    """`trl.RLOOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
