@@ -43,8 +43,8 @@ HELP = """usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [scr
 `accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport,
 odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, the
 script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's SFTConfig/SFTTrainer,
-DPOConfig/DPOTrainer and GRPOConfig/GRPOTrainer with the ODC ones (TRL's own trl/scripts/*.py train with ODC) and
-stops, before training, a Trainer that is not an ODC trainer.
+DPOConfig/DPOTrainer, GRPOConfig/GRPOTrainer and RLOOConfig/RLOOTrainer with the ODC ones (TRL's own
+trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is not an ODC trainer.
 
     odc-accelerate launch --config_file cfg.yaml train.py --max_steps 3
 

@@ -15,6 +15,7 @@ _COMMANDS = {
     "sft": "supervised fine-tuning with ODC (TRL's `trl sft` arguments plus the ODC options)",
     "dpo": "Direct Preference Optimization with ODC (TRL's `trl dpo` arguments plus the ODC options)",
     "grpo": "Group Relative Policy Optimization with ODC (TRL's `trl grpo` arguments plus the ODC options)",
+    "rloo": "REINFORCE Leave-One-Out with ODC (TRL's `trl rloo` arguments plus the ODC options)",
 }
 
 

@@ -1,4 +1,4 @@
-"""``odc-accelerate sft|dpo|grpo``: the package's training scripts under ``accelerate launch``, as ``trl sft``.
+"""``odc-accelerate sft|dpo|grpo|rloo``: the package's training scripts under ``accelerate launch``, as ``trl sft``.
 
 The arguments are split as TRL's CLI splits them: those the script's dataclasses know (TRL's, plus the ODC options;
 ``--config recipe.yaml`` included) go to the script, the rest (``--num_processes``, ``--main_process_port``, ...; and
@@ -19,7 +19,7 @@ from .presets import PRESETS, resolve_accelerate_config
 
 __all__ = ["COMMANDS", "main", "split_script_args"]
 
-COMMANDS = ("sft", "dpo", "grpo")
+COMMANDS = ("sft", "dpo", "grpo", "rloo")
 
 EPILOG = (
     "Launch options (passed to `accelerate launch`): --accelerate_config {presets}|PATH (default: odc_gpu with CUDA, "

@@ -58,12 +58,12 @@ def _script_part(cmd):
 def test_help_lists_the_subcommands_and_each_has_help(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("launch", "config", "sft", "dpo", "grpo"):
+    for name in ("launch", "config", "sft", "dpo", "grpo", "rloo"):
         assert f"    {name} " in out
     assert main(["launch", "--help"]) == 0
     out = capsys.readouterr().out
     assert "odc-accelerate launch" in out and "--config_file" in out and "--num_processes" in out
-    for name in ("config", "sft", "dpo", "grpo"):
+    for name in ("config", "sft", "dpo", "grpo", "rloo"):
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
         assert exit_info.value.code == 0
