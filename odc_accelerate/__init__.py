@@ -31,6 +31,8 @@ _LAZY = {
     "ODCGRPOTrainer": "odc_accelerate.integrations.trl",
     "ODCRewardConfig": "odc_accelerate.integrations.trl",
     "ODCRewardTrainer": "odc_accelerate.integrations.trl",
+    "ODCRLOOConfig": "odc_accelerate.integrations.trl",
+    "ODCRLOOTrainer": "odc_accelerate.integrations.trl",
     "ODCSFTConfig": "odc_accelerate.integrations.trl",
     "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
@@ -47,6 +49,8 @@ __all__ = [
     "ODCGRPOTrainer",
     "ODCRewardConfig",
     "ODCRewardTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTimeoutError",
@@ -72,6 +76,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCGRPOTrainer,
         ODCRewardConfig,
         ODCRewardTrainer,
+        ODCRLOOConfig,
+        ODCRLOOTrainer,
         ODCSFTConfig,
         ODCSFTTrainer,
     )

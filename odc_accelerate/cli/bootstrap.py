@@ -8,8 +8,8 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
 2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
    gets the ODC plugin);
 3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
-   ``RewardConfig`` and ``RewardTrainer`` on the ``trl`` and ``trl.trainer`` modules with `ODCSFTConfig`,
-   `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
+   ``RewardConfig``, ``RewardTrainer``, ``RLOOConfig`` and ``RLOOTrainer`` on the ``trl`` and ``trl.trainer`` modules
+   with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
    ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
 4. replaces ``Trainer`` on ``transformers`` and ``transformers.trainer`` with `odc_accelerate.ODCTrainer`: a plain
    ``Trainer`` script, and a ``class MyTrainer(Trainer)`` it defines, train with ODC, unmodified (TRL's trainers and
@@ -44,6 +44,8 @@ ODC_CLASSES = {
     "GRPOTrainer": "ODCGRPOTrainer",
     "RewardConfig": "ODCRewardConfig",
     "RewardTrainer": "ODCRewardTrainer",
+    "RLOOConfig": "ODCRLOOConfig",
+    "RLOOTrainer": "ODCRLOOTrainer",
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE [ARGS]"
@@ -74,9 +76,10 @@ def require_odc_trainer(trainer: Any) -> None:
         f"This run asks for ODC, but the script trains with {_name(cls)}, which is not an ODC trainer: it would train "
         f"without ODC, so it was stopped before training. {_unsupported_hint(cls)}"
         "Build the trainer from `from transformers import Trainer` or `from trl import SFTTrainer` / `DPOTrainer` / "
-        "`GRPOTrainer` / `RewardTrainer` (replaced by the ODC trainers in this run), or from `odc_accelerate.ODCTrainer` "
-        "/ `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer`; for a subclass of a transformers "
-        "Trainer imported from elsewhere, put `odc_accelerate.ODCTrainerMixin` first among its bases "
+        "`GRPOTrainer` / `RewardTrainer` / `RLOOTrainer` (replaced by the ODC trainers in this run), or from "
+        "`odc_accelerate.ODCTrainer` / `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer` / "
+        "`ODCRLOOTrainer`; for a subclass of a transformers Trainer imported from elsewhere, put "
+        "`odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). {off}"
     )
 
@@ -112,7 +115,10 @@ def _unsupported_hint(cls: type) -> str:
             "`transformers.Trainer`, or run without ODC. "
         )
     if _is_library_class(cls):
-        return f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO and reward trainers, not {cls.__qualname__}. "
+        return (
+            f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO, reward and RLOO trainers, not "
+            f"{cls.__qualname__}. "
+        )
     return ""
 
 

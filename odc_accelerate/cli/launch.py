@@ -43,9 +43,9 @@ HELP = """usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [scr
 `accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport,
 odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, the
 script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's SFTConfig/SFTTrainer,
-DPOConfig/DPOTrainer, GRPOConfig/GRPOTrainer and RewardConfig/RewardTrainer with the ODC ones (TRL's own
-trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is not an ODC trainer (KTOTrainer and
-DistillationTrainer with the reason ODC refuses them).
+DPOConfig/DPOTrainer, GRPOConfig/GRPOTrainer, RewardConfig/RewardTrainer and RLOOConfig/RLOOTrainer with the ODC
+ones (TRL's own trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is not an ODC trainer
+(KTOTrainer and DistillationTrainer with the reason ODC refuses them).
 
     odc-accelerate launch --config_file cfg.yaml train.py --max_steps 3
 

@@ -16,6 +16,7 @@ _COMMANDS = {
     "dpo": "Direct Preference Optimization with ODC (TRL's `trl dpo` arguments plus the ODC options)",
     "grpo": "Group Relative Policy Optimization with ODC (TRL's `trl grpo` arguments plus the ODC options)",
     "reward": "reward modelling with ODC (TRL's `trl reward` arguments plus the ODC options)",
+    "rloo": "REINFORCE Leave-One-Out with ODC (TRL's `trl rloo` arguments plus the ODC options)",
 }
 
 

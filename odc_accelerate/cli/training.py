@@ -1,4 +1,4 @@
-"""``odc-accelerate sft|dpo|grpo|reward``: the package's training scripts under ``accelerate launch``, as ``trl
+"""``odc-accelerate sft|dpo|grpo|reward|rloo``: the package's training scripts under ``accelerate launch``, as ``trl
 sft``.
 
 The arguments are split as TRL's CLI splits them: those the script's dataclasses know (TRL's, plus the ODC options;
@@ -20,7 +20,7 @@ from .presets import PRESETS, resolve_accelerate_config
 
 __all__ = ["COMMANDS", "main", "split_script_args"]
 
-COMMANDS = ("sft", "dpo", "grpo", "reward")
+COMMANDS = ("sft", "dpo", "grpo", "reward", "rloo")
 
 EPILOG = (
     "Launch options (passed to `accelerate launch`): --accelerate_config {presets}|PATH (default: odc_gpu with CUDA, "

@@ -142,16 +142,9 @@ def _save_for_vllm(model: Any, tokenizer: Any, training_args: ODCGRPOConfig, log
     model.config.name_or_path = path
 
 
-def main(
-    script_args: GRPOScriptArguments,
-    training_args: ODCGRPOConfig,
-    model_args: ModelConfig,
-    dataset_args: DatasetMixtureConfig,
-    given: Collection[str] | None = None,
-) -> None:
-    """Train as TRL's script does, with `ODCGRPOTrainer` (the arguments are ``make_parser()``'s dataclasses)."""
-    from accelerate.logging import get_logger
-    from trl import get_peft_config, get_quantization_config
+def load_reward_funcs(script_args: Any) -> list:
+    """The reward models and functions of ``--reward_model_name_or_path`` and ``--reward_funcs``, as TRL's GRPO and
+    RLOO scripts load them (plus the offline rewards by name)."""
     from trl.rewards import (
         accuracy_reward,
         get_soft_overlong_punishment,
@@ -160,8 +153,6 @@ def main(
     )
 
     from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
-
-    logger = get_logger(__name__)
 
     reward_funcs_registry = {
         "accuracy_reward": accuracy_reward,
@@ -192,6 +183,24 @@ def main(
                     f"Could not load reward function '{func_name}'. Expected one of "
                     f"{list(reward_funcs_registry.keys())} or a valid import path."
                 )
+    return reward_funcs
+
+
+def main(
+    script_args: GRPOScriptArguments,
+    training_args: ODCGRPOConfig,
+    model_args: ModelConfig,
+    dataset_args: DatasetMixtureConfig,
+    given: Collection[str] | None = None,
+) -> None:
+    """Train as TRL's script does, with `ODCGRPOTrainer` (the arguments are ``make_parser()``'s dataclasses)."""
+    from accelerate.logging import get_logger
+    from trl import get_peft_config, get_quantization_config
+
+    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
+
+    logger = get_logger(__name__)
+    reward_funcs = load_reward_funcs(script_args)
 
     offline_model = not model_args.model_name_or_path
     offline_data = not dataset_args.datasets and not script_args.dataset_name

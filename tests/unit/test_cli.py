@@ -58,12 +58,12 @@ def _script_part(cmd):
 def test_help_lists_the_subcommands_and_each_has_help(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("launch", "config", "sft", "dpo", "grpo"):
+    for name in ("launch", "config", "sft", "dpo", "grpo", "reward", "rloo"):
         assert f"    {name} " in out
     assert main(["launch", "--help"]) == 0
     out = capsys.readouterr().out
     assert "odc-accelerate launch" in out and "--config_file" in out and "--num_processes" in out
-    for name in ("config", "sft", "dpo", "grpo"):
+    for name in ("config", "sft", "dpo", "grpo", "reward", "rloo"):
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
         assert exit_info.value.code == 0
@@ -263,7 +263,13 @@ def test_examples_are_the_package_scripts(name):
     package = importlib.import_module(f"odc_accelerate.scripts.{name}")
     assert example.main is package.main and example.make_parser is package.make_parser
     _, args, _, _ = example.make_parser().parse_args_and_config(["--odc", "true", "--max_steps", "2"])
-    config = {"sft": "ODCSFTConfig", "dpo": "ODCDPOConfig", "grpo": "ODCGRPOConfig", "reward": "ODCRewardConfig"}[name]
+    config = {
+        "sft": "ODCSFTConfig",
+        "dpo": "ODCDPOConfig",
+        "grpo": "ODCGRPOConfig",
+        "reward": "ODCRewardConfig",
+        "rloo": "ODCRLOOConfig",
+    }[name]
     assert isinstance(args, getattr(odc_accelerate, config)) and args.odc is True
 
 

@@ -15,7 +15,7 @@ from odc_accelerate.planning import PLANS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [f"--{f.metadata['key']}" for f in option_fields()]
-SCRIPTS = ("sft", "dpo", "grpo", "reward")
+SCRIPTS = ("sft", "dpo", "grpo", "reward", "rloo")
 
 
 def _missing(text: str, flags: list[str]) -> list[str]:

@@ -68,7 +68,7 @@ def test_restore_gives_back_transformers_trainer(installed):
 
 def test_trl_trainers_keep_transformers_trainer_and_are_swapped_as_before(installed):
     import trl
-    from trl import RLOOTrainer
+    from trl.trainer.rloo_trainer import RLOOTrainer
 
     import odc_accelerate
     from odc_accelerate._compat import transformers as transformers_compat
@@ -78,7 +78,9 @@ def test_trl_trainers_keep_transformers_trainer_and_are_swapped_as_before(instal
     assert not issubclass(odc_accelerate.ODCSFTTrainer, odc_accelerate.ODCTrainer)
     assert original in odc_accelerate.ODCSFTTrainer.__mro__
     installed.require_odc_trainer(object.__new__(odc_accelerate.ODCSFTTrainer))
-    # a TRL trainer ODC does not support, imported after the swap, is still built on transformers' Trainer: refused
+    # TRL's own class, imported from where TRL defines it after the swap, is still built on transformers' Trainer:
+    # refused (the public name is the ODC trainer)
+    assert trl.RLOOTrainer is odc_accelerate.ODCRLOOTrainer
     assert original in RLOOTrainer.__mro__ and not issubclass(RLOOTrainer, odc_accelerate.ODCTrainer)
     with pytest.raises(RuntimeError, match=r"trl\.trainer\.rloo_trainer\.RLOOTrainer, which is not an ODC trainer"):
         original.train(object.__new__(RLOOTrainer))

@@ -24,6 +24,8 @@ PUBLIC_CLASSES = (
     "GRPOTrainer",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
 )
 PUBLIC_MODULES = ("trl", "trl.trainer")
 _REPLACED: dict[tuple[str, str], Any] = {}

@@ -1,4 +1,5 @@
-"""ODC for TRL: the SFT, DPO, GRPO and reward-model trainers and their training arguments (``--odc true`` and friends).
+"""ODC for TRL: the SFT, DPO, GRPO, reward-model and RLOO trainers and their training arguments (``--odc true`` and
+friends).
 
 ```python
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
@@ -14,12 +15,15 @@ recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_a
 
 One module per concern:
 
-* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`);
-* `sft`, `dpo`, `grpo`, `reward`: one trainer each;
+* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
+  `ODCRLOOConfig`);
+* `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each;
+* `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
+* `grpo_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
 * `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
-* `reference`: the reference model of DPO and GRPO, served by a gather-only engine;
+* `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
-* `rollouts`: GRPO completions re-batched per row and per planned microbatch;
+* `rollouts`: generated completions re-batched per row and per planned microbatch;
 * `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
 
 TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`, one module per trainer as
@@ -36,6 +40,8 @@ __all__ = [
     "ODCGRPOTrainer",
     "ODCRewardConfig",
     "ODCRewardTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "ODCTrainingArgumentsMixin",
@@ -45,19 +51,29 @@ _LAZY = {
     "ODCDPOConfig": "config",
     "ODCGRPOConfig": "config",
     "ODCRewardConfig": "config",
+    "ODCRLOOConfig": "config",
     "ODCSFTConfig": "config",
     "ODCTrainingArgumentsMixin": "config",
     "ODCDPOTrainer": "dpo",
     "ODCGRPOTrainer": "grpo",
     "ODCRewardTrainer": "reward",
+    "ODCRLOOTrainer": "rloo",
     "ODCSFTTrainer": "sft",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ODCDPOConfig, ODCGRPOConfig, ODCRewardConfig, ODCSFTConfig, ODCTrainingArgumentsMixin
+    from .config import (
+        ODCDPOConfig,
+        ODCGRPOConfig,
+        ODCRewardConfig,
+        ODCRLOOConfig,
+        ODCSFTConfig,
+        ODCTrainingArgumentsMixin,
+    )
     from .dpo import ODCDPOTrainer
     from .grpo import ODCGRPOTrainer
     from .reward import ODCRewardTrainer
+    from .rloo import ODCRLOOTrainer
     from .sft import ODCSFTTrainer
 
 

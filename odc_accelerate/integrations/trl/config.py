@@ -1,4 +1,5 @@
-"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`.
+"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
+`ODCRLOOConfig`.
 
 Each is TRL's config plus one field per `odc_accelerate.config.ODCConfig` option, named by its key (``--odc``,
 ``--odc_plan``, ...), generated from `ODCConfig` so that each option is defined once. The fields parse from the
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, make_dataclass
 from typing import Any
 
-from trl import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 from ...config import training_args_fields
 from ..accelerate import enable
@@ -20,6 +21,7 @@ __all__ = [
     "ODCDPOConfig",
     "ODCGRPOConfig",
     "ODCRewardConfig",
+    "ODCRLOOConfig",
     "ODCSFTConfig",
     "ODCTRLConfigMixin",
     "ODCTrainingArgumentsMixin",
@@ -116,3 +118,8 @@ class ODCGRPOConfig(ODCTRLConfigMixin, GRPOConfig):
 @dataclass
 class ODCRewardConfig(ODCTRLConfigMixin, RewardConfig):
     """`trl.RewardConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+
+@dataclass
+class ODCRLOOConfig(ODCTRLConfigMixin, RLOOConfig):
+    """`trl.RLOOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""

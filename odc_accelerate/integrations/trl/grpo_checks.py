@@ -1,6 +1,10 @@
 """What ODC refuses of a GRPO run, before any work: loss types and options whose loss cannot be made exact under a
 plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve (`check_vllm_args`), and a model
-that sync would get wrong (`check_grpo_settings`, which `ODCGRPOTrainer` runs once its options are resolved)."""
+that sync would get wrong (`check_grpo_settings`, which `ODCGRPOTrainer` runs once its options are resolved).
+
+RLOO generates as GRPO does: its refusals (`odc_accelerate.integrations.trl.rloo.check_rloo_args`) share the vLLM
+ones, one generation batch per optimizer step (`check_one_generation_per_step`) and the vLLM sync's model check
+(`check_vllm_sync_settings`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,13 @@ from ..._compat.trl import grpo as trl_grpo
 from ...config import ODCConfig
 from .reference import check_reference_settings
 
-__all__ = ["check_grpo_args", "check_grpo_settings", "check_vllm_args"]
+__all__ = [
+    "check_grpo_args",
+    "check_grpo_settings",
+    "check_one_generation_per_step",
+    "check_vllm_args",
+    "check_vllm_sync_settings",
+]
 
 
 def check_grpo_settings(args: Any, model: Any, config: ODCConfig) -> None:
@@ -23,10 +33,16 @@ def check_grpo_settings(args: Any, model: Any, config: ODCConfig) -> None:
         config (`ODCConfig`): the trainer's resolved options.
     """
     check_grpo_args(args, config)
+    check_vllm_sync_settings(args, model, config)
+
+
+def check_vllm_sync_settings(args: Any, model: Any, config: ODCConfig) -> None:
+    """Under ODC with vLLM, refuse a model whose per-rank weight sync would be wrong, before TRL builds the engine
+    (`odc_accelerate.integrations.vllm.check_vllm_sync_model`)."""
     if config.enable and getattr(args, "use_vllm", False):
         from ..vllm import check_vllm_sync_model
 
-        check_vllm_sync_model(model)  # before TRL builds the engine: a model whose sync would be wrong
+        check_vllm_sync_model(model)
 
 
 def check_grpo_args(args: Any, config: ODCConfig) -> None:
@@ -43,6 +59,27 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
             f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
             f"{sorted(trl_grpo.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
         )
+    check_one_generation_per_step(args, alternatives)
+    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        raise ValueError(
+            "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
+            f"cannot be made exact when ranks run different microbatches. Set --entropy_coef 0, or {alternatives}."
+        )
+    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        raise ValueError(
+            "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
+            f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
+        )
+
+
+def check_one_generation_per_step(args: Any, alternatives: str) -> None:
+    """Refuse, under a balanced plan, the settings that would train a generation batch over several optimizer steps:
+    ODC plans one generation batch per optimizer step.
+
+    Args:
+        args: the trainer's arguments (``num_iterations``, ``steps_per_generation``, ``gradient_accumulation_steps``).
+        alternatives (`str`): what else the user can do, ending the messages.
+    """
     if int(getattr(args, "num_iterations", 1)) != 1:
         raise ValueError(
             f"num_iterations={args.num_iterations}: ODC's balanced plan trains each generation batch in one optimizer "
@@ -54,16 +91,6 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
             f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains "
             "each generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
             f"--gradient_accumulation_steps), or {alternatives}."
-        )
-    if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        raise ValueError(
-            "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
-            f"cannot be made exact when ranks run different microbatches. Set --entropy_coef 0, or {alternatives}."
-        )
-    if float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
-        raise ValueError(
-            "top_entropy_quantile < 1 masks tokens by an entropy quantile of each microbatch, which depends on how "
-            f"completions are grouped into microbatches. Set --top_entropy_quantile 1.0, or {alternatives}."
         )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..._compat.trl.grpo import GRPO_LOSS_NORMALISATION
 
-__all__ = ["dpo_loss_weight", "grpo_loss_weight", "reward_loss_weight"]
+__all__ = ["dpo_loss_weight", "grpo_loss_weight", "reward_loss_weight", "rloo_loss_weight"]
 
 
 def dpo_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
@@ -24,6 +24,12 @@ def reward_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float
     and the ``center_rewards_coefficient`` term, a mean of each pair's squared reward sum): the weight of DPO,
     ``pairs x W / pairs of the whole step``."""
     return dpo_loss_weight(pairs, total_pairs, world_size)
+
+
+def rloo_loss_weight(rows: int, total_rows: int, world_size: int) -> float:
+    """RLOO averages its per-sequence loss over the sequences of a microbatch (and TRL divides it by the gradient
+    accumulation steps, one under an ODC plan): ``rows x W / sequences of the whole step``."""
+    return rows * world_size / float(max(total_rows, 1))
 
 
 def grpo_loss_weight(

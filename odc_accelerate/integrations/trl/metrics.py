@@ -4,7 +4,8 @@ During a step's microbatches the trainers' metric gathers are answered with this
 (`~odc_accelerate.integrations.trainer.metrics.DeferredGather`); at the step boundary one reduction gives the sums of
 every rank (`~odc_accelerate.integrations.trainer.metrics.StepMetrics`), and the functions below replace what TRL
 recorded for each microbatch with the value one process logs when the global batch is one microbatch. What each
-gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl` (its `sft`, `dpo`, `grpo` and `reward` modules).
+gather means, in TRL's call order, is pinned in `odc_accelerate._compat.trl` (its `sft`, `dpo`, `grpo`, `reward` and
+`rloo` modules).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..._compat import trl as trl_compat
 from ..._compat.trl import dpo as trl_dpo
 from ..._compat.trl import grpo as trl_grpo
 from ..._compat.trl import reward as reward_compat
+from ..._compat.trl import rloo as trl_rloo
 from ..._compat.trl import sft as trl_sft
 from ..trainer.metrics import StepMetrics
 
@@ -23,6 +25,7 @@ __all__ = [
     "finalize_dpo_metrics",
     "finalize_grpo_metrics",
     "finalize_reward_metrics",
+    "finalize_rloo_metrics",
     "finalize_sft_metrics",
 ]
 
@@ -103,6 +106,22 @@ def finalize_reward_metrics(trainer: Any, metrics: StepMetrics) -> None:
     trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
 
 
+def _step_value(metrics: StepMetrics, i: int, how: str) -> float:
+    """The step's value of the ``i``-th gather of a microbatch: a ratio of summed values, a minimum or a maximum."""
+    if how == "ratio":
+        return metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
+    return metrics.global_mins[i] if how == "min" else metrics.global_maxs[i]
+
+
+def _one_step_time(recorded: dict[str, list], microbatches: int) -> None:
+    """TRL's per-microbatch ``step_time`` becomes the step's (their sum)."""
+    times = recorded.get("step_time")
+    if microbatches and times is not None and len(times) >= microbatches:
+        step_time = sum(times[-microbatches:])
+        del times[-microbatches:]
+        times.append(step_time)
+
+
 def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
     """GRPO: each loss metric (kl, entropy, clip ratios, ...) becomes one global value (a ratio of summed pairs, a
     minimum or a maximum over every rank); TRL's per-microbatch ``step_time`` becomes the step's."""
@@ -110,15 +129,18 @@ def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
     mbs = metrics.local_microbatches
     for i, (name, how) in enumerate(trl_grpo.grpo_metric_calls(trainer)):
         _drop_microbatch_values(recorded, (name,), mbs)
-        if how == "ratio":
-            value = metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
-        elif how == "min":
-            value = metrics.global_mins[i]
-        else:
-            value = metrics.global_maxs[i]
-        recorded[name].append(float(value))
-    times = recorded.get("step_time")
-    if mbs and times is not None and len(times) >= mbs:
-        step_time = sum(times[-mbs:])
-        del times[-mbs:]
-        times.append(step_time)
+        recorded[name].append(float(_step_value(metrics, i, how)))
+    _one_step_time(recorded, mbs)
+
+
+def finalize_rloo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """RLOO: the entropy becomes a ratio of global sums over every completion token of the step; each clip ratio a mean
+    (or minimum / maximum) over every completion of the step on every rank; TRL's per-microbatch ``step_time``
+    becomes the step's."""
+    recorded = trl_compat.train_metrics(trainer)
+    mbs = metrics.local_microbatches
+    for i, call in enumerate(trl_rloo.rloo_metric_calls(trainer)):
+        for name, how in call:
+            _drop_microbatch_values(recorded, (name,), mbs)
+            recorded[name].append(float(_step_value(metrics, i, how)))
+    _one_step_time(recorded, mbs)

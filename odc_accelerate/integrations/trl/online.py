@@ -1,0 +1,300 @@
+"""What ODC's online TRL trainers share (GRPO, RLOO): generate on each rank without a collective, then plan and train.
+
+An online step generates completions for the step's prompts, scores them, and trains on them:
+
+* **Generation.** Without vLLM, TRL generates with the FSDP2-sharded policy: every decode step runs the per-layer
+  all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
+  longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
+  last token: ``generate`` makes no collective and waits for no peer. With vLLM (``--use_vllm true --vllm_mode
+  colocate``) TRL's weight sync gathers the full model with a collective per parameter on every rank; under ODC each
+  rank refreshes its own engine from the published shards instead, with no collective, and generates its own prompts.
+  Scoring is TRL's own, once per step (its reward and length gathers).
+* **Training.** One optimizer step is one generation batch (``per_device_train_batch_size x
+  gradient_accumulation_steps`` completions per rank, as in TRL). Its completions, from every rank, are gathered once
+  and planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a microbatch), so ranks
+  run different numbers of microbatches of balanced cost; each microbatch's loss is rescaled by the trainer
+  (`_odc_loss_weight`) so that the step's gradient is that of one process over the whole global batch.
+
+A trainer built on `ODCOnlineTrainerMixin` puts it first in its bases (before `ODCReferenceModelMixin`,
+`ODCTrainerMixin` and TRL's trainer) and says what differs: its batch keys (``odc_rollout_keys``), what TRL's
+``__init__`` runs inside (`_odc_init_context`), its compat check (`_odc_check_trainer`), the settings it refuses
+(`_odc_check_settings`, the ODC Trainer's hook), the loss weight (`_odc_loss_weight`) and the step's metrics
+(`_odc_finalize_metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ..._compat import transformers as tcompat
+from ..._compat.trl import grpo as trl_grpo
+from ..accelerate import call_before_end_training
+from ..trainer.budget import BudgetRule
+from ..trainer.dynamic import ClaimedStep, ClaimQueue
+from .rollouts import GRPO_KEYS, RolloutKeys, collate_rollouts, loss_tokens, split_rollouts
+
+__all__ = ["ODCOnlineTrainerMixin"]
+
+
+class ODCOnlineTrainerMixin:
+    """Generation without collectives and a planned step over the generated completions (see the module docstring),
+    for TRL trainers with GRPOTrainer's generation structure (``_generate``, ``_generate_and_score_completions``,
+    ``vllm_generation``, ``RepeatSampler``)."""
+
+    odc_plans_from_dataset = False  # the step is planned after generation, from its completions (`_odc_plan`)
+    #: The name of the trainer in messages (``"GRPO"``, ``"RLOO"``).
+    odc_trainer_name: ClassVar[str] = "GRPO"
+    #: The keys of the trainer's generation batch.
+    odc_rollout_keys: ClassVar[RolloutKeys] = GRPO_KEYS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
+        self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
+        with self._odc_init_context():
+            super().__init__(*args, **kwargs)
+        self._odc_check_trainer()
+        self.odc_vllm_syncs: list[Any] = []  # `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC)
+        self._odc_in_generation = False
+        if self.use_vllm and self.odc_config.enable:
+            # Each rank's own engine, refreshed from ODC's published shards (no collective) instead of TRL's sync.
+            trl_grpo.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
+            # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
+            # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
+            call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
+        elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
+            # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
+            trl_grpo.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
+
+    # ------------------------------------------------------------------ what a trainer says
+    def _odc_init_context(self) -> contextlib.AbstractContextManager:
+        """What TRL's ``__init__`` runs inside (e.g. the reference model's preparer)."""
+        return contextlib.nullcontext()
+
+    def _odc_check_trainer(self) -> None:
+        """Check the TRL internals the trainer reads (`odc_accelerate._compat`), once TRL's ``__init__`` ran."""
+
+    def _odc_loss_weight(self, inputs: dict[str, Any], rows: int) -> float:
+        """What a planned microbatch's loss, as TRL computes it, is multiplied by (see `.loss`)."""
+        raise NotImplementedError
+
+    def _odc_sequence_keys(self) -> tuple[str, ...]:
+        """The keys of ``odc_rollout_keys.token_or_sequence`` that hold one value per completion in this run."""
+        return ()
+
+    # ------------------------------------------------------------------ set-up
+    def get_train_dataloader(self) -> Any:
+        if self.odc_config.balanced:
+            from torch.utils.data import IterableDataset
+
+            if isinstance(self.train_dataset, IterableDataset):
+                raise ValueError(
+                    f"ODC's balanced {self.odc_trainer_name} plan needs a map-style prompt dataset (one generation "
+                    "batch per optimizer step); streamed prompts are not supported. Drop --dataset_streaming, or run "
+                    "without --odc / --odc_plan."
+                )
+        return super().get_train_dataloader()  # TRL's prompt loader: the plan is made after generation
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(dataset)
+        if self.odc_config.balanced:
+            trl_grpo.grpo_sample_each_step_once(sampler, self.num_iterations)
+        return sampler
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: list) -> Any:
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        sync = not self.odc_config.enable
+        with tcompat.generation_without_peer_sync(
+            model, sync, lambda: self.odc_step_timer.generation(self.args.device)
+        ):
+            return super()._generate(prompts)
+
+    @contextlib.contextmanager
+    def _odc_generation_block(self) -> Iterator[None]:
+        """Time this rank's generation as busy and as ``odc/generation_s``: vLLM's ``generate`` and the weight sync
+        before it (own work: ODC's reads and vLLM's reload, no wait for a peer). Nested blocks count once."""
+        if self._odc_in_generation:
+            yield
+            return
+        self._odc_in_generation = True
+        try:
+            with self.odc_step_timer.generation(self.args.device):
+                yield
+        finally:
+            self._odc_in_generation = False
+
+    def _odc_sync_vllm(self) -> None:
+        """Refresh this rank's vLLM engine with the current weights, in place of TRL's ``sync_weights``: the full
+        parameters come from ODC's published shards through the transport's reads, one FSDP unit at a time
+        (`odc_accelerate.integrations.vllm.sync_vllm_weights`), with no torch.distributed call, so each rank syncs
+        on its own. What TRL does around its sync is kept: waking the weights up first under sleep mode, and
+        resetting vLLM's prefix cache after."""
+        from ..vllm import sync_vllm_weights
+
+        generation = trl_grpo.grpo_vllm_generation(self)
+        engine = self.odc_engine
+        if engine is None:
+            raise RuntimeError(
+                "ODC's vLLM weight sync runs once the model is prepared (trainer.train()); the ODC engine does not "
+                "exist yet."
+            )
+        with self._odc_generation_block():
+            trl_grpo.wake_vllm_weights(generation)
+            stats = sync_vllm_weights(trl_grpo.grpo_vllm_engine(generation), engine)
+            trl_grpo.reset_vllm_prefix_cache(generation)
+        self.odc_vllm_syncs.append(stats)
+
+    def _odc_shutdown_vllm(self) -> None:
+        """Shut this rank's vLLM engine down, keeping the job's process group (`shutdown_vllm`); idempotent."""
+        from ..vllm import shutdown_vllm
+
+        shutdown_vllm(trl_grpo.grpo_vllm_engine(trl_grpo.grpo_vllm_generation(self)))
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        # The reference (and old-policy) forwards after generation are own compute; inside a microbatch this is
+        # already timed, and the nested block is a no-op.
+        with self.odc_step_timer.compute(self.args.device):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    # ------------------------------------------------------------------ step
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        # Items are lists of prompt rows; the step's work is known after generation (`_prepare_inputs`, `_odc_plan`).
+        start = time.perf_counter()
+        self._odc_banner()
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if batches:
+            self.odc_step_timer.start(self.model, self.odc_engine, [], start)
+        return batches, None
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if self._odc_looping or self._odc_ready:
+            return inputs  # a microbatch built by the plan, or inputs generated by training_step
+        prepared = super()._prepare_inputs(inputs)
+        if self.model.training:
+            self.odc_step_timer.add_work(1, int(prepared["prompt_mask"].sum() + prepared["completion_mask"].sum()))
+        return prepared
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if not self.odc_config.balanced:
+            # TRL's own step (its accumulation slices); the loss's forward and backward are timed as busy, generation
+            # and the reference forward by their own blocks.
+            prepared = self._prepare_inputs(inputs)
+            self._odc_ready = True
+            try:
+                with self.odc_step_timer.compute(self.args.device):
+                    return super().training_step(model, prepared, num_items_in_batch)
+            finally:
+                self._odc_ready = False
+        model.train()  # as Trainer.training_step does first: TRL's generation and metrics read the mode
+        batch = self._odc_generate(inputs)
+        microbatches = self._odc_plan(batch)
+        return super().training_step(model, microbatches, batch.get("num_items_in_batch"))
+
+    def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Generate and score the step's completions as TRL does, once per optimizer step."""
+        args = self.args
+        # TRL (GRPO) computes the old policy's log-probs when generation and optimizer steps are misaligned; here they
+        # align (one generation batch per optimizer step), which TRL sees with its own accumulation count.
+        folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
+        try:
+            return trl_grpo.generate_and_score_completions(self, inputs)
+        finally:
+            args.gradient_accumulation_steps = folded
+
+    def _odc_plan(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Gather the step's completions from every rank (one collective), plan them over ranks and microbatches, and
+        return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
+        from accelerate.utils import gather_object
+
+        from ...planning import PlanName, StreamingStepPlanner, claim_queue
+
+        keys, sequence_keys = self.odc_rollout_keys, self._odc_sequence_keys()
+        rows = split_rollouts(batch, sequence_keys, keys)
+        world = self.accelerator.num_processes
+        everyone = gather_object(rows) if world > 1 else rows
+        lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
+        # By default the largest microbatch TRL itself would run; a completion over a budget set lower runs alone.
+        longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
+        rule = BudgetRule(
+            default=int(self.args.per_device_train_batch_size) * (longest_prompt + int(self.max_completion_length)),
+            oversize="warn",
+        )
+        budget = self._odc_budget(lengths, rule)
+        planner = StreamingStepPlanner(
+            world,
+            max(len(everyone), world),
+            int(budget),
+            plan=self.odc_config.effective_plan,
+            model_config=getattr(self.accelerator.unwrap_model(self.model), "config", None),
+            padded=True,
+        )
+        plan = planner.plan(lengths)
+        pad = int(self._tokenizer.pad_token_id)
+        device = self.accelerator.device
+        total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
+        self._odc_totals = (len(everyone), total_tokens)
+        # GRPO's loss reads the step's loss tokens from its microbatches (its "global" loss types); RLOO's none.
+        num_items = torch.tensor(total_tokens, device=device) if "num_items_in_batch" in batch else None
+
+        def collate(indices: list[int]) -> dict[str, Any]:
+            mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys, keys)
+            if num_items is not None:
+                mb["num_items_in_batch"] = num_items
+            return mb
+
+        if self.odc_config.effective_plan == PlanName.DYNAMIC:
+            # Every rank holds every completion (gathered above); each collates only the microbatches it claims.
+            def load(indices: list[int]) -> dict[str, Any]:
+                mb = collate(indices)
+                mb["odc_rows"] = len(indices)
+                return mb
+
+            return ClaimedStep(ClaimQueue(claim_queue(plan), rows=True), load)
+        microbatches = []
+        tokens = 0
+        for indices in plan[self.accelerator.process_index]:
+            if indices:
+                mb = collate(indices)
+                mb["odc_rows"] = len(indices)
+                tokens += int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+            else:
+                # An empty slot of the lockstep plan still runs a forward and backward (plain FSDP2's collectives
+                # need every rank): a completion with nothing to learn from, and a weight of 0.
+                mb = collate([0])
+                mb["completion_mask"] = torch.zeros_like(mb["completion_mask"])
+                mb["advantages"] = torch.zeros_like(mb["advantages"])
+                mb["odc_rows"] = 0
+            microbatches.append(mb)
+        self.odc_step_timer.add_work(len(microbatches), tokens)
+        return microbatches
+
+    def _odc_count_claimed(self, batch: Any) -> None:
+        self.odc_step_timer.add_work(1, int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        loss = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not self._odc_looping:
+            return loss
+        rows = int(inputs["odc_rows"])
+        if rows == 0:
+            return loss * 0.0
+        return loss * self._odc_loss_weight(inputs, rows)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # TRL counts prompt and completion tokens itself once they are generated; the loader's items are prompts.
+        return None
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)

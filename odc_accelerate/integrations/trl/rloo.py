@@ -1,0 +1,131 @@
+"""ODC for TRL's RLOO: `ODCRLOOTrainer` (``--odc true`` and friends; the arguments are `ODCRLOOConfig`).
+
+RLOO generates like GRPO, so the ODC trainer shares GRPO's machinery (`.online.ODCOnlineTrainerMixin`): each rank
+generates its own prompts with no collective (transformers' ``generate`` without ``synced_gpus``, or its own colocated
+vLLM engine refreshed from ODC's shards), TRL scores them, and the step's completions are planned over all ranks.
+
+What is RLOO's own, and exact under the plan:
+
+* **Advantages** are TRL's: at generation TRL gathers every rank's rewards and per-sequence KL terms (``rewards -=
+  beta x sum(old - ref log-probs)``), subtracts the NaN-aware leave-one-out baseline of each group of
+  ``num_generations`` and, with ``normalize_advantages``, normalises over the whole generation batch. Under ODC that
+  batch is the step's global batch, as in TRL (one generation batch per optimizer step), so the advantages are the
+  same whichever rank holds a group; each completion then carries its advantage and its ``old_logps`` through the
+  plan.
+* **Loss**: TRL's sequence-level PPO clip, a mean over a microbatch's sequences; each planned microbatch's loss is
+  multiplied by ``rows x W / completions of the step`` (`.loss.rloo_loss_weight`), so the step's gradient is one
+  process's over the global batch whatever the split over ranks and microbatches.
+* **Metrics**: the entropy and clip ratios TRL reduces per microbatch are answered locally and reduced once per step
+  (`.metrics.finalize_rloo_metrics`), plus the ODC step metrics.
+
+Refused at set-up under a plan, with what to change: several iterations per generation batch (``num_iterations``),
+``steps_per_generation`` other than the accumulation steps, a MoE router's auxiliary loss, streamed prompts; under ODC:
+``sync_ref_model`` and vLLM's server mode or tensor-parallel engines.
+
+```python
+from odc_accelerate.integrations.trl import ODCRLOOConfig, ODCRLOOTrainer
+
+args = ODCRLOOConfig(output_dir="out", odc=True, beta=0.05)
+trainer = ODCRLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts)
+trainer.train()
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from trl import RLOOTrainer
+
+from ..._compat import tested_text
+from ..._compat.trl import rloo as trl_rloo
+from ...config import ODCConfig
+from ..trainer import ODCTrainerMixin
+from ..trainer.metrics import StepMetrics
+from .grpo_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
+from .loss import rloo_loss_weight
+from .metrics import finalize_rloo_metrics
+from .online import ODCOnlineTrainerMixin
+from .reference import ODCReferenceModelMixin, check_reference_settings
+from .rollouts import RolloutKeys
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RLOO_KEYS", "ODCRLOOTrainer", "check_rloo_args"]
+
+#: RLOOTrainer's generation batch (`odc_accelerate._compat.trl.rloo`).
+RLOO_KEYS = RolloutKeys(
+    prompt=tuple(trl_rloo.RLOO_PROMPT_KEYS),
+    token=trl_rloo.RLOO_TOKEN_KEYS,
+    sample=tuple(trl_rloo.RLOO_SAMPLE_KEYS),
+)
+
+
+class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMixin, RLOOTrainer):
+    """`trl.RLOOTrainer` with ODC (see the module docstring).
+
+    * **Generation** makes no collective under ODC (``generate`` without ``synced_gpus``; with ``use_vllm=True`` and
+      ``vllm_mode="colocate"`` each rank's engine is refreshed from ODC's shards); each rank's generation time is
+      logged as ``odc/generation_s`` and counts as busy.
+    * **Planning** (``--odc_plan free``, the default with ODC, ``lockstep`` or ``dynamic``): one optimizer step is one
+      generation batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank); its
+      completions are gathered once and planned over all ranks under the token budget
+      (``--odc_max_tokens_per_microbatch``; by default ``per_device_train_batch_size x (longest prompt of the step +
+      max_completion_length)``).
+    * **Exact loss**: the leave-one-out advantages and the KL-in-reward term are TRL's own, computed over the global
+      batch at generation; the sequence-mean loss is rescaled per microbatch.
+    * **Reference model** (``beta > 0``, TRL's default 0.05): sharded per layer and, under ODC, served by a
+      gather-only engine: a reference forward makes no collective.
+    """
+
+    odc_trainer_name = "RLOO"
+    odc_rollout_keys = RLOO_KEYS
+
+    def _odc_init_context(self) -> contextlib.AbstractContextManager:
+        return trl_rloo.rloo_reference_preparer(self._odc_prepare_reference)
+
+    def _odc_check_trainer(self) -> None:
+        trl_rloo.check_rloo(self)
+
+    def _odc_check_settings(self, config: ODCConfig) -> None:
+        # Before the mixin folds gradient accumulation and before any model is sharded or any completion generated.
+        check_rloo_args(self.args, config)
+        check_vllm_sync_settings(self.args, self.model, config)
+
+    def _odc_loss_weight(self, inputs: dict[str, Any], rows: int) -> float:
+        total_rows, _ = self._odc_totals
+        return rloo_loss_weight(rows, total_rows, self.accelerator.num_processes)
+
+    def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
+        expected = len(trl_rloo.rloo_metric_calls(self))
+        if metrics.gathers_per_microbatch != expected:
+            logger.warning(
+                "ODC: RLOO made %d metric reductions per microbatch, expected %d (tested with TRL %s); the loss "
+                "metrics of this step are local.",
+                metrics.gathers_per_microbatch,
+                expected,
+                tested_text("trl"),
+            )
+            return
+        finalize_rloo_metrics(self, metrics)
+
+
+def check_rloo_args(args: Any, config: ODCConfig) -> None:
+    """Refuse, before any work (and before any vLLM engine is created), the RLOO settings ODC cannot run (exactly).
+
+    The advantages need no refusal: TRL computes them at generation over the gathered generation batch, which under an
+    ODC plan is the step's global batch, as in TRL (``normalize_advantages`` included).
+
+    Raises:
+        ValueError: vLLM's server mode or a tensor-parallel engine under ODC, ``sync_ref_model`` under ODC, or, under a
+            balanced plan, ``num_iterations != 1`` or ``steps_per_generation`` other than
+            ``gradient_accumulation_steps``.
+    """
+    if config.enable and getattr(args, "use_vllm", False):
+        check_vllm_args(args)
+    check_reference_settings(args, config)
+    if not config.balanced:
+        return
+    check_one_generation_per_step(args, "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)")
