@@ -28,36 +28,33 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from trl import GRPOTrainer
 
 from ..._compat import tested_text
-from ..._compat import transformers as tcompat
 from ..._compat.trl import grpo as trl_grpo
 from ..._compat.trl import lm_head as trl_lm_head
 from ...config import ODCConfig
-from ..accelerate import call_before_end_training
 from ..trainer import ODCTrainerMixin
-from ..trainer.budget import BudgetRule
-from ..trainer.dynamic import ClaimedStep, ClaimQueue
 from ..trainer.metrics import StepMetrics
 from .grpo_checks import check_grpo_args, check_grpo_settings
 from .loss import grpo_loss_weight
 from .metrics import finalize_grpo_metrics
+from .online import ODCOnlineTrainerMixin
 from .reference import ODCReferenceModelMixin
-from .rollouts import collate_rollouts, loss_tokens, split_rollouts
+from .rollouts import GRPO_KEYS, loss_tokens
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ODCGRPOTrainer", "check_grpo_args"]
 
 
-class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
-    """`trl.GRPOTrainer` with ODC.
+class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` with ODC. Generation and the planned step are `.online.ODCOnlineTrainerMixin`'s (shared with
+    RLOO); what is GRPO's own here: its reference preparer and TRL checks, its refusals, its exact loss weight per loss
+    type, the importance-sampling keys of vLLM's ``sequence_*`` modes and its step metrics.
 
     * **Generation** makes no collective under ODC: ``generate`` runs with ``synced_gpus=False`` on every rank, so a
       rank stops decoding at its own last token. Plain FSDP2 runs keep transformers' choice (TRL's behaviour). Each
@@ -84,219 +81,26 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
       step, plus the ODC step metrics (tokens/s, per-rank busy / wait / generation time).
     """
 
-    odc_plans_from_dataset = False  # the step is planned after generation, from its completions (`_odc_plan`)
+    odc_trainer_name = "GRPO"
+    odc_rollout_keys = GRPO_KEYS
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
-        self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
+    # ------------------------------------------------------------------ set-up
+    @contextlib.contextmanager
+    def _odc_init_context(self) -> Iterator[None]:
         with (
             trl_grpo.grpo_reference_preparer(self._odc_prepare_reference),
             trl_lm_head.fused_lm_head_torch_path("grpo"),  # a no-op on the TRL releases GRPO is tested with
         ):
-            super().__init__(*args, **kwargs)
-        trl_grpo.check_grpo(self)
-        self.odc_vllm_syncs: list[Any] = []  # `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC)
-        self._odc_in_generation = False
-        if self.use_vllm and self.odc_config.enable:
-            # Each rank's own engine, refreshed from ODC's published shards (no collective) instead of TRL's sync.
-            trl_grpo.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
-            # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
-            # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
-            call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
-        elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
-            # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
-            trl_grpo.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
+            yield
 
-    # ------------------------------------------------------------------ set-up
+    def _odc_check_trainer(self) -> None:
+        trl_grpo.check_grpo(self)
+
     def _odc_check_settings(self, config: ODCConfig) -> None:
         # Before the mixin folds gradient accumulation and before any model is sharded or any completion generated.
         check_grpo_settings(self.args, self.model, config)
 
-    def get_train_dataloader(self) -> Any:
-        if self.odc_config.balanced:
-            from torch.utils.data import IterableDataset
-
-            if isinstance(self.train_dataset, IterableDataset):
-                raise ValueError(
-                    "ODC's balanced GRPO plan needs a map-style prompt dataset (one generation batch per optimizer "
-                    "step); streamed prompts are not supported. Drop --dataset_streaming, or run without --odc / "
-                    "--odc_plan."
-                )
-        return super().get_train_dataloader()  # TRL's prompt loader: the plan is made after generation
-
-    def _get_train_sampler(self, dataset: Any = None) -> Any:
-        sampler = super()._get_train_sampler(dataset)
-        if self.odc_config.balanced:
-            trl_grpo.grpo_sample_each_step_once(sampler, self.num_iterations)
-        return sampler
-
-    # ------------------------------------------------------------------ generation
-    def _generate(self, prompts: list) -> Any:
-        model = self.accelerator.unwrap_model(self.model_wrapped)
-        sync = not self.odc_config.enable
-        with tcompat.generation_without_peer_sync(
-            model, sync, lambda: self.odc_step_timer.generation(self.args.device)
-        ):
-            return super()._generate(prompts)
-
-    @contextlib.contextmanager
-    def _odc_generation_block(self) -> Iterator[None]:
-        """Time this rank's generation as busy and as ``odc/generation_s``: vLLM's ``generate`` and the weight sync
-        before it (own work: ODC's reads and vLLM's reload, no wait for a peer). Nested blocks count once."""
-        if self._odc_in_generation:
-            yield
-            return
-        self._odc_in_generation = True
-        try:
-            with self.odc_step_timer.generation(self.args.device):
-                yield
-        finally:
-            self._odc_in_generation = False
-
-    def _odc_sync_vllm(self) -> None:
-        """Refresh this rank's vLLM engine with the current weights, in place of TRL's ``sync_weights``: the full
-        parameters come from ODC's published shards through the transport's reads, one FSDP unit at a time
-        (`odc_accelerate.integrations.vllm.sync_vllm_weights`), with no torch.distributed call, so each rank syncs
-        on its own. What TRL does around its sync is kept: waking the weights up first under sleep mode, and
-        resetting vLLM's prefix cache after."""
-        from ..vllm import sync_vllm_weights
-
-        generation = trl_grpo.grpo_vllm_generation(self)
-        engine = self.odc_engine
-        if engine is None:
-            raise RuntimeError(
-                "ODC's vLLM weight sync runs once the model is prepared (trainer.train()); the ODC engine does not "
-                "exist yet."
-            )
-        with self._odc_generation_block():
-            trl_grpo.wake_vllm_weights(generation)
-            stats = sync_vllm_weights(trl_grpo.grpo_vllm_engine(generation), engine)
-            trl_grpo.reset_vllm_prefix_cache(generation)
-        self.odc_vllm_syncs.append(stats)
-
-    def _odc_shutdown_vllm(self) -> None:
-        """Shut this rank's vLLM engine down, keeping the job's process group (`shutdown_vllm`); idempotent."""
-        from ..vllm import shutdown_vllm
-
-        shutdown_vllm(trl_grpo.grpo_vllm_engine(trl_grpo.grpo_vllm_generation(self)))
-
-    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        # The reference (and old-policy) forwards after generation are own compute; inside a microbatch this is
-        # already timed, and the nested block is a no-op.
-        with self.odc_step_timer.compute(self.args.device):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
     # ------------------------------------------------------------------ step
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        # Items are lists of prompt rows; the step's work is known after generation (`_prepare_inputs`, `_odc_plan`).
-        start = time.perf_counter()
-        self._odc_banner()
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if batches:
-            self.odc_step_timer.start(self.model, self.odc_engine, [], start)
-        return batches, None
-
-    def _prepare_inputs(self, inputs: Any) -> Any:
-        if self._odc_looping or self._odc_ready:
-            return inputs  # a microbatch built by the plan, or inputs generated by training_step
-        prepared = super()._prepare_inputs(inputs)
-        if self.model.training:
-            self.odc_step_timer.add_work(1, int(prepared["prompt_mask"].sum() + prepared["completion_mask"].sum()))
-        return prepared
-
-    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        if not self.odc_config.balanced:
-            # TRL's own step (its accumulation slices); the loss's forward and backward are timed as busy, generation
-            # and the reference forward by their own blocks.
-            prepared = self._prepare_inputs(inputs)
-            self._odc_ready = True
-            try:
-                with self.odc_step_timer.compute(self.args.device):
-                    return super().training_step(model, prepared, num_items_in_batch)
-            finally:
-                self._odc_ready = False
-        model.train()  # as Trainer.training_step does first: TRL's generation and metrics read the mode
-        batch = self._odc_generate(inputs)
-        microbatches = self._odc_plan(batch)
-        return super().training_step(model, microbatches, batch["num_items_in_batch"])
-
-    def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Generate and score the step's completions as TRL does, once per optimizer step."""
-        args = self.args
-        # TRL computes the old policy's log-probs when generation and optimizer steps are misaligned; here they align
-        # (one generation batch per optimizer step), which TRL sees with its own accumulation count.
-        folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
-        try:
-            return trl_grpo.generate_and_score_completions(self, inputs)
-        finally:
-            args.gradient_accumulation_steps = folded
-
-    def _odc_plan(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """Gather the step's completions from every rank (one collective), plan them over ranks and microbatches, and
-        return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
-        from accelerate.utils import gather_object
-
-        from ...planning import PlanName, StreamingStepPlanner, claim_queue
-
-        sequence_keys = self._odc_sequence_keys()
-        rows = split_rollouts(batch, sequence_keys)
-        world = self.accelerator.num_processes
-        everyone = gather_object(rows) if world > 1 else rows
-        lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
-        # By default the largest microbatch TRL itself would run; a completion over a budget set lower runs alone.
-        longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
-        rule = BudgetRule(
-            default=int(self.args.per_device_train_batch_size) * (longest_prompt + int(self.max_completion_length)),
-            oversize="warn",
-        )
-        budget = self._odc_budget(lengths, rule)
-        planner = StreamingStepPlanner(
-            world,
-            max(len(everyone), world),
-            int(budget),
-            plan=self.odc_config.effective_plan,
-            model_config=getattr(self.accelerator.unwrap_model(self.model), "config", None),
-            padded=True,
-        )
-        plan = planner.plan(lengths)
-        pad = int(self._tokenizer.pad_token_id)
-        device = self.accelerator.device
-        total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
-        self._odc_totals = (len(everyone), total_tokens)
-        num_items = torch.tensor(total_tokens, device=device)
-        if self.odc_config.effective_plan == PlanName.DYNAMIC:
-            # Every rank holds every completion (gathered above); each collates only the microbatches it claims.
-            def load(indices: list[int]) -> dict[str, Any]:
-                mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys)
-                mb["odc_rows"] = len(indices)
-                mb["num_items_in_batch"] = num_items
-                return mb
-
-            return ClaimedStep(ClaimQueue(claim_queue(plan), rows=True), load)
-        microbatches = []
-        tokens = 0
-        for indices in plan[self.accelerator.process_index]:
-            if indices:
-                mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys)
-                mb["odc_rows"] = len(indices)
-                tokens += int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
-            else:
-                # An empty slot of the lockstep plan still runs a forward and backward (plain FSDP2's collectives
-                # need every rank): a completion with nothing to learn from, and a weight of 0.
-                mb = collate_rollouts([everyone[0]], pad, device, sequence_keys)
-                mb["completion_mask"] = torch.zeros_like(mb["completion_mask"])
-                mb["advantages"] = torch.zeros_like(mb["advantages"])
-                mb["odc_rows"] = 0
-            mb["num_items_in_batch"] = num_items
-            microbatches.append(mb)
-        self.odc_step_timer.add_work(len(microbatches), tokens)
-        return microbatches
-
     def _odc_sequence_keys(self) -> tuple[str, ...]:
         """The keys of a generation batch with one value per completion rather than per token, by TRL's settings: the
         importance-sampling ratio in vLLM's ``sequence_*`` correction modes."""
@@ -308,20 +112,9 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             return tuple(trl_grpo.GRPO_TOKEN_OR_SEQUENCE_KEYS)
         return ()
 
-    def _odc_count_claimed(self, batch: Any) -> None:
-        self.odc_step_timer.add_work(1, int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
-
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
-        loss = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        if not self._odc_looping:
-            return loss
-        rows = int(inputs["odc_rows"])
-        if rows == 0:
-            return loss * 0.0
+    def _odc_loss_weight(self, inputs: dict[str, Any], rows: int) -> float:
         total_rows, total_tokens = self._odc_totals
-        weight = grpo_loss_weight(
+        return grpo_loss_weight(
             self,
             rows=rows,
             tokens=float(loss_tokens(inputs).sum()),
@@ -329,7 +122,6 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             total_tokens=total_tokens,
             world_size=self.accelerator.num_processes,
         )
-        return loss * weight
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         expected = len(trl_grpo.grpo_metric_calls(self))
@@ -343,10 +135,3 @@ class ODCGRPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
             )
             return
         finalize_grpo_metrics(self, metrics)
-
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        # TRL counts prompt and completion tokens itself once they are generated; the loader's items are prompts.
-        return None
-
-    def floating_point_ops(self, inputs: Any) -> int:
-        return 0  # the loader's items are prompts: the Trainer's estimate would count nothing (as with TRL alone)
