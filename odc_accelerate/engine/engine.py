@@ -10,6 +10,11 @@ Data path, per FSDP2 param group (one per ``fully_shard`` call):
 * ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
   ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
 
+Under the ordered reduction (``reduction="ordered"``, ``docs/reduction.md``) the reduce-scatter hook instead adds row
+``o`` into this rank's own contribution ``c<i>/to<o>`` (local, no atomics); after the barrier each owner reads every
+rank's contribution to its shard and sums them in rank order into ``g<i>`` (`_sum_contributions`), then folds as above;
+each rank zeroes its contributions after the post-step barrier, when no owner reads them any more.
+
 The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered
 parameters stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients
 stay until ``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every

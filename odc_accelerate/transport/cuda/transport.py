@@ -25,9 +25,10 @@ nothing per peer:
 Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less), + on the fallback the
 staging pool (``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their
 device facts and refuse together, naming what to change, when: a GPU is shared without
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, peer-to-peer
-atomics are not native (PCIe), the symmetric-memory backend is not CUDA, deterministic algorithms are on, or the
-memory does not fit. Multicast (NVLS) is never bound for
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, the
+symmetric-memory backend is not CUDA, or the memory does not fit; and, where something is accumulated (the ``atomic``
+reduction), peer-to-peer atomics are not native (PCIe) or deterministic algorithms are on. The ``ordered`` reduction
+accumulates nothing (`choose_reduction` picks it, where ``odc_reduction`` was not given, instead of that refusal). Multicast (NVLS) is never bound for
 the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
