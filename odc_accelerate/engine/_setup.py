@@ -346,12 +346,13 @@ def log_ready(engine: ODCEngine) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
     buckets = engine.replicate_buckets
     logger.info(
-        "ODC engine on rank %d/%d: %d param groups%s, transport %s%s, memory policy %s: %s",
+        "ODC engine on rank %d/%d: %d param groups%s, transport %s%s%s, memory policy %s: %s",
         engine.rank,
         engine.world_size,
         len(engine.param_groups),
         " (frozen, gather-only)" if engine.frozen else "",
         engine.transport.name,
+        "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})",
         f", HSDP: {engine.replicas} replicas, {len(buckets)} all-reduce bucket(s) per step" if buckets else "",
         engine.memory_policy,
         engine.memory_summary(),
