@@ -417,3 +417,61 @@ def test_cpu_transports_keep_the_default_reduction():
     transport = ShmTransport.__new__(ShmTransport)  # the choice reads nothing of the transport's state
     assert transport.choose_reduction(None) == (ReductionName.ATOMIC, "the default")
     assert transport.choose_reduction("ordered") == (ReductionName.ORDERED, "set by odc_reduction")
+
+
+def test_the_trainer_banner_names_the_reduction_and_why(caplog):
+    from types import SimpleNamespace
+
+    from odc_accelerate.config import ODCConfig
+    from odc_accelerate.integrations.trainer.run import ODCRun
+    from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
+
+    why = "chosen because odc_reduction was not set and rank 0's GPU has no native atomic adds into rank 1's GPU"
+    engine = SimpleNamespace(
+        transport=SimpleNamespace(name="cuda", chosen_because="auto: ...", accumulate_path=None),
+        reduction=ReductionName.ORDERED,
+        reduction_reason=why,
+        world_size=2,
+        memory_summary=lambda: "neither x4",
+    )
+    trainer = SimpleNamespace(
+        odc_config=ODCConfig(enable=True),
+        odc_run=ODCRun(samples_per_step=4, folded_accumulation=1, max_tokens_per_microbatch=64),
+        is_world_process_zero=lambda: True,
+        odc_engine=engine,
+        args=SimpleNamespace(world_size=2, per_device_train_batch_size=2),
+        odc_plans_from_dataset=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="odc_accelerate.integrations.trainer.setup"):
+        ODCAcceleratorSetup._odc_banner(trainer)
+    assert f"gradient reduction ordered ({why})" in caplog.text
+
+
+def test_the_plugin_passes_the_reduction_only_where_it_was_given(monkeypatch):
+    from types import SimpleNamespace
+
+    from odc_accelerate import engine as engine_module
+    from odc_accelerate.config import ODCConfig
+    from odc_accelerate.integrations import accelerate as plugin_module
+
+    seen = []
+
+    class Accelerator:  # the plugin keeps engines by accelerator, weakly
+        def __init__(self, plugin):
+            self.state = SimpleNamespace(fsdp_plugin=plugin)
+
+    class Engine:
+        param_groups: list = []
+
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs["reduction"])
+
+    monkeypatch.setattr(engine_module, "ODCEngine", Engine)
+    for config, expected in (
+        (ODCConfig(enable=True), None),  # the default: the transport may choose
+        (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "atomic"}), "atomic"),
+        (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "ordered"}), "ordered"),
+    ):
+        plugin = plugin_module.ODCPlugin(fsdp_version=2, odc_config=config)
+        plugin_module._attach_engine(Accelerator(plugin), object())
+        assert seen[-1] == expected
