@@ -26,6 +26,7 @@ from .._compat.torch import layout as layout_compat
 from ..transport import BufferSpec
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_counter
+from ..transport.ordered import contribution_specs
 from . import hsdp, model_check
 from ._hooks import _ODCAllGather, _ODCReduceScatter, _ODCReduceScatterHSDP
 
@@ -230,11 +231,55 @@ def build_groups(served: Served, *, frozen: bool) -> tuple[list[ServedGroup], di
     return groups, specs
 
 
+def sum_dtype(reduce_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype an owner sums the ordered reduction's contributions in: the accumulator's dtype under ``atomic`` on the
+    same transport (16-bit floats widened to fp32 on CUDA, as the ``cuda`` transport's accumulators; the reduce dtype
+    on CPU transports)."""
+    if device.type == "cuda":
+        from ..transport.cuda.plan import accumulator_dtype
+
+        return accumulator_dtype(reduce_dtype)
+    return reduce_dtype
+
+
+def ordered_specs(
+    groups: list[ServedGroup], specs: dict[str, BufferSpec], world_size: int, device: torch.device
+) -> dict[str, BufferSpec]:
+    """The buffers of the ordered reduction, in place of the atomic reduction's accumulators in ``specs``.
+
+    Per group with an accumulator ``g<i>``: this rank's contributions to every owner, ``"c<i>/to<o>"`` (one shard
+    each, in the reduce dtype: together one unsharded gradient), and ``g<i>`` itself, now the owner's sum of the ranks'
+    contributions, which nobody adds into (`sum_dtype`). Per reduce dtype, ``"scratch/<dtype>"``: one shard of the
+    largest group, what each contribution is read into before it is added. All of it is registered with the transport,
+    so that its memory check (the ``cuda`` transport's, before anything is allocated) counts it, and refuses on every
+    rank a job that does not fit.
+    """
+    out: dict[str, BufferSpec] = {}
+    scratch: dict[torch.dtype, int] = {}
+    for name, spec in specs.items():
+        out[name] = spec
+    for g in groups:
+        name = f"g{g.index}"
+        if name not in specs:
+            continue
+        out[name] = BufferSpec(numel=g.reduce_numel, dtype=sum_dtype(g.reduce_dtype, device))
+        out.update(contribution_specs(f"c{g.index}", g.reduce_numel, g.reduce_dtype, world_size))
+        scratch[g.reduce_dtype] = max(scratch.get(g.reduce_dtype, 0), g.reduce_numel)
+    for dtype, numel in scratch.items():
+        out[scratch_name(dtype)] = BufferSpec(numel=numel, dtype=dtype)
+    return out
+
+
+def scratch_name(dtype: torch.dtype) -> str:
+    """The ordered reduction's read buffer for contributions of ``dtype``."""
+    return f"scratch/{str(dtype).removeprefix('torch.')}"
+
+
 def replica_reducer(
     served: Served, groups: list[ServedGroup], specs: dict[str, BufferSpec], timeout: float, bucket_bytes: int
 ) -> hsdp.ReplicaReducer:
     """HSDP: the once-per-step all-reduce of the accumulators across replicas."""
-    layout = [(g.index, g.reduce_numel, g.reduce_dtype) for g in groups if f"g{g.index}" in specs]
+    layout = [(g.index, g.reduce_numel, specs[f"g{g.index}"].dtype) for g in groups if f"g{g.index}" in specs]
     return hsdp.ReplicaReducer(
         served.replicate_pg, layout, len(groups), served.device, timeout, bucket_bytes=bucket_bytes
     )
@@ -301,12 +346,13 @@ def log_ready(engine: ODCEngine) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
     buckets = engine.replicate_buckets
     logger.info(
-        "ODC engine on rank %d/%d: %d param groups%s, transport %s%s, memory policy %s: %s",
+        "ODC engine on rank %d/%d: %d param groups%s, transport %s%s%s, memory policy %s: %s",
         engine.rank,
         engine.world_size,
         len(engine.param_groups),
         " (frozen, gather-only)" if engine.frozen else "",
         engine.transport.name,
+        "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})",
         f", HSDP: {engine.replicas} replicas, {len(buckets)} all-reduce bucket(s) per step" if buckets else "",
         engine.memory_policy,
         engine.memory_summary(),

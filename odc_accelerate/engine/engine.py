@@ -10,6 +10,11 @@ Data path, per FSDP2 param group (one per ``fully_shard`` call):
 * ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
   ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
 
+Under the ordered reduction (``reduction="ordered"``, ``docs/reduction.md``) the reduce-scatter hook instead adds row
+``o`` into this rank's own contribution ``c<i>/to<o>`` (local, no atomics); after the barrier each owner reads every
+rank's contribution to its shard and sums them in rank order into ``g<i>`` (`_sum_contributions`), then folds as above;
+each rank zeroes its contributions after the post-step barrier, when no owner reads them any more.
+
 The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered
 parameters stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients
 stay until ``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every
@@ -33,9 +38,11 @@ import torch.nn as nn
 from .. import memory_spec
 from .._compat.torch import fsdp as compat
 from .._compat.torch import keep as keep_compat
+from ..reduction import ReductionName, normalize_reduction
 from ..transport import ODCTimeoutError, Transport, create_transport
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_indices
+from ..transport.ordered import add_contribution, contribution_names, sum_in_rank_order, zero_contributions
 from . import _setup, hsdp, memory, model_check, process_exit
 from ._hooks import accumulator_rows
 from ._setup import ServedGroup
@@ -81,6 +88,15 @@ class ODCEngine:
         memory_headroom (`str` or `float`, *optional*, defaults to `"30%"`):
             What ``"auto"`` leaves free for activations and the optimizer: a percentage of this rank's memory
             (``"30%"``) or a size (``"4GiB"``; a number is bytes).
+        reduction (`str` or `ReductionName`, *optional*):
+            How gradients reach their owners (``docs/reduction.md``): ``"atomic"`` (each microbatch's gradients are
+            added into the owners' accumulators as ranks finish) or ``"ordered"`` (each rank sums its step locally,
+            into one buffer per owner, and each owner sums the ranks' contributions in rank order at
+            `pre_optimizer_step`: bitwise reproducible, no peer atomics, one unsharded gradient held per rank; the
+            memory policy's ``grads`` choice does not apply). Left unset: ``"atomic"``, unless the transport cannot add
+            into peers' memory atomically (the ``cuda`` transport over GPUs without native peer-to-peer atomics, or
+            with deterministic algorithms on), where it chooses ``"ordered"`` and says so. ``reduction`` and
+            ``reduction_reason`` hold what runs and why. A frozen engine reduces nothing.
 
     Example:
 
@@ -116,6 +132,7 @@ class ODCEngine:
         replicate_bucket_bytes: int = hsdp.DEFAULT_BUCKET_BYTES,
         memory_policy: str | Mapping[str, str] = memory_spec.DEFAULT_POLICY,
         memory_headroom: str | float = memory_spec.DEFAULT_HEADROOM,
+        reduction: ReductionName | str | None = None,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[ServedGroup] = []
@@ -124,6 +141,11 @@ class ODCEngine:
         self._pg: Any = None  # the shard group's process group: set-up only
         self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         # Checked before any collective: the same bad value raises on every rank.
+        self._requested = None if reduction is None else normalize_reduction(reduction, "reduction")
+        #: the gradient reduction this engine runs (chosen with the transport when ``reduction`` was not given)
+        self.reduction: ReductionName = self._requested or ReductionName.ATOMIC
+        self.reduction_reason = ""
+        self._contributed: set[int] = set()  # ordered: groups whose contributions this rank added into this step
         self._policy = memory_spec.parse_policy(memory_policy)
         self._headroom = memory_spec.parse_headroom(memory_headroom)
         self.memory_policy = memory_policy
@@ -146,15 +168,16 @@ class ODCEngine:
         #: replicas of each shard (1 without HSDP); the engine's ``world_size`` is the shard group's
         self.replicas = dist.get_world_size(served.replicate_pg) if served.replicate_pg is not None else 1
         self._groups, specs = _setup.build_groups(served, frozen=self.frozen)
-        if served.replicate_pg is not None and not self.frozen:
-            self._replicas = _setup.replica_reducer(served, self._groups, specs, self.timeout, replicate_bucket_bytes)
-        self._start(transport, specs, hsdp_mesh=served.replicate_pg is not None)
+        self._start(transport, specs, served, replicate_bucket_bytes)
         process_exit.watch(self)
         _setup.log_ready(self)
 
-    def _start(self, transport: str | Transport, specs: dict[str, Any], *, hsdp_mesh: bool) -> None:
-        """Collective: create the transport, register the buffers, install the hooks and publish the first shards; on
-        any error after the transport exists, close and raise."""
+    def _start(
+        self, transport: str | Transport, specs: dict[str, Any], served: _setup.Served, bucket_bytes: int
+    ) -> None:
+        """Collective: create the transport, choose the reduction, register the buffers, install the hooks and publish
+        the first shards; on any error after the transport exists, close and raise."""
+        hsdp_mesh = served.replicate_pg is not None
         self.transport = create_transport(
             transport,
             rank=self.rank,
@@ -162,8 +185,20 @@ class ODCEngine:
             timeout=self.timeout,
             device=self._device,
             group=self._pg,
+            # Only an explicit ``atomic`` needs peer atomics up front; unset, the transport may choose ``ordered``.
+            atomics=self._requested == ReductionName.ATOMIC and not self.frozen,
         )
         try:
+            if self.frozen:
+                self.reduction_reason = "frozen: nothing is reduced"
+            else:
+                self.reduction, self.reduction_reason = self.transport.choose_reduction(self._requested)
+                if self.ordered:
+                    specs = _setup.ordered_specs(self._groups, specs, self.world_size, self._device)
+                if self._requested is None and self.ordered and self.rank == 0:
+                    logger.warning("ODC gradient reduction: ordered (%s)", self.reduction_reason)
+            if hsdp_mesh and not self.frozen:
+                self._replicas = _setup.replica_reducer(served, self._groups, specs, self.timeout, bucket_bytes)
             self._buffers = self.transport.register(specs)
             scatter = None if self.frozen else self._scatter_accumulate
             _setup.install_hooks(self._groups, self._gather, scatter, hsdp_mesh=hsdp_mesh)
@@ -223,16 +258,25 @@ class ODCEngine:
         start = self._enter_hook()
         g = self._groups[index]
         rows = accumulator_rows(g, inp, self.world_size)
-        name = f"g{index}"
-        # Start with the next rank so that ranks finishing a layer together hit different owners.
-        for k in range(1, self.world_size + 1):
-            owner = (self.rank + k) % self.world_size
-            self.transport.accumulate(owner, name, rows[owner])
+        if self.ordered:
+            # A local add into this rank's own contribution to each owner, in its microbatches' order: no atomics.
+            add_contribution(self._buffers, f"c{index}", rows)
+            self._contributed.add(index)
+        else:
+            self._scatter_to_owners(index, rows)
         out.zero_()
         g.touched = True
         self.stats.scatters += 1
         self.stats.bytes_accumulated += inp.numel() * inp.element_size()
         self.stats.scatter_s += time.perf_counter() - start
+
+    def _scatter_to_owners(self, index: int, rows: torch.Tensor) -> None:
+        """The atomic reduction: add row ``o`` into owner ``o``'s accumulator, for every owner."""
+        name = f"g{index}"
+        # Start with the next rank so that ranks finishing a layer together hit different owners.
+        for k in range(1, self.world_size + 1):
+            owner = (self.rank + k) % self.world_size
+            self.transport.accumulate(owner, name, rows[owner])
 
     def _barrier(self, count_wait: bool = True) -> None:
         try:
@@ -338,6 +382,8 @@ class ODCEngine:
             self._state = EngineState.BROKEN
             raise ValueError(refusal)
         any_touched = rows[:, :n].amax(dim=0)
+        if self.ordered:
+            self._sum_contributions(any_touched.tolist())
         if self._replicas is not None:
             try:  # HSDP: sum the owned shards over the replicas, folding as their buckets arrive
                 self._replicas.fold(self._groups, self._buffers, any_touched, self.stats)
@@ -348,8 +394,28 @@ class ODCEngine:
             self._fold(any_touched.tolist())
         for g in self._groups:
             g.touched = False
-        self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s
+        self.stats.fold_s += time.perf_counter() - start - self.stats.replicate_s - self.stats.exchange_s
         self._state = EngineState.IN_OPTIMIZER
+
+    @property
+    def ordered(self) -> bool:
+        """This engine runs the ordered reduction (``reduction == "ordered"``)."""
+        return self.reduction == ReductionName.ORDERED
+
+    def _sum_contributions(self, touched_anywhere: list[bool]) -> None:
+        """The ordered reduction's exchange (after the step's barrier): per group a backward reached on some rank, sum
+        every rank's contribution to this rank's shard, in rank order, into the group's accumulator ``g<i>``, which
+        the fold then reads as under ``atomic``. The contributions are zeroed only after the post-step barrier
+        (`_publish`): until every rank has passed it, a peer may still be reading them."""
+        start = time.perf_counter()
+        for g in self._groups:
+            if g.reduce_dtype is None or not touched_anywhere[g.index]:
+                continue
+            names = contribution_names(f"c{g.index}", self.world_size)
+            acc = self._buffers[f"g{g.index}"]
+            sum_in_rank_order(self.transport, names, acc, scratch=self._buffers[_setup.scratch_name(g.reduce_dtype)])
+            self.stats.bytes_read += (self.world_size - 1) * g.reduce_numel * g.reduce_dtype.itemsize
+        self.stats.exchange_s += time.perf_counter() - start
 
     def _write_flags(self, optimizer: Any) -> list[list[str]] | None:
         """Write this rank's flags into ``touched``: which groups its backward reached, then its optimizer's
@@ -416,6 +482,11 @@ class ODCEngine:
             compat.copy_all_gather_input(g.group, self._buffers[f"p{g.index}"])
         self.stats.publish_s += time.perf_counter() - start
         self._barrier()  # nobody reads a shard before its owner has finished writing it
+        # Ordered: past this barrier every owner has summed this step's contributions (it folded before its optimizer
+        # step, and it reached the barrier after that): no peer reads them any more, and the next step adds afresh.
+        for index in sorted(self._contributed):
+            zero_contributions(self._buffers, f"c{index}", self.world_size)
+        self._contributed.clear()
         if self.steps or self.stats.gathers or self.stats.scatters:
             self.last_step_stats = self.stats.finish(self.transport.memory_report().get("total", 0), self._peak.read())
         self.stats = StepStats()
@@ -427,9 +498,17 @@ class ODCEngine:
     def _apply_memory_policy(self) -> None:
         """Choose (``auto``: from this rank's free memory now) and set FSDP2's switches; no peer is involved."""
         choices = memory.choose(
-            self._policy, self._headroom, self._device, self._groups, world_size=self.world_size, frozen=self.frozen
+            self._policy,
+            self._headroom,
+            self._device,
+            self._groups,
+            world_size=self.world_size,
+            frozen=self.frozen,
+            ordered=self.ordered,
         )
-        self.stats.kept_params, self.stats.kept_grads = memory.apply_choices(self._groups, choices, frozen=self.frozen)
+        self.stats.kept_params, self.stats.kept_grads = memory.apply_choices(
+            self._groups, choices, frozen=self.frozen, ordered=self.ordered
+        )
 
     def memory_choices(self) -> dict[str, str]:
         """What this rank keeps through the current step, per param group FQN (``"both"``, ``"params"``, ...)."""

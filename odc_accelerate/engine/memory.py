@@ -11,6 +11,11 @@ A policy is written as one choice for every group (``"both"``), ``"auto"``, or `
 commas, matched against each group's FQN with `fnmatch` (first match wins, unmatched groups keep ``neither``; the
 root group's FQN is ``<root>``): ``"<root>=params,layers.*=both"``.
 
+Under the ordered gradient reduction (``odc_reduction: ordered``) a rank already holds its unsharded gradient through
+the step, in its per-owner contribution buffers, and reduces it once per step; keeping FSDP2's unsharded gradient as
+well would hold it twice and save only local adds. So there the gradient half of every choice is ignored (``grads``
+acts as ``neither``, ``both`` as ``params``) and ``auto`` weighs parameters only: ``ordered=True`` below.
+
 `choose` and `apply_choices` run a policy over an engine's param groups (after every optimizer step). The policy's
 spelling (`parse_policy`) and the memory readings live below the engine, in `odc_accelerate.memory_spec`.
 """
@@ -109,12 +114,15 @@ def summarize(choices: Mapping[str, tuple[bool, bool]]) -> str:
 
 
 # ---------------------------------------------------------------------- the policy over an engine's param groups
-def group_costs(groups: Sequence[ServedGroup], *, world_size: int, frozen: bool) -> list[GroupCost]:
-    """What keeping each served group's unsharded state costs on this rank (a frozen engine keeps no gradient)."""
+def group_costs(
+    groups: Sequence[ServedGroup], *, world_size: int, frozen: bool, ordered: bool = False
+) -> list[GroupCost]:
+    """What keeping each served group's unsharded state costs on this rank (a frozen engine keeps no gradient, nor
+    does one under the ordered reduction: its contribution buffers hold it already)."""
     costs = []
     for g in groups:
         grad_bytes = 0
-        if g.reduce_dtype is not None and not frozen:
+        if g.reduce_dtype is not None and not frozen and not ordered:
             grad_bytes = g.reduce_numel * world_size * g.reduce_dtype.itemsize
         costs.append(
             GroupCost(
@@ -136,29 +144,36 @@ def choose(
     *,
     world_size: int,
     frozen: bool,
+    ordered: bool = False,
 ) -> dict[str, tuple[bool, bool]]:
     """(keep params, keep grads) per group FQN under ``policy`` (`parse_policy`'s result): ``auto`` from this rank's
-    free memory on ``device`` now, less ``headroom`` (`parse_headroom`'s result)."""
+    free memory on ``device`` now, less ``headroom`` (`parse_headroom`'s result). The reading is taken after the
+    transport's buffers exist (the ordered reduction's contribution buffers among them), so what they hold is not
+    free. Under the ordered reduction (``ordered``) no gradient is kept."""
     if policy == AUTO:
         free, total = memory_spec.free_and_total(device)  # through the module: tests give ranks known budgets
         budget = free - headroom_bytes(headroom, total)
-        return choose_auto(group_costs(groups, world_size=world_size, frozen=frozen), budget)
-    return choose_fixed(policy, [g.fqn for g in groups])
+        return choose_auto(group_costs(groups, world_size=world_size, frozen=frozen, ordered=ordered), budget)
+    choices = choose_fixed(policy, [g.fqn for g in groups])
+    if ordered:
+        choices = {fqn: (params, False) for fqn, (params, _) in choices.items()}
+    return choices
 
 
 def apply_choices(
-    groups: Sequence[ServedGroup], choices: Mapping[str, tuple[bool, bool]], *, frozen: bool
+    groups: Sequence[ServedGroup], choices: Mapping[str, tuple[bool, bool]], *, frozen: bool, ordered: bool = False
 ) -> tuple[int, int]:
     """Set each group's ``keep`` and FSDP2's switches for it from ``choices``; no peer is involved.
 
-    A group without trainable parameters, or a frozen engine's, keeps no gradient whatever the choice.
+    A group without trainable parameters, a frozen engine's, or one under the ordered reduction (``ordered``) keeps no
+    gradient whatever the choice.
 
     Returns:
         `tuple[int, int]`: how many groups keep their gathered params, and how many their unsharded grads.
     """
     for g in groups:
         keep_params, keep_grads = choices[g.fqn]
-        g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not frozen)
+        g.keep = (keep_params, keep_grads and g.reduce_dtype is not None and not frozen and not ordered)
         keep_compat.set_keep(g.group, g.saved_keep, *g.keep)
     return sum(g.keep[0] for g in groups), sum(g.keep[1] for g in groups)
 

@@ -23,7 +23,9 @@ class StepStats:
         gather_s: time inside all-gather hooks (reading peers' shards).
         scatter_s: time inside reduce-scatter hooks (adding slices into owners' accumulators).
         wait_s: time blocked in barriers: the step boundary's (and every hook's with ``sync_every_hook``).
-        fold_s: time folding the accumulators into ``.grad``.
+        fold_s: time folding the accumulators into ``.grad`` (the ordered reduction's exchange excluded).
+        exchange_s: ``ordered`` reduction only: time the owner spent reading every rank's contribution to its shards
+            and summing them in rank order, after the step's barrier (its bytes count in ``bytes_read``).
         publish_s: time publishing the new shards after the optimizer step.
         flush_s: time waiting, before a barrier, for this rank's own queued device work (its backward, adds and
             publishes; GPU transports only). Busy, not wait: ``wait_s`` is time blocked on peers only.
@@ -31,7 +33,9 @@ class StepStats:
             Counted in ``wait_s`` too: a rank there is blocked on its replicas.
         replicate_bytes: HSDP only: bytes this rank's step all-reduced across replicas.
         gathers / scatters: hook calls during the step.
-        bytes_read / bytes_accumulated: payload moved through the transport.
+        bytes_read / bytes_accumulated: payload moved through the transport (under ``ordered``, ``bytes_accumulated``
+            counts the local adds into this rank's own contributions, and ``bytes_read`` the peers' contributions read
+            at the step boundary besides the gathers).
         transport_bytes: device memory the transport holds (``Transport.memory_report()["total"]``; 0 on CPU).
         peak_memory_bytes: this rank's peak memory up to the end of the step (GPU: torch's ``max_memory_allocated``;
             CPU: the process's peak resident set size, shared memory mapped from peers included). Not reset by the
@@ -43,6 +47,7 @@ class StepStats:
     scatter_s: float = 0.0
     wait_s: float = 0.0
     fold_s: float = 0.0
+    exchange_s: float = 0.0
     publish_s: float = 0.0
     gathers: int = 0
     scatters: int = 0

@@ -199,6 +199,9 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         timeout=config.timeout,
         memory_policy=config.memory_policy,
         memory_headroom=config.memory_headroom,
+        # Unset (None) where odc_reduction was left at its default: the transport may then choose ``ordered`` where it
+        # cannot add into peers' memory atomically, instead of refusing.
+        reduction=config.reduction if "reduction" in config.given else None,
     )
     _ENGINES[accelerator] = engine
     logger.info("ODC engine attached (transport=%s, %d param groups).", config.transport, len(engine.param_groups))

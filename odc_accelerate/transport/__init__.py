@@ -51,6 +51,7 @@ def create_transport(
     timeout: float,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    atomics: bool = True,
 ) -> Transport:
     """Build the transport called ``name`` (or pass an instance through).
 
@@ -63,7 +64,8 @@ def create_transport(
       backend): ``"cuda"``.
 
     Host identity is :func:`~odc_accelerate.transport.host_id` (``$ODC_HOST_ID`` overrides it). The choice is logged
-    at INFO. CUDA tensors have no other transport: across hosts, or where a device check fails, ``"auto"`` logs the
+    at INFO. ``atomics=False`` (the ``ordered`` reduction, or one the transport may still choose, and a frozen engine)
+    accepts GPUs that can read but not add into each other's memory natively. CUDA tensors have no other transport: across hosts, or where a device check fails, ``"auto"`` logs the
     reason at ERROR and raises, on every rank, an error saying what to change (or to use plain FSDP2).
     """
     if isinstance(name, Transport):
@@ -89,7 +91,7 @@ def create_transport(
                     "use plain FSDP2 across nodes or keep the ODC group within one node"
                 )
             # Collective, and decided from every rank's facts: all ranks pick or refuse together.
-            missing = device_refusal(gather_device_facts(group, world_size, device))
+            missing = device_refusal(gather_device_facts(group, world_size, device), atomics=atomics)
             if missing:
                 message = (
                     f"ODC transport 'auto' found no usable transport for CUDA tensors: {missing}. "
@@ -97,7 +99,10 @@ def create_transport(
                 )
                 logger.error(message)
                 raise RuntimeError(message)
-            name, reason = "cuda", "CUDA tensors on one host, peers mapped with native atomics"
+            name, reason = (
+                "cuda",
+                "CUDA tensors on one host, peers mapped" + (" with native atomics" if atomics else ""),
+            )
         elif len(hosts) == 1:
             name, reason = "shm", "CPU tensors, every rank on one host"
         elif all(len(ranks) == 1 for ranks in hosts):

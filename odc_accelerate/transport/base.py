@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..reduction import ReductionName, normalize_reduction
+
 HOST_ID_ENV = "ODC_HOST_ID"
 
 
@@ -162,6 +164,18 @@ class Transport(abc.ABC):
         blocked on peers. Synchronous transports have nothing to flush.
         """
         return None
+
+    def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
+        """Collective on transports that ask their peers: the gradient reduction to run, and why (for logs).
+
+        ``requested`` is ``odc_reduction`` where it was given explicitly, and is kept; None (left at its default) is
+        ``atomic`` unless this transport cannot add into peers' memory atomically, where it may choose ``ordered``
+        instead of refusing (the ``cuda`` transport over GPUs without native peer-to-peer atomics). Every CPU
+        transport adds atomically (under a lock), so the default stays ``atomic`` there.
+        """
+        if requested is not None:
+            return normalize_reduction(requested), "set by odc_reduction"
+        return ReductionName.ATOMIC, "the default"
 
     def memory_report(self) -> dict[str, int]:
         """Device memory this transport holds, in bytes by purpose plus ``"total"``; empty for host memory."""

@@ -88,6 +88,7 @@ def runs(tmp_path_factory, references, tiny_model):
     root = tmp_path_factory.mktemp("dpo")
     shm_before = shm_leftovers()
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
+    names += ("odc_ordered", "odc_ordered_slowed")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "odc_peft"))
     out = {name: root / name for name in names}
     procs = {}
@@ -114,6 +115,9 @@ def runs(tmp_path_factory, references, tiny_model):
         **DUMP,
     )
     procs["single"], out["single"] = references.start("dpo", 5, *COMMON)
+    ordered = ["--odc_reduction", "ordered", *COMMON, *UNEQUAL]
+    for name, slow in (("odc_ordered", {}), ("odc_ordered_slowed", {"ODC_TEST_RANDOM_SLOW": "0:3"})):
+        procs[name] = background(accelerate_launch, *odc, *ordered, "--output_dir", out[name], **slow, **DUMP)
     pre = ["--precompute_ref_log_probs", "true", "--precompute_ref_batch_size", "16"]
     procs["odc_pre"] = background(
         accelerate_launch, *odc, *COMMON, *UNEQUAL, *pre, "--output_dir", out["odc_pre"], **COUNT, **DUMP
@@ -194,6 +198,22 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
     a, b = final_params(odc), final_params(single)
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = _update(single)
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+
+
+def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):
+    # --odc_reduction ordered, one run with rank 0 slowed at random microbatches: the same bits, and TRL's trainer
+    # in one process to fp32 summation order.
+    for name in ("odc_ordered", "odc_ordered_slowed", "single"):
+        check_ok(runs["procs"][name])
+    out = runs["out"]
+    ranks = reports(out["odc_ordered_slowed"], "odc_run_rank")
+    assert [(r["odc_config"]["reduction"], r["reduction"]) for r in ranks] == [("ordered", "ordered")] * 2
+    a, b = final_params(out["odc_ordered"]), final_params(out["odc_ordered_slowed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    single = final_params(out["single"])
+    diff = sum(float((a[k] - single[k]).norm() ** 2) for k in a) ** 0.5
+    update = _update(out["single"])
     assert update > 0 and diff / update <= 1e-4, (diff, update)
 
 

@@ -86,15 +86,27 @@ def _one_loss_type(args: list[str], loss_type: str) -> list[str]:
     return [*kept, "--loss_type", loss_type]
 
 
-# The parity runs of each model kind: the offline default's train every LOSS_TYPES (OUT/<type>), the others grpo alone
+# The parity runs of each model kind: the offline default's train every LOSS_TYPES (OUT/<type>), the others grpo alone;
+# "ordered": the offline default's model under --odc_reduction ordered, grpo alone, against the default's reference.
 PARITY_RUNS = [("untied", loss_type) for loss_type in LOSS_TYPES] + [(kind, "grpo") for kind in MODEL_KINDS[1:]]
+PARITY_RUNS += [("ordered", "grpo")]
+
+
+def _parity_names(kind: str) -> tuple[str, str]:
+    """The run names of the ODC run and of its one-process reference for ``kind``."""
+    if kind == "untied":
+        return "parity_odc", "parity_single"
+    return f"parity_odc_{kind}", "parity_single" if kind == "ordered" else f"parity_single_{kind}"
 
 
 def _parity_dirs(runs, kind: str, loss_type: str):
     """The output folders of the ODC run and of its one-process reference for ``kind`` and ``loss_type``."""
+    odc, single = _parity_names(kind)
     if kind == "untied":
-        return runs["out"]["parity_odc"] / loss_type, runs["out"]["parity_single"] / loss_type
-    return runs["out"][f"parity_odc_{kind}"], runs["out"][f"parity_single_{kind}"]
+        return runs["out"][odc] / loss_type, runs["out"][single] / loss_type
+    if kind == "ordered":
+        return runs["out"][odc], runs["out"][single] / loss_type
+    return runs["out"][odc], runs["out"][single]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +115,7 @@ def runs(tmp_path_factory, tiny_model):
     shm_before = shm_leftovers()
     names = ("example_odc", "example_fsdp2", "parity_odc", "parity_single", "bad_entropy")
     names += tuple(f"parity_{which}_{kind}" for kind in MODEL_KINDS[1:] for which in ("odc", "single"))
+    names += ("parity_odc_ordered",)
     out = {name: root / name for name in names}
     procs = {}
     procs["example_odc"] = background(
@@ -142,6 +155,7 @@ def runs(tmp_path_factory, tiny_model):
         {f"_{kind}": [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32)]
          for kind in MODEL_KINDS[1:]}
     )  # fmt: skip
+    parities["_ordered"] = [*_one_loss_type(PARITY, "grpo"), "--odc_reduction", "ordered"]
     for suffix, parity in parities.items():
         procs[f"parity_odc{suffix}"] = background(
             accelerate_launch,
@@ -159,6 +173,8 @@ def runs(tmp_path_factory, tiny_model):
             out[f"parity_odc{suffix}"],
             **COUNT,
         )
+        if suffix == "_ordered":  # compared with the offline default's reference of grpo
+            continue
         reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *parity]
         procs[f"parity_single{suffix}"] = background(
             run, [*reference, "--output_dir", out[f"parity_single{suffix}"]], env=base_env()
@@ -227,9 +243,8 @@ def test_plain_fsdp2_generation_syncs_every_decode_step(runs):
 
 @pytest.mark.parametrize("kind, loss_type", PARITY_RUNS)
 def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
-    suffix = "" if kind == "untied" else f"_{kind}"
-    check_ok(runs["procs"][f"parity_odc{suffix}"])
-    check_ok(runs["procs"][f"parity_single{suffix}"])
+    for name in _parity_names(kind):
+        check_ok(runs["procs"][name])
     odc_dir, ref_dir = _parity_dirs(runs, kind, loss_type)
     odc = json.loads((odc_dir / "losses.json").read_text())["log_history"]
     ref = json.loads((ref_dir / "losses.json").read_text())["log_history"]
@@ -249,6 +264,7 @@ def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
     for r in reports(odc_dir, "odc_run_rank"):
         assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+        assert r["reduction"] == ("ordered" if kind == "ordered" else "atomic")
 
 
 def test_without_the_kl_term_the_gradient_norm_matches_one_process_to_1e_5(runs):

@@ -70,6 +70,7 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
     root = tmp_path_factory.mktemp("sft")
     shm_before = shm_leftovers()
     names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free", "odc_auto")
+    names += ("odc_ordered", "odc_ordered_slowed")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "resumed"))
     out = {name: root / name for name in names}
     procs = {}
@@ -136,6 +137,24 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
         ODC_TRACE_DIR=str(out["odc_padding_free"] / "trace"),
         **DUMP,
     )
+    for name, slow in (("odc_ordered", {}), ("odc_ordered_slowed", {"ODC_TEST_RANDOM_SLOW": "1:7"})):
+        procs[name] = background(
+            accelerate_launch,
+            CONFIGS / "odc_cpu.yaml",
+            TRAIN,
+            "--odc",
+            "true",
+            "--odc_reduction",
+            "ordered",
+            *COMMON,
+            *UNEQUAL,
+            "--save_strategy",
+            "no",
+            "--output_dir",
+            out[name],
+            **slow,
+            **DUMP,
+        )
     procs["odc_auto"] = background(
         accelerate_launch,
         CONFIGS / "odc_cpu.yaml",
@@ -288,6 +307,23 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
     update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
     assert update > 0 and diff / update <= 1e-4, (diff, update)
     assert max_rel(a, b) <= 1e-4
+
+
+def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):
+    # --odc_reduction ordered: each rank sums its microbatches locally and each owner sums the ranks in rank order, so
+    # a rank slowed at random microbatches (the ranks reach each step's boundary in another order) changes no bit.
+    for name in ("odc_ordered", "odc_ordered_slowed", "single"):
+        check_ok(runs["procs"][name])
+    out = runs["out"]
+    ranks = reports(out["odc_ordered"], "odc_run_rank")
+    assert [(r["odc_config"]["reduction"], r["reduction"]) for r in ranks] == [("ordered", "ordered")] * 2
+    a, b = final_params(out["odc_ordered"]), final_params(out["odc_ordered_slowed"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), max_rel(a, b)
+    single, init = final_params(out["single"]), torch.load(out["single"] / "initial_params.pt")
+    diff = sum(float((a[k] - single[k]).norm() ** 2) for k in a) ** 0.5
+    update = sum(float((single[k] - init[k]).norm() ** 2) for k in single) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    assert max_rel(a, single) <= 1e-4
 
 
 def test_auto_policy_choosing_differently_per_rank_matches_single_process(runs):

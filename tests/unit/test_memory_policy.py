@@ -52,6 +52,28 @@ def test_auto_keeps_largest_gain_per_byte_first_within_budget():
     assert memory.summarize(memory.choose_auto(costs, 20 * mb)) == "neither x1, params x2"
 
 
+def test_ordered_reduction_keeps_no_unsharded_gradient():
+    # Under ordered the contribution buffers hold the step's gradient already: the gradient half of every fixed
+    # choice is dropped (grads acts as neither, both as params), whatever the pattern.
+    fqns = ["<root>", "blocks.0", "blocks.1"]
+    policy = memory_spec.parse_policy("<root>=grads,blocks.0=both,*=params")
+    fixed = memory.choose_fixed(policy, fqns)
+    assert fixed == {"<root>": (False, True), "blocks.0": (True, True), "blocks.1": (True, False)}
+
+    class Group:  # what choose reads of a served group for a fixed policy
+        def __init__(self, fqn):
+            self.fqn = fqn
+
+    groups = [Group(f) for f in fqns]
+    ordered = memory.choose(policy, (0.3, True), torch.device("cpu"), groups, world_size=2, frozen=False, ordered=True)
+    assert ordered == {"<root>": (False, False), "blocks.0": (True, False), "blocks.1": (True, False)}
+
+
+def test_engine_refuses_a_bad_reduction_before_anything_else():
+    with pytest.raises(ValueError, match="reduction must be one of atomic, ordered"):
+        ODCEngine(torch.nn.Linear(2, 2), reduction="summed")
+
+
 def test_free_memory_on_cpu_is_shared_by_the_hosts_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     free1, total1 = memory_spec.free_and_total(torch.device("cpu"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from odc_accelerate.reduction import ReductionName
 from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
 from odc_accelerate.transport.cuda import cuda_unavailable_reason, local_device_facts
 from odc_accelerate.transport.cuda.plan import (
@@ -23,6 +24,8 @@ from odc_accelerate.transport.cuda.plan import (
     DeviceFacts,
     StagingPool,
     accumulator_dtype,
+    atomics_problem,
+    choose_reduction,
     chunk_spans,
     device_refusal,
     memory_refusal,
@@ -371,3 +374,104 @@ def test_this_torch_reports_its_signal_pad_size():
         assert size == symm.get_signal_pad_size() and 0 < size <= SEGMENT_GRANULARITY
     else:
         assert size is None
+
+
+# -------------------------------------------------------------------------------------- the reduction over these GPUs
+def test_ordered_needs_no_peer_atomics_nor_leaves_determinism_to_refuse():
+    pcie_p2p = [_gpu(r, NODE[:2], r, atomics=(r == 0, r == 1)) for r in range(2)]
+    unknown = [_gpu(r, NODE[:2], r, atomics=(True, None) if r == 0 else (True, True)) for r in range(2)]
+    deterministic = [_gpu(r, NODE[:2], r, deterministic=r == 1) for r in range(2)]
+    for facts in (pcie_p2p, unknown, deterministic):
+        assert device_refusal(facts) is not None  # the atomic reduction's refusal
+        assert device_refusal(facts, atomics=False) is None  # nothing accumulated: only reads
+    # the rest still applies without atomics: peers must be mappable
+    no_access = [_gpu(r, NODE[:2], r, access=(r == 0, r == 1)) for r in range(2)]
+    assert "peer-to-peer" in device_refusal(no_access, atomics=False)
+
+
+def test_unset_reduction_chooses_ordered_where_peers_cannot_add_natively():
+    nvlink = [_gpu(r, NODE, r) for r in range(4)]
+    assert atomics_problem(nvlink) is None
+    assert choose_reduction(None, nvlink) == (ReductionName.ATOMIC, "the default")
+    pcie_p2p = [_gpu(r, NODE[:2], r, atomics=(r == 0, r == 1)) for r in range(2)]
+    reduction, why = choose_reduction(None, pcie_p2p)
+    assert reduction == ReductionName.ORDERED
+    assert why.startswith("chosen because odc_reduction was not set and rank 0's GPU has no native atomic adds")
+    assert "odc_reduction: ordered (ODC_REDUCTION" not in why  # the reason, not the refusal's advice
+    unknown = [_gpu(r, NODE[:2], r, atomics=(True, None) if r == 0 else (True, True)) for r in range(2)]
+    assert choose_reduction(None, unknown)[0] == ReductionName.ORDERED
+    deterministic = [_gpu(r, NODE[:2], r, deterministic=r == 1) for r in range(2)]
+    reduction, why = choose_reduction(None, deterministic)
+    assert reduction == ReductionName.ORDERED and "use_deterministic_algorithms" in why
+    # given explicitly, it is kept whatever the GPUs (an explicit atomic is then refused by the transport's checks)
+    for facts in (nvlink, pcie_p2p):
+        assert choose_reduction("atomic", facts) == (ReductionName.ATOMIC, "set by odc_reduction")
+        assert choose_reduction(ReductionName.ORDERED, facts) == (ReductionName.ORDERED, "set by odc_reduction")
+    with pytest.raises(ValueError, match="atomic, ordered"):
+        choose_reduction("summed", nvlink)
+
+
+def test_cpu_transports_keep_the_default_reduction():
+    from odc_accelerate.transport.shm import ShmTransport
+
+    transport = ShmTransport.__new__(ShmTransport)  # the choice reads nothing of the transport's state
+    assert transport.choose_reduction(None) == (ReductionName.ATOMIC, "the default")
+    assert transport.choose_reduction("ordered") == (ReductionName.ORDERED, "set by odc_reduction")
+
+
+def test_the_trainer_banner_names_the_reduction_and_why(caplog):
+    from types import SimpleNamespace
+
+    from odc_accelerate.config import ODCConfig
+    from odc_accelerate.integrations.trainer.run import ODCRun
+    from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
+
+    why = "chosen because odc_reduction was not set and rank 0's GPU has no native atomic adds into rank 1's GPU"
+    engine = SimpleNamespace(
+        transport=SimpleNamespace(name="cuda", chosen_because="auto: ...", accumulate_path=None),
+        reduction=ReductionName.ORDERED,
+        reduction_reason=why,
+        world_size=2,
+        memory_summary=lambda: "neither x4",
+    )
+    trainer = SimpleNamespace(
+        odc_config=ODCConfig(enable=True),
+        odc_run=ODCRun(samples_per_step=4, folded_accumulation=1, max_tokens_per_microbatch=64),
+        is_world_process_zero=lambda: True,
+        odc_engine=engine,
+        args=SimpleNamespace(world_size=2, per_device_train_batch_size=2),
+        odc_plans_from_dataset=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="odc_accelerate.integrations.trainer.setup"):
+        ODCAcceleratorSetup._odc_banner(trainer)
+    assert f"gradient reduction ordered ({why})" in caplog.text
+
+
+def test_the_plugin_passes_the_reduction_only_where_it_was_given(monkeypatch):
+    from types import SimpleNamespace
+
+    from odc_accelerate import engine as engine_module
+    from odc_accelerate.config import ODCConfig
+    from odc_accelerate.integrations import accelerate as plugin_module
+
+    seen = []
+
+    class Accelerator:  # the plugin keeps engines by accelerator, weakly
+        def __init__(self, plugin):
+            self.state = SimpleNamespace(fsdp_plugin=plugin)
+
+    class Engine:
+        param_groups: list = []
+
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs["reduction"])
+
+    monkeypatch.setattr(engine_module, "ODCEngine", Engine)
+    for config, expected in (
+        (ODCConfig(enable=True), None),  # the default: the transport may choose
+        (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "atomic"}), "atomic"),
+        (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "ordered"}), "ordered"),
+    ):
+        plugin = plugin_module.ODCPlugin(fsdp_version=2, odc_config=config)
+        plugin_module._attach_engine(Accelerator(plugin), object())
+        assert seen[-1] == expected

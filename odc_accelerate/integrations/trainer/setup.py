@@ -182,11 +182,17 @@ class ODCAcceleratorSetup:
         # The 'cuda' transport adds gradients with its Triton kernel or, where that cannot run, a slower fallback.
         path = getattr(transport, "accumulate_path", None)
         accumulate = f"; gradients accumulate by {path} ({transport.accumulate_reason})" if path else ""
+        reduction = getattr(engine, "reduction", config.reduction)
+        why = getattr(engine, "reduction_reason", "") or (
+            "set by odc_reduction" if "reduction" in config.given else ""
+        )
+        reduction = f"; gradient reduction {reduction}" + (f" ({why})" if why else "")
         logger.warning(
-            "ODC on: transport %s (%s%s)%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
+            "ODC on: transport %s (%s%s)%s%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
             accumulate,
+            reduction,
             hsdp,
             _plan_text(config),
             budget,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import memory_spec
+from ...reduction import ReductionName, normalize_reduction
 from ..base import BufferSpec
 
 #: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
@@ -314,7 +315,8 @@ def deterministic_refusal() -> str:
     return (
         "torch.use_deterministic_algorithms(True) is on, but the 'cuda' ODC transport adds gradients with atomic adds "
         "(in deterministic mode torch's index_add_ is not atomic across processes, and atomic adds sum in varying "
-        "order). Turn deterministic algorithms off, or use plain FSDP2"
+        "order). Turn deterministic algorithms off, set odc_reduction: ordered (no atomic adds: each owner sums the "
+        "ranks' gradients in rank order), or use plain FSDP2"
     )
 
 
@@ -366,11 +368,17 @@ _NO_ATOMICS_ADVICE = (
 )
 
 
-def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
+def device_refusal(facts: Sequence[DeviceFacts], *, atomics: bool = True) -> str | None:
     """Why the ranks described by ``facts`` (indexed by rank) cannot run the CUDA transport, or None if they can.
 
     The same facts give the same answer on every rank, so all ranks refuse together (none is left waiting in a
     collective). The message names the first problem found and what to change.
+
+    Args:
+        facts: every rank's `DeviceFacts`, indexed by rank.
+        atomics (`bool`, *optional*, defaults to `True`): peers add into each other's memory (the ``atomic``
+            reduction's accumulators): refuse where that cannot be done (`atomics_problem`). False when nothing is
+            accumulated (the ``ordered`` reduction, a frozen engine): the ranks only read each other's memory.
     """
     for rank, f in enumerate(facts):
         if f.problem:
@@ -395,9 +403,6 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
                 f"needs the CUDA backend (peer mappings it can add into). Unset ${BACKEND_ENV} (or set it to CUDA) "
                 "and do not enable FSDP2's symmetric-memory option (set_symm_mem), which selects NCCL"
             )
-    for rank, f in enumerate(facts):
-        if f.deterministic:
-            return f"rank {rank}: {deterministic_refusal()}"
     by_gpu: dict[str, list[int]] = {}
     for rank, f in enumerate(facts):
         by_gpu.setdefault(f.uuid, []).append(rank)
@@ -426,19 +431,66 @@ def device_refusal(facts: Sequence[DeviceFacts]) -> str | None:
                     f"rank {rank}'s GPU cannot access rank {peer}'s GPU peer-to-peer (no NVLink or PCIe P2P between "
                     "them), so it cannot map its memory. Use plain FSDP2 on this machine"
                 )
-            if f.atomics[j] is None:
+    if atomics:
+        found = _atomics_problem(facts)
+        if found:
+            return "".join(found)
+    return None
+
+
+def atomics_problem(facts: Sequence[DeviceFacts]) -> str | None:
+    """Why the ranks described by ``facts`` cannot add into each other's memory atomically (the ``atomic``
+    reduction), or None if they can: deterministic algorithms are on somewhere, or a pair of GPUs has no native
+    peer-to-peer atomics (PCIe rather than NVLink) or could not say. The ``ordered`` reduction needs none of it.
+    """
+    found = _atomics_problem(facts)
+    return found[0] if found else None
+
+
+def _atomics_problem(facts: Sequence[DeviceFacts]) -> tuple[str, str] | None:
+    """`atomics_problem`'s text, and the advice a refusal adds to it."""
+    for rank, f in enumerate(facts):
+        if f.deterministic:
+            return f"rank {rank}: {deterministic_refusal()}", ""
+    for rank, f in enumerate(facts):
+        for peer, g in enumerate(facts):
+            if peer == rank or g.uuid == f.uuid or g.uuid not in f.visible:
+                continue
+            j = f.visible.index(g.uuid)
+            if j >= len(f.atomics) or f.atomics[j] is None:
                 return (
                     f"could not query whether rank {rank}'s GPU has native atomic adds into rank {peer}'s GPU "
                     "(cuDeviceGetP2PAttribute from the CUDA driver failed); the 'cuda' ODC transport's atomic "
-                    f"reduction needs them. {_NO_ATOMICS_ADVICE}"
+                    "reduction needs them",
+                    f". {_NO_ATOMICS_ADVICE}",
                 )
             if not f.atomics[j]:
                 return (
                     f"rank {rank}'s GPU has no native atomic adds into rank {peer}'s GPU (peer-to-peer over PCIe "
-                    "rather than NVLink); the 'cuda' ODC transport's atomic reduction adds gradients with them. "
-                    f"{_NO_ATOMICS_ADVICE}"
+                    "rather than NVLink); the 'cuda' ODC transport's atomic reduction adds gradients with them",
+                    f". {_NO_ATOMICS_ADVICE}",
                 )
     return None
+
+
+def choose_reduction(requested: ReductionName | str | None, facts: Sequence[DeviceFacts]) -> tuple[ReductionName, str]:
+    """The reduction the 'cuda' transport runs, and why, from every rank's facts (the same answer on every rank).
+
+    Args:
+        requested: ``odc_reduction`` where it was given explicitly; None where it was left at its default, which is
+            ``atomic`` unless the GPUs cannot add into each other's memory atomically (`atomics_problem`): then
+            ``ordered``, which only reads peers' memory, instead of a refusal.
+        facts: every rank's `DeviceFacts`, indexed by rank.
+
+    Returns:
+        `tuple[ReductionName, str]`: the reduction, and a short reason for logs and the Trainer's banner.
+    """
+    if requested is not None:
+        return normalize_reduction(requested), "set by odc_reduction"
+    problem = atomics_problem(facts)
+    if problem is None:
+        return ReductionName.ATOMIC, "the default"
+    return ReductionName.ORDERED, f"chosen because odc_reduction was not set and {problem}"
 
 
 def accumulate_kernel_agreement(facts: Sequence[DeviceFacts]) -> tuple[bool, str]:

@@ -25,9 +25,10 @@ nothing per peer:
 Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less), + on the fallback the
 staging pool (``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their
 device facts and refuse together, naming what to change, when: a GPU is shared without
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, peer-to-peer
-atomics are not native (PCIe), the symmetric-memory backend is not CUDA, deterministic algorithms are on, or the
-memory does not fit. Multicast (NVLS) is never bound for
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, the
+symmetric-memory backend is not CUDA, or the memory does not fit; and, where something is accumulated (the ``atomic``
+reduction), peer-to-peer atomics are not native (PCIe) or deterministic algorithms are on. The ``ordered`` reduction
+accumulates nothing (`choose_reduction` picks it, where ``odc_reduction`` was not given, instead of that refusal). Multicast (NVLS) is never bound for
 the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ... import memory_spec
+from ...reduction import ReductionName
 from ..base import BufferSpec, Transport, is_out_of_memory
 from ..shm import ShmTransport
 from . import watchdog
@@ -66,6 +68,7 @@ from .plan import (
     DeviceFacts,
     SegmentPlan,
     StagingPool,
+    choose_reduction,
     device_refusal,
     memory_refusal,
     plan_segment,
@@ -172,16 +175,16 @@ class CudaTransport(Transport):
             raise RuntimeError("CudaTransport.register may be called only once")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CudaTransport.register needs an initialised torch.distributed process group")
-        device = self._device or torch.device("cuda")
-        if device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = self._resolved_device()
         # Every check below is made on every rank from the same gathered facts, so all ranks refuse together before
         # any of them enters the symmetric-memory rendezvous (which has no timeout and raises inside C++). The facts
         # carry whether the accumulate kernel compiled and ran here, so that all ranks take the same accumulate path.
         accumulated = [spec for spec in specs.values() if spec.accumulated]
         kernel = local_accumulate_kernel(device, accumulated, self._accumulate_dtype, self._use_kernel)
         facts = self._gather_facts(device, kernel)
-        reason = device_refusal(facts)
+        # Peers add into each other's memory only where something is accumulated (the atomic reduction); the ordered
+        # reduction and a frozen engine only read it.
+        reason = device_refusal(facts, atomics=bool(accumulated))
         if reason:
             raise RuntimeError(f"the 'cuda' ODC transport cannot run: {reason}")
         from ..._compat.torch import symm_mem as compat
@@ -224,6 +227,25 @@ class CudaTransport(Transport):
             self.accumulate_path or "none (nothing is accumulated)",
         )
         return dict(self._views[self.rank])
+
+    def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
+        """Collective: the gradient reduction to run over these GPUs, and why (`.plan.choose_reduction`).
+
+        ``requested`` (``odc_reduction`` where it was given explicitly) is kept. Left unset (None), the reduction is
+        ``atomic`` unless some pair of GPUs cannot add into each other's memory natively (PCIe rather than NVLink) or
+        deterministic algorithms are on: then ``ordered``, which only reads peers' memory, instead of refusing. The
+        ranks decide from every rank's gathered device facts, so all choose alike.
+        """
+        if requested is not None:
+            return choose_reduction(requested, [])
+        facts = self._gather_facts(self._resolved_device(), (False, "not checked before the reduction is chosen"))
+        return choose_reduction(None, facts)
+
+    def _resolved_device(self) -> torch.device:
+        device = self._device or torch.device("cuda")
+        if device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _local_facts(self, device: torch.device, kernel: tuple[bool, str]) -> DeviceFacts:
         """This rank's device facts, with ``kernel``: whether it can add with the accumulate kernel, and why (not)."""

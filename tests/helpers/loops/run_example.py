@@ -21,6 +21,9 @@ builds (any `ODCTrainerMixin` subclass) gets:
   whole run: after each microbatch's forward and backward (each block the step timer times as compute) it sleeps
   ``F - 1`` times the block's measured time, inside the block (a slower device, for the benchmark's slowed condition);
 
+with ``ODC_TEST_RANDOM_SLOW=R:SEED``, rank ``R`` sleeps 10 to 80 ms before about half of its microbatches, picked
+at random from ``SEED`` (the ranks then reach each step's boundary in another order from run to run);
+
 with ``ODC_TEST_CLAIMS_DIR=DIR`` (the ``dynamic`` plan), each rank's claimed microbatch indices per step in the run
 report (``claimed``), and a file in ``DIR`` when the rank finds a step's queue empty; with ``ODC_TEST_LATE_RANK=R``
 as well, rank ``R`` makes its first claim of every step only once a peer has found the queue empty: it claims none
@@ -108,6 +111,7 @@ class RunReport:
             # distinct DeviceMesh objects the trained parameters are sharded on (1: one mesh for every fully_shard)
             "fsdp_meshes": len({id(p.device_mesh) for p in trainer.model.parameters() if hasattr(p, "device_mesh")}),
             "replicas": getattr(engine, "replicas", None),  # HSDP: replicas of each shard
+            "reduction": str(engine.reduction) if engine is not None else None,  # the gradient reduction that ran
             "replicate_buckets": getattr(engine, "replicate_buckets", None),
             # hook calls and payload of this rank's last optimizer step (e.g. reduce-scatters per step)
             "engine_last_step": dataclasses.asdict(stats) if stats is not None else None,
@@ -185,6 +189,10 @@ def instrument_trainers() -> None:
             self.add_callback(instrument_at_train_begin(self))
         if int(os.environ.get("ODC_SLOW_RANK", "-1")) == self.args.process_index:
             _slow_down(self, float(os.environ["ODC_SLOW_S"]))
+        if os.environ.get("ODC_TEST_RANDOM_SLOW"):
+            rank, seed = map(int, os.environ["ODC_TEST_RANDOM_SLOW"].split(":"))
+            if rank == self.args.process_index:
+                _random_slow_down(self, seed)
         if int(os.environ.get("ODC_BENCH_SLOW_RANK", "-1")) == self.args.process_index:
             _slower_device(self, float(os.environ["ODC_BENCH_SLOW_FACTOR"]))
 
@@ -365,6 +373,22 @@ def _slow_down(trainer: Any, seconds: float) -> None:
         if step % 2 == 0 and step not in slowed:
             slowed.add(step)
             time.sleep(seconds)
+        return compute_loss(*args, **kwargs)
+
+    trainer.compute_loss = slow_compute_loss
+
+
+def _random_slow_down(trainer: Any, seed: int) -> None:
+    """Make this trainer's rank sleep 10 to 80 ms before about half of its microbatches' losses, drawn from ``seed``."""
+    import random
+    import time
+
+    compute_loss = trainer.compute_loss  # the bound method of the class; the instance attribute shadows it
+    rng = random.Random(seed)
+
+    def slow_compute_loss(*args: Any, **kwargs: Any) -> Any:
+        if rng.random() < 0.5:
+            time.sleep(rng.uniform(0.01, 0.08))
         return compute_loss(*args, **kwargs)
 
     trainer.compute_loss = slow_compute_loss
