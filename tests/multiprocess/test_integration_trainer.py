@@ -6,7 +6,9 @@ data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))``, no ODC c
 of its own (collating with ``DataCollatorWithFlattening``) and with ``class MyTrainer(ODCTrainerMixin, Trainer)``
 written in. Each trains 5 samples per step (the ranks run unequal microbatch counts on the free plan) as the same
 script's plain ``Trainer`` does in one process on the same samples per step (`tests/helpers/loops/trainer_reference.py`),
-and as plain FSDP2 (ODC off) does on the lockstep plan, to fp32 summation order.
+and as plain FSDP2 (ODC off) does on the lockstep plan, to fp32 summation order. Plain FSDP2 runs with a budget of one
+128-token block per microbatch: 3 slots per rank for 5 samples, so one rank's third slot cannot be filled and runs as
+a zero-weight microbatch that keeps FSDP2's collectives paired (no hang, nothing added to the step).
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ PARITY = [
 # what odc-accelerate launch exports from a config's odc_samples_per_step / odc_max_tokens_per_microbatch keys
 PLAN_ENV = {
     "ODC_SAMPLES_PER_STEP": str(SAMPLES_PER_STEP),
-    # two 128-token samples fit one microbatch: the lockstep plan then gives every rank non-empty microbatches (plain
-    # FSDP2 needs the same number on every rank; a rank's empty one would leave its peer alone in a collective)
+    # two 128-token samples fit one microbatch (plain FSDP2 on lockstep: one, see the module docstring)
     "ODC_MAX_TOKENS_PER_MICROBATCH": "256",
     "ODC_DUMP_PARAMS": "1",
 }
@@ -72,7 +73,7 @@ def runs(tmp_path_factory):
     odc_launch += ["--main_process_port", "0", RUN_EXAMPLE]
 
     def launched(cmd: list, **extra: str):
-        return run(cmd, env=base_env(**env, **extra), timeout=400)
+        return run(cmd, env=base_env(**{**env, **extra}), timeout=400)
 
     jobs = {
         "reference": background(
@@ -116,6 +117,8 @@ def runs(tmp_path_factory):
                 out["fsdp2"],
             ],  # fmt: skip
             ODC_PLAN="lockstep",
+            # one 128-token block per microbatch: 6 slots for 5 samples, one of them empty on one rank
+            ODC_MAX_TOKENS_PER_MICROBATCH="128",
         ),
     }
     return {"procs": results(jobs), "out": out}
@@ -175,5 +178,8 @@ def test_plain_fsdp2_on_the_lockstep_plan_trains_as_one_process(runs):
     for report in reports(runs["out"]["fsdp2"], "odc_run_rank"):
         assert report["engine"] is None and report["distributed_type"] == "DistributedType.FSDP", report
         assert report["odc_config"]["plan"] == "lockstep" and not report["odc_config"]["enable"], report
+        assert report["odc_config"]["max_tokens_per_microbatch"] == 128, report
     assert "ODC on:" not in runs["procs"]["fsdp2"].stderr
     assert len(steps) == 2
+    # 3 microbatches on each rank (the zero-weight one included) for 5 samples of one microbatch each
+    assert all(step["odc/microbatches_min"] == step["odc/microbatches_max"] == 3 for step in steps), steps

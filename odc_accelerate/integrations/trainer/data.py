@@ -7,6 +7,7 @@ A map-style dataset is fetched through `StepDataset` with the `LengthBalancedBat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ __all__ = [
     "StepDataLoader",
     "StepDataset",
     "StreamStepDataset",
+    "ZeroWeightMicrobatch",
     "input_tokens",
     "merge_for_counting",
 ]
@@ -126,14 +128,45 @@ class _SelectColumns:
             yield {k: row[k] for k in self.columns if k in row}
 
 
-class StepCollator:
-    """Collates each microbatch of a step with the trainer's own collator."""
+@dataclass(frozen=True, slots=True)
+class ZeroWeightMicrobatch:
+    """A collated microbatch that runs its forward and backward at loss weight 0 (see `StepCollator`).
 
-    def __init__(self, collator: Any) -> None:
+    The step loop (`ODCStepLoop.training_step`) scales its loss by 0 before the backward, leaves it out of the step's
+    loss, its count of loss items, its input tokens and the metrics' global values; only its compute remains.
+    """
+
+    batch: Any
+
+
+class StepCollator:
+    """Collates each microbatch of a step with the trainer's own collator.
+
+    An empty microbatch (a slot of the ``lockstep`` plan that a step too small for its slots cannot fill) is dropped,
+    or with ``pad_empty=True`` becomes a `ZeroWeightMicrobatch` of one of the rank's own samples of the step (the
+    last of its last non-empty microbatch). Plain FSDP2 (ODC off) needs that: its per-layer collectives pair the
+    microbatches of all ranks, so every rank must run as many as the plan has slots; the zero weight keeps the
+    gradient, loss and metrics those of the real samples exactly. With ODC ranks need not meet per microbatch.
+
+    Args:
+        collator: the trainer's ``data_collator``.
+        pad_empty (`bool`, *optional*, defaults to `False`): keep empty slots as zero-weight microbatches.
+    """
+
+    def __init__(self, collator: Any, pad_empty: bool = False) -> None:
         self.collator = collator
+        self.pad_empty = pad_empty
 
     def __call__(self, step: list[list[Any]]) -> list[Any]:
-        return [self.collator(features) for features in step if features]
+        if not self.pad_empty or all(step):
+            return [self.collator(features) for features in step if features]
+        filler = next((features[-1:] for features in reversed(step) if features), None)
+        if filler is None:
+            raise RuntimeError(
+                f"This rank's step has {len(step)} microbatch slots and no sample, so it has nothing to run in step with "
+                "the other ranks' collectives. Raise --odc_samples_per_step to at least the world size."
+            )
+        return [self.collator(f) if f else ZeroWeightMicrobatch(self.collator(filler)) for f in step]
 
 
 def input_tokens(batch: dict) -> int:

@@ -168,7 +168,7 @@ class ODCStepLoaders:
             StepDataset(dataset),
             sampler=self._odc_sampler,
             batch_size=None,
-            collate_fn=StepCollator(self.data_collator),
+            collate_fn=StepCollator(self.data_collator, pad_empty=not config.enable),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu",
         )

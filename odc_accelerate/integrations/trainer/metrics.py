@@ -31,15 +31,19 @@ class DeferredGather:
     NaN-ignoring minimum and maximum are recorded per call position, so that one collective at the step boundary gives
     global sums, means, minima and maxima over the whole step. A ``reduce`` of a ``[sum, count]`` pair (how TRL
     averages a masked quantity over every rank) is recorded as that sum and count.
+
+    The records of a zero-weight microbatch (`data.ZeroWeightMicrobatch`) are kept apart: they enter this rank's local
+    sums (what the trainer counted as it went) but not the global values.
     """
 
     def __init__(self) -> None:
         self.calls: list[list[tuple[float, float, float, float]]] = []  # per microbatch: (sum, count, min, max)
+        self.zero_weight_calls: list[list[tuple[float, float, float, float]]] = []
         self.current: list[tuple[float, float, float, float]] | None = None
 
-    def start_microbatch(self) -> None:
+    def start_microbatch(self, zero_weight: bool = False) -> None:
         self.current = []
-        self.calls.append(self.current)
+        (self.zero_weight_calls if zero_weight else self.calls).append(self.current)
 
     def _record(self, tensor: torch.Tensor, pair: bool = False) -> None:
         if self.current is None:
@@ -73,9 +77,11 @@ class StepMetrics:
     """One step's metric gathers over all ranks.
 
     ``local_sums[i]`` / ``global_sums[i]`` are the sums over this rank's / all ranks' microbatches of the tensor passed
-    to the i-th gather of a microbatch, ``global_counts[i]`` its number of elements over all ranks (so that
+    to the i-th gather of a microbatch (local: every microbatch the rank ran, zero-weight ones included, as the
+    trainer counted them; global: those of weight 1), ``global_counts[i]`` its number of elements over all ranks (so that
     ``global_sums[i] / global_counts[i]`` is a mean over the whole step), ``global_mins[i]`` / ``global_maxs[i]`` its
-    NaN-ignoring extremes over all ranks (NaN where no value was seen).
+    NaN-ignoring extremes over all ranks (NaN where no value was seen). ``local_microbatches``: the microbatches this
+    rank ran (each recorded its values with the trainer); ``global_microbatches``: those of weight 1 over all ranks.
     """
 
     local_sums: list[float]
@@ -137,10 +143,11 @@ def reduce_step_metrics(
         RuntimeError: a microbatch made more than ``slots`` gathers.
     """
     packet = _Packet(slots)
-    width = max((len(c) for c in deferred.calls), default=0)
+    ran = deferred.calls + deferred.zero_weight_calls
+    width = max((len(c) for c in ran), default=0)
     if width > slots:
         raise RuntimeError(f"ODC defers at most {slots} metric gathers per microbatch, got {width}.")
-    uneven = any(len(c) != width for c in deferred.calls)
+    uneven = any(len(c) != width for c in ran)
     local = torch.zeros(packet.size, dtype=torch.float64)
     packet.field(local, "mins")[:] = float("nan")
     packet.field(local, "maxs")[:] = float("nan")
@@ -154,7 +161,11 @@ def reduce_step_metrics(
     local[packet.index("uneven")] = float(uneven)
     local[packet.index("width")] = float(width)
     local[packet.index("width_sq")] = float(width * width)
-    local[packet.index("has_work")] = float(bool(deferred.calls))
+    local[packet.index("has_work")] = float(bool(ran))
+    local_sums = packet.field(local, "sums").clone()
+    if not uneven and width and deferred.zero_weight_calls:
+        zero = torch.tensor(deferred.zero_weight_calls, dtype=torch.float64).reshape(-1, width, 4)
+        local_sums[:width] += zero[:, :, 0].sum(dim=0)
     rows = local[None].to(device)
     if gather is not None:
         rows = gather(rows)
@@ -167,12 +178,12 @@ def reduce_step_metrics(
         logger.warning("ODC: microbatches made different numbers of metric gathers; their metrics are local.")
         return None
     return StepMetrics(
-        local_sums=packet.field(local, "sums").tolist(),
+        local_sums=local_sums.tolist(),
         global_sums=packet.field(total, "sums").tolist(),
         global_counts=packet.field(total, "counts").tolist(),
         global_mins=_nan_extreme(packet.field(rows, "mins"), largest=False).tolist(),
         global_maxs=_nan_extreme(packet.field(rows, "maxs"), largest=True).tolist(),
-        local_microbatches=len(deferred.calls),
+        local_microbatches=len(ran),
         global_microbatches=int(total[packet.index("microbatches")]),
         gathers_per_microbatch=round(width_sum / ranks_with_work) if ranks_with_work else 0,
     )

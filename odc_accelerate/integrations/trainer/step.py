@@ -7,6 +7,9 @@
 * ``accelerator.gather_for_metrics`` / ``gather`` / ``reduce`` calls made during the microbatches (TRL makes several
   per microbatch) are answered locally and recorded; one all-reduce at the step boundary produces the global values
   (`metrics.reduce_step_metrics`, `_odc_finalize_metrics`).
+* A `ZeroWeightMicrobatch` (an empty ``lockstep`` slot under plain FSDP2, see `data.StepCollator`) runs its forward
+  and backward with its loss scaled by 0, which keeps FSDP2's per-layer collectives paired across ranks; it adds
+  nothing to the gradient, the step's loss, its count of loss items, input tokens or metrics.
 * ``engine.pre_optimizer_step()`` runs at the end of ``training_step``, so the Trainer's grad-norm and clipping see
   the final gradients; `ODCCallback.on_optimizer_step` calls `odc_after_optimizer_step`.
 """
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..._compat import transformers as tcompat
-from .data import merge_for_counting
+from .data import ZeroWeightMicrobatch, merge_for_counting
 from .dynamic import ClaimedStep, ClaimQueue
 from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
 
@@ -49,11 +53,13 @@ class ODCStepLoop:
         if isinstance(batch_samples[0], ClaimQueue):
             return self._odc_claimed_step(batch_samples, device, start)
         microbatches = [mb for item in batch_samples for mb in item]
-        counts = torch.tensor([self._odc_num_items(microbatches)], dtype=torch.float64, device=device)
+        real = _weighted(microbatches)
+        counts = torch.tensor([self._odc_num_items(real)], dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
             # The one collective of the step before its microbatches: the global count of loss items.
             counts = self.accelerator.reduce(counts, reduction="sum")
-        self.odc_step_timer.start(self.model, self.odc_engine, microbatches, start)
+        self.odc_step_timer.start(self.model, self.odc_engine, real, start)
+        self.odc_step_timer.add_work(len(microbatches) - len(real), 0)  # zero-weight microbatches: compute only
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items
 
@@ -135,16 +141,22 @@ class ODCStepLoop:
         self._odc_looping = True
         try:
             for i, mb in enumerate(microbatches):
-                deferred.start_microbatch()
+                zero_weight = isinstance(mb, ZeroWeightMicrobatch)
+                if zero_weight:
+                    mb = mb.batch
+                deferred.start_microbatch(zero_weight=zero_weight)
                 if dynamic:
                     self._odc_count_claimed(mb)
                 # dynamic: whether a microbatch was the rank's last is known only at its next claim (see `dynamic`)
                 sync = dynamic or sync_each_batch or i == len(inputs) - 1
                 with (
                     contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
+                    _zero_weight(self.accelerator) if zero_weight else contextlib.nullcontext(),
                     self.odc_step_timer.compute(self.args.device),
                 ):
-                    total += super().training_step(model, mb, num_items_in_batch)
+                    loss = super().training_step(model, mb, num_items_in_batch)
+                if not zero_weight:
+                    total += loss
         finally:
             self._odc_looping = False
             (  # type: ignore[method-assign]
@@ -191,13 +203,38 @@ class ODCStepLoop:
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         if isinstance(inputs, list):
-            inputs = merge_for_counting(inputs, getattr(self.model, "main_input_name", "input_ids"))
+            inputs = merge_for_counting(_weighted(inputs), getattr(self.model, "main_input_name", "input_ids"))
         return super()._track_num_input_tokens(inputs)
 
     def floating_point_ops(self, inputs: Any) -> int:
         if not isinstance(inputs, list):
             return super().floating_point_ops(inputs)
         total = 0
-        for mb in inputs:  # a loop, not a generator: zero-argument super() needs this frame
+        for mb in _weighted(inputs):  # a loop, not a generator: zero-argument super() needs this frame
             total += super().floating_point_ops(mb)
         return total
+
+
+def _weighted(microbatches: list[Any]) -> list[Any]:
+    """The microbatches that count (all but the zero-weight ones)."""
+    return [mb for mb in microbatches if not isinstance(mb, ZeroWeightMicrobatch)]
+
+
+@contextlib.contextmanager
+def _zero_weight(accelerator: Any) -> Iterator[None]:
+    """Within the block ``accelerator.backward`` scales the loss by 0 first, whatever computed it (the Trainer's step
+    hands every loss to it): a gradient of exact zeros, through the same forward and backward collectives."""
+    own = "backward" in vars(accelerator)
+    backward = accelerator.backward
+
+    def zero_weight_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        return backward(loss * 0.0, **kwargs)
+
+    accelerator.backward = zero_weight_backward
+    try:
+        yield
+    finally:
+        if own:
+            accelerator.backward = backward
+        else:
+            del accelerator.backward

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
     from torch.utils.data import SequentialSampler
 
     from odc_accelerate._compat import transformers as tcompat
-    from tests.helpers.trl_reference import _in_step_order, _params
+    from tests.helpers.loops.trl_reference import _in_step_order, _params
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples_per_step", type=int, required=True)
