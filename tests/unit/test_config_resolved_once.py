@@ -178,3 +178,16 @@ def test_a_grpo_trainer_resolves_once_for_its_checks_and_its_set_up(tmp_path, re
     )
     assert len(resolutions) == 1 and checked == [trainer.odc_config]
     assert trainer.odc_run == ODCRun(samples_per_step=4 * 2, folded_accumulation=2)  # budget: chosen per step
+
+
+def test_free_plan_without_odc_on_several_ranks_is_refused_before_any_work():
+    """Plain FSDP2 cannot pair collectives across ranks running different microbatch counts: the free plan without
+    ODC is refused on several ranks, allowed on one rank (the no-communication limit) and with lockstep."""
+    from odc_accelerate.integrations.trainer.setup import check_plan_without_odc
+
+    free_off = ODCConfig.from_sources(args=SimpleNamespace(odc=False, odc_plan="free"))
+    with pytest.raises(ValueError, match="odc_plan 'free' needs ODC.*--odc_plan lockstep"):
+        check_plan_without_odc(free_off, world_size=2)
+    check_plan_without_odc(free_off, world_size=1)
+    check_plan_without_odc(ODCConfig.from_sources(args=SimpleNamespace(odc=False, odc_plan="lockstep")), world_size=2)
+    check_plan_without_odc(ODCConfig.from_sources(args=SimpleNamespace(odc=True, odc_plan="free")), world_size=2)

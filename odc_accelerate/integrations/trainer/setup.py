@@ -39,6 +39,7 @@ class ODCAcceleratorSetup:
         # (`_odc_resolve_early`) left them here, and this set-up takes that same object.
         config = self.__dict__.pop("_odc_early_config", None) or ODCConfig.from_sources(args=self.args)
         self.odc_config = config
+        check_plan_without_odc(config, int(getattr(self.args, "world_size", 1)))
         self._odc_check_settings(config)
         self.odc_step_timer = StepTimer(
             rank=int(getattr(self.args, "process_index", 0)),
@@ -201,6 +202,19 @@ class ODCAcceleratorSetup:
             memory,
             config.metrics,
         )
+
+
+def check_plan_without_odc(config: ODCConfig, world_size: int) -> None:
+    """Refuse, before any work, the ``free`` plan on several ranks with ODC off: it gives ranks different numbers of
+    microbatches, which plain FSDP2's per-layer collectives cannot pair (the run would hang at its first unpaired
+    collective). ``lockstep`` gives every rank the same count, so plain FSDP2 trains on it."""
+    if config.enable or world_size <= 1 or config.effective_plan != PlanName.FREE:
+        return
+    raise ValueError(
+        "odc_plan 'free' needs ODC when several ranks train: it gives ranks different numbers of microbatches, which "
+        "plain FSDP2's collectives cannot pair. Turn ODC on (--odc true / odc: true), or, to train plain FSDP2 on "
+        "planned microbatches, choose --odc_plan lockstep (or leave odc_plan unset for the Trainer's own batches)."
+    )
 
 
 def router_aux_loss_coef(model: Any, args: Any) -> float:
