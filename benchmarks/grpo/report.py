@@ -89,7 +89,7 @@ def _examples_text(result: dict) -> str:
     target-length rollout), or both."""
     rloo = RLOO_ARMS & set(result["arms"])
     grpo = set(result["arms"]) - RLOO_ARMS
-    rloo_text = "RLOO example (completions from the GRPO example's rollout)"
+    rloo_text = "RLOO example on the GRPO example's rollout"
     if rloo and grpo:
         return f"GRPO example and {rloo_text}"
     return rloo_text if rloo else "GRPO example"

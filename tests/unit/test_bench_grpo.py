@@ -279,9 +279,7 @@ def test_rloo_arms_have_their_own_ratio_lines_and_say_which_examples_ran(tmp_pat
     result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today", allocator="caching")
     snippet = write_outputs(result, tmp_path)["snippet"].read_text()
     assert "- RLOO: ODC + plan free / RLOO: FSDP2 (TRL), step time: **0.833x**" in snippet  # 10 / 12
-    assert (
-        "RLOO example (completions from the GRPO example's rollout)" in snippet and "GRPO example and" not in snippet
-    )
+    assert "RLOO example on the GRPO example's rollout (offline" in snippet and "GRPO example and" not in snippet
 
 
 def test_the_rloo_arms_stop_completions_at_the_grpo_arms_target_lengths(tmp_path):
