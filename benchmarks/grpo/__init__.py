@@ -17,16 +17,23 @@ completion stops at its prompt's ``target_length`` (the token length of the pass
   time) and stopping each completion at the same target lengths (a per-prompt ``max_tokens``);
 * ``fsdp2_vllm`` (likewise only when asked for): ``fsdp2`` with ``--use_vllm true --vllm_mode colocate``, TRL's own
   colocate mode: each rank's engine synced by TRL (every parameter gathered with FSDP2's collectives on every rank),
-  the same per-prompt ``max_tokens``.
+  the same per-prompt ``max_tokens``;
+* ``rloo_fsdp2`` and ``rloo_odc`` (only when asked for: ``--arms rloo_fsdp2,rloo_odc``): ``fsdp2`` and ``odc`` for
+  RLOO, TRL's RLOOTrainer on plain FSDP2 (ODC off, ``examples/rloo/configs/fsdp2_cpu.yaml``) and ODCRLOOTrainer on the
+  free plan (``odc_cpu.yaml --odc true --odc_plan free``). RLOOTrainer takes no ``rollout_func``, so both run
+  `benchmarks.grpo.rloo_train`: the offline RLOO script (``odc_accelerate.scripts.rloo``) whose trainer generates
+  one turn with the GRPO arms' rollout (`odc_accelerate.data.TargetLengthRollout`), the same in both arms: same
+  prompts, same completion lengths as the GRPO arms. Their ratios are over ``rloo_fsdp2``. RLOO keeps TRL's default
+  ``beta`` (0.05: a reference forward per step, in training time), GRPO TRL's 0.0.
 
-The trainer (`odc_accelerate.integrations.trl.ODCGRPOTrainer`) logs, per optimizer step and for both arms
-alike: step time, real tokens, per rank busy, wait and the wall time inside ``generate`` (part of busy), and TRL's
-completion lengths. Per rank, training = busy - generation. Unlike `benchmarks.e2e`, FSDP2's collectives are not
+The trainers (`odc_accelerate.integrations.trl.ODCGRPOTrainer`, ``ODCRLOOTrainer``) log, per optimizer step and for
+every arm alike: step time, real tokens, per rank busy, wait and the wall time inside ``generate`` (part of busy), and
+TRL's completion lengths. Per rank, training = busy - generation. Unlike `benchmarks.e2e`, FSDP2's collectives are not
 timed (``--odc_time_collectives false``; they run asynchronously, as in production): generation is wall time, so busy
 must be wall time too, and FSDP2's waits for peers inside ``generate`` and inside its microbatches count in its
 generation and training time (with timed collectives they would leave busy but not generation). Per run
 the first ``--warmup`` steps are dropped and the figures are means over the measured steps (a step's work depends on
-its prompts' lengths; both arms draw the same prompts in the same order). The figure of an arm is the median over
+its prompts' lengths; every arm draws the same prompts in the same order). The figure of an arm is the median over
 repeats; the ratios ODC / FSDP2 (step time, generation time of the slowest rank, tokens/s) are taken within each
 repeat, then their median. Repeats are interleaved and alternate the arms' order (FSDP2, ODC, then ODC, FSDP2, ...).
 
@@ -35,7 +42,8 @@ Writes ``OUT/results.json`` (with every run's per-step figures), ``OUT/table.txt
 defaults to ``benchmarks/grpo/``, where the stored results live. Figures are printed, never asserted.
 
 Processes are launched by the end-to-end benchmark's runner (`benchmarks.e2e.runner`) in its environment
-(`benchmarks.e2e.environment`). Modules: `arms` (what runs, default sizes), `runner`, `records` (parsing a run's
+(`benchmarks.e2e.environment`). Modules: `arms` (what runs, default sizes), `rloo_train` (the RLOO arms' script),
+`runner`, `records` (parsing a run's
 log), `aggregate` (medians, ratios within repeats), `report` (tables and files), `plot`, and the command line
 (`cli`).
 """

@@ -1,14 +1,15 @@
-"""Statistics over the repeats of the GRPO benchmark: per-arm medians and ODC / FSDP2 ratios taken within repeats."""
+"""Statistics over the repeats of the GRPO benchmark: per-arm medians and ODC / FSDP2 ratios taken within repeats
+(each arm over FSDP2 as TRL runs the same trainer: GRPO's arms over ``fsdp2``, RLOO's over ``rloo_fsdp2``)."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from benchmarks.grpo.arms import ARMS, BASELINE
+from benchmarks.grpo.arms import ARMS, baseline_of
 
 RATIOS = ("step_s", "generation_max_s", "tokens_per_s")
-"""Per-run figures whose ODC / FSDP2 ratio is reported (< 1 is faster for the two times, > 1 for tokens/s)."""
+"""Per-run figures whose arm / baseline ratio is reported (< 1 is faster for the two times, > 1 for tokens/s)."""
 
 _SCALARS = (
     "step_s",
@@ -22,7 +23,8 @@ _PER_RANK = ("generation_s", "training_s", "wait_s", "busy_s")
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
-    """Per-arm medians over repeats, ratios of every arm to FSDP2 within each repeat, one step's timeline per arm.
+    """Per-arm medians over repeats, ratios of every arm to its baseline within each repeat, one step's timeline per
+    arm.
 
     Args:
         runs (`dict[str, list[dict]]`): arm name -> the records of its runs (`benchmarks.grpo.records.make_record`,
@@ -31,8 +33,8 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
     Returns:
         `dict`: ``arms`` (per arm: the median over repeats of each run figure, per rank for the per-rank ones, the
         peak RSS per rank as the maximum over repeats, and each repeat's ``step_s`` and ``tokens_per_s``),
-        ``ratios`` (per arm other than FSDP2 and per figure of `RATIOS`: ``per_repeat``, the arm's figure over FSDP2's
-        in the same repeat, and their ``median``), and ``timeline`` (per arm, the per-rank means of its median run).
+        ``ratios`` (per arm whose baseline, `benchmarks.grpo.arms.baseline_of`, ran, and per figure of `RATIOS`:
+        ``per_repeat``, the arm's figure over the baseline's in the same repeat, and their ``median``), and ``timeline`` (per arm, the per-rank means of its median run).
     """
     arms: dict[str, dict[str, Any]] = {}
     for name, arm_runs in runs.items():
@@ -55,18 +57,18 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
         med["tokens_per_s_runs"] = [s["tokens_per_s"] for s in sums]
         arms[name] = med
     ratios: dict[str, dict] = {}
-    if BASELINE in runs:
-        base = {r["repeat"]: r["summary"] for r in runs[BASELINE]}
-        for name, arm_runs in runs.items():
-            if name == BASELINE:
-                continue
-            pairs = [(r["summary"], base[r["repeat"]]) for r in _by_repeat(arm_runs) if r["repeat"] in base]
-            if not pairs:
-                continue
-            ratios[name] = {}
-            for key in RATIOS:
-                per_repeat = [a[key] / b[key] for a, b in pairs]
-                ratios[name][key] = {"per_repeat": per_repeat, "median": statistics.median(per_repeat)}
+    for name, arm_runs in runs.items():
+        baseline = baseline_of(name)
+        if name == baseline or baseline not in runs:
+            continue
+        base = {r["repeat"]: r["summary"] for r in runs[baseline]}
+        pairs = [(r["summary"], base[r["repeat"]]) for r in _by_repeat(arm_runs) if r["repeat"] in base]
+        if not pairs:
+            continue
+        ratios[name] = {}
+        for key in RATIOS:
+            per_repeat = [a[key] / b[key] for a, b in pairs]
+            ratios[name][key] = {"per_repeat": per_repeat, "median": statistics.median(per_repeat)}
     return {"arms": arms, "ratios": ratios, "timeline": {name: _timeline(r) for name, r in runs.items()}}
 
 

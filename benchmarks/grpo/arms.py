@@ -1,4 +1,5 @@
-"""What the GRPO benchmark runs: the example, its default sizes, and the two arms."""
+"""What the GRPO benchmark runs: the examples, their default sizes, and the arms (GRPO's, and RLOO's on the same
+completion lengths)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from benchmarks.e2e.arms import Arm
 
 SCRIPT = "examples/grpo/train.py"
 CONFIGS = "examples/grpo/configs"
+RLOO_SCRIPT = "benchmarks/grpo/rloo_train.py"
+"""The RLOO arms' script: the offline RLOO script with the GRPO arms' target-length rollout
+(`benchmarks.grpo.rloo_train`)."""
+RLOO_CONFIGS = "examples/rloo/configs"
 
 ARMS: dict[str, Arm] = {
     a.name: a
@@ -26,6 +31,13 @@ ARMS: dict[str, Arm] = {
             ("--odc", "true", "--odc_plan", "free", "--use_vllm", "true", "--vllm_mode", "colocate"),
             planned=True,
         ),
+        # RLOO on the GRPO arms' prompts and completion lengths (one script for both, benchmarks/grpo/rloo_train.py):
+        # TRL's RLOOTrainer on plain FSDP2 (ODC off: its microbatches, generation with synced_gpus) ...
+        Arm("rloo_fsdp2", "RLOO: FSDP2 (TRL)", "fsdp2_cpu.yaml"),
+        # ... and ODCRLOOTrainer on the free plan
+        Arm(
+            "rloo_odc", "RLOO: ODC + plan free", "odc_cpu.yaml", ("--odc", "true", "--odc_plan", "free"), planned=True
+        ),
     )
 }
 DEFAULT_ARMS = ("fsdp2", "odc")
@@ -34,11 +46,32 @@ DEFAULT_ARMS = ("fsdp2", "odc")
 VLLM_ARMS = {"fsdp2_vllm", "odc_vllm"}
 """Arms that generate with vLLM."""
 
+RLOO_ARMS = {"rloo_fsdp2", "rloo_odc"}
+"""Arms that train with RLOO (`RLOO_SCRIPT`, `RLOO_CONFIGS`); the others train with GRPO."""
+
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 """Environment of the vLLM arms' processes: 1 GiB of KV cache per engine on CPU (vLLM's CPU backend sizes its cache
 from this, not from ``--vllm_gpu_memory_utilization``), and vLLM's warnings only."""
 BASELINE = "fsdp2"
-"""The arm the ratios are taken against (ODC / FSDP2)."""
+"""The arm the GRPO arms' ratios are taken against (ODC / FSDP2)."""
+RLOO_BASELINE = "rloo_fsdp2"
+"""The arm the RLOO arms' ratios are taken against (RLOO's ODC / RLOO's FSDP2)."""
+
+
+def baseline_of(name: str) -> str:
+    """The arm whose figures ``name``'s ratios divide by: FSDP2 as TRL runs the same trainer."""
+    return RLOO_BASELINE if name in RLOO_ARMS else BASELINE
+
+
+def script_of(name: str) -> str:
+    """The script arm ``name`` runs, relative to the repository root."""
+    return RLOO_SCRIPT if name in RLOO_ARMS else SCRIPT
+
+
+def configs_of(name: str) -> str:
+    """The folder of arm ``name``'s accelerate config (``ARMS[name].config``), relative to the repository root."""
+    return RLOO_CONFIGS if name in RLOO_ARMS else CONFIGS
+
 
 DEFAULTS = dict(
     batch=4,

@@ -13,7 +13,7 @@ from benchmarks.e2e.environment import ALLOCATORS
 from benchmarks.e2e.runner import world_size_of
 from benchmarks.grpo import RESULTS_DIR
 from benchmarks.grpo.aggregate import aggregate
-from benchmarks.grpo.arms import ARMS, CONFIGS, DEFAULT_ARMS, DEFAULTS, REPLACED, SCRIPT, VLLM_ARMS
+from benchmarks.grpo.arms import ARMS, CONFIGS, DEFAULT_ARMS, DEFAULTS, REPLACED, RLOO_SCRIPT, SCRIPT, VLLM_ARMS
 from benchmarks.grpo.report import conditions_text, ratios_text, table_rows, text_table, write_outputs
 from benchmarks.grpo.runner import run
 
@@ -42,10 +42,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.grpo",
         description=f"{SCRIPT} end to end on 2 CPU processes: FSDP2 as TRL runs GRPO (its microbatches, generation "
-        "with synced_gpus) against ODC + plan free, on long-tailed completion lengths, in interleaved repeats. "
-        "Arguments after `--` go to the script of both arms.",
+        "with synced_gpus) against ODC + plan free, on long-tailed completion lengths, in interleaved repeats; with "
+        f"--arms rloo_fsdp2,rloo_odc the same two for RLOO ({RLOO_SCRIPT}: the offline RLOO script on the same "
+        "completion lengths). Arguments after `--` go to the script of every arm.",
     )
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of both arms (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every arm (default 3)")
     p.add_argument(
         "--max_steps",
         type=int,
@@ -73,8 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--arms",
         default=",".join(DEFAULT_ARMS),
-        help=f"comma-separated, of {', '.join(ARMS)} (default {','.join(DEFAULT_ARMS)}; the vLLM arm needs vLLM: run "
-        "this benchmark with the interpreter of scripts/vllm_env.sh's environment)",
+        help=f"comma-separated, of {', '.join(ARMS)} (default {','.join(DEFAULT_ARMS)}; the vLLM arms need vLLM: run "
+        "this benchmark with the interpreter of scripts/vllm_env.sh's environment; the rloo_* arms train with RLOO, "
+        "their ratios are over rloo_fsdp2)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default: the stored results, benchmarks/grpo)"
@@ -84,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--allocator",
         choices=ALLOCATORS,
         default="caching",
-        help="CPU memory allocator of both arms (see `python -m benchmarks.e2e sft --help`)",
+        help="CPU memory allocator of every arm (see `python -m benchmarks.e2e sft --help`)",
     )
     p.add_argument(
         "--report",

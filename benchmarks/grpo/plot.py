@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.e2e.plot import pyplot
-from benchmarks.grpo.arms import ARMS, BASELINE
+from benchmarks.grpo.arms import ARMS, baseline_of
 
 
 def plot(result: dict, path: Path, title: str = "") -> bool:
@@ -43,7 +43,7 @@ def plot(result: dict, path: Path, title: str = "") -> bool:
     for i, n in enumerate(reversed(names)):
         text = f"{arms[n]['step_s']:.2f} s"
         if n in ratios:
-            text += f"  ({ratios[n]['step_s']['median']:.2f}x of {ARMS[BASELINE].label})"
+            text += f"  ({ratios[n]['step_s']['median']:.2f}x of {ARMS[baseline_of(n)].label})"
         ax_s.text(arms[n]["step_s"], i, " " + text, va="center", fontsize=8)
     ax_s.set_xlabel("seconds per optimizer step, median over repeats")
     ax_s.set_xlim(0, 1.9 * max(steps))

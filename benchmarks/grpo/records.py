@@ -40,7 +40,7 @@ def summarize_run(steps: list[dict], warmup: int) -> dict:
     """One run's figures over its measured steps (the first ``warmup`` steps dropped).
 
     A GRPO step's work depends on the lengths its prompts draw, so the run's figures are means over its measured
-    steps (both arms draw the same prompts in the same order: their means are over the same work): ``step_s``,
+    steps (every arm draws the same prompts in the same order: their means are over the same work): ``step_s``,
     ``generation_s`` / ``training_s`` / ``wait_s`` per rank, ``generation_max_s`` (per step, the slowest rank's time
     inside ``generate``); ``tokens_per_s`` is real tokens over summed step time; ``completion_mean_length`` is the
     mean over every measured completion and ``completion_max_length`` the longest one.

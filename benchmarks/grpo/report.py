@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.e2e.report import _allocator_text, _fmt_list, markdown_table, text_table
 from benchmarks.grpo.aggregate import RATIOS
-from benchmarks.grpo.arms import ARMS, BASELINE
+from benchmarks.grpo.arms import ARMS, RLOO_ARMS, baseline_of
 from benchmarks.grpo.plot import plot
 
 PNG = "grpo.png"
@@ -46,17 +46,17 @@ def table_rows(result: dict) -> list[list[str]]:
 
 
 def ratios_text(result: dict) -> list[str]:
-    """One line per ratio to FSDP2: the median of the per-repeat ratios, and their spread."""
+    """One line per ratio to an arm's baseline: the median of the per-repeat ratios, and their spread."""
     items = _ratio_items(result)
     width = max((len(text) for text, _, _ in items), default=0) + 2
     return [f"{text:<{width}}{median}{spread}" for text, median, spread in items]
 
 
 def _ratio_items(result: dict) -> list[tuple[str, str, str]]:
-    """``(what, median, spread)`` per arm other than FSDP2 and per ratio of `RATIOS`."""
-    base = ARMS[BASELINE].label
+    """``(what, median, spread)`` per arm with a ratio (to its baseline) and per ratio of `RATIOS`."""
     items = []
     for name, ratios in result.get("ratios", {}).items():
+        base = ARMS[baseline_of(name)].label
         for key in RATIOS:
             r = ratios[key]
             spread = ""
@@ -72,7 +72,8 @@ def conditions_text(result: dict) -> str:
     cond = result["conditions"]
     per_rank = c["per_device_train_batch_size"] * c["gradient_accumulation_steps"]
     return (
-        f"{c['world_size']} CPU processes x 1 thread, GRPO example (offline tiny Qwen2, pydoc prompts, each completion "
+        f"{c['world_size']} CPU processes x 1 thread, {_examples_text(result)} (offline tiny Qwen2, pydoc prompts, "
+        "each completion "
         f"stopped at its prompt's real continuation length, at most {c['max_completion_length']} tokens), "
         f"{c['completions_per_step']} completions per optimizer step ({per_rank} per rank: "
         f"per_device_train_batch_size {c['per_device_train_batch_size']} x gradient_accumulation_steps "
@@ -83,8 +84,19 @@ def conditions_text(result: dict) -> str:
     )
 
 
+def _examples_text(result: dict) -> str:
+    """Which examples ran: GRPO's, RLOO's (`benchmarks.grpo.rloo_train`: the offline RLOO script, on the GRPO arms'
+    target-length rollout), or both."""
+    rloo = RLOO_ARMS & set(result["arms"])
+    grpo = set(result["arms"]) - RLOO_ARMS
+    rloo_text = "RLOO example on the GRPO example's rollout"
+    if rloo and grpo:
+        return f"GRPO example and {rloo_text}"
+    return rloo_text if rloo else "GRPO example"
+
+
 NOTES = (
-    "Per run: means over the measured steps (both arms draw the same prompts, so the same completion lengths); per "
+    "Per run: means over the measured steps (every arm draws the same prompts, so the same completion lengths); per "
     "arm: medians over repeats; ratios: per repeat, then their median.",
     "generation = wall time inside `generate`; training = busy - generation (the rank's forward and backward passes, "
     "reference / old-policy forwards included); wait = step - busy (scoring, the step's other collectives, the "

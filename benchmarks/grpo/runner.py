@@ -1,4 +1,4 @@
-"""Launching the GRPO benchmark's runs: both arms, interleaved repeats in alternating order, what each run recorded.
+"""Launching the GRPO benchmark's runs: every arm, interleaved repeats in alternating order, what each run recorded.
 
 Processes are started, timed, killed on a timeout or Ctrl-C and trimmed by the end-to-end benchmark's runner
 (`benchmarks.e2e.runner`), in the same environment (`benchmarks.e2e.environment`).
@@ -20,7 +20,7 @@ from benchmarks import REPO
 from benchmarks.e2e.records import read_rss
 from benchmarks.e2e.runner import RUN_EXAMPLE, _run_processes, _trim, run_conditions, world_size_of
 from benchmarks.grpo.aggregate import aggregate
-from benchmarks.grpo.arms import ARMS, CONFIGS, SCRIPT, VLLM_ARMS, VLLM_ENV, Arm
+from benchmarks.grpo.arms import ARMS, CONFIGS, SCRIPT, VLLM_ARMS, VLLM_ENV, Arm, configs_of, script_of
 from benchmarks.grpo.records import make_record, parse_log_history
 
 
@@ -46,13 +46,15 @@ def script_args(arm: Arm, opts: argparse.Namespace, output_dir: Path) -> list[st
 
 
 def command(arm: Arm, opts: argparse.Namespace, run_dir: Path) -> dict:
-    """The process of one run, ``{"cmd", "out", "rss"}``: ``accelerate launch`` of the example, wrapped by
-    ``tests/helpers/loops/run_example.py`` (which records each rank's peak RSS)."""
-    config = REPO / CONFIGS / arm.config
+    """The process of one run, ``{"cmd", "out", "rss"}``: ``accelerate launch`` of the arm's script (the GRPO
+    example, or the RLOO arms' `benchmarks.grpo.rloo_train`), wrapped by ``tests/helpers/loops/run_example.py``
+    (which records each rank's peak RSS)."""
+    config = REPO / configs_of(arm.name) / arm.config
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     launch += ["--main_process_port", "0", str(RUN_EXAMPLE)]
     out = run_dir / "out"
-    return {"cmd": [*launch, str(REPO / SCRIPT), *script_args(arm, opts, out)], "out": out, "rss": out / "rss"}
+    script = REPO / script_of(arm.name)
+    return {"cmd": [*launch, str(script), *script_args(arm, opts, out)], "out": out, "rss": out / "rss"}
 
 
 def arm_order(arms: list[str], repeat: int) -> list[str]:
@@ -78,15 +80,15 @@ def run_arm(name: str, opts: argparse.Namespace, run_dir: Path, repeat: int) -> 
 
 
 def run(opts: argparse.Namespace, argv: list[str]) -> dict:
-    """Both arms, ``opts.repeats`` times interleaved; the aggregated result with every run's record.
+    """Every arm of ``opts.arms``, ``opts.repeats`` times interleaved; the aggregated result with every run's record.
 
     Args:
         opts (`argparse.Namespace`): the parsed command line (`benchmarks.grpo.cli.parse_args`).
         argv (`list[str]`): the command line, recorded in the result.
     """
-    script = REPO / SCRIPT
-    if not script.is_file():
-        raise SystemExit(f"{script} not found: run the benchmark from a source checkout of odc_accelerate.")
+    for script in sorted({REPO / script_of(name) for name in opts.arms}):
+        if not script.is_file():
+            raise SystemExit(f"{script} not found: run the benchmark from a source checkout of odc_accelerate.")
     world = world_size_of(REPO / CONFIGS / ARMS["odc"].config)
     runs: dict[str, list[dict]] = {a: [] for a in opts.arms}
     loads = []
@@ -109,6 +111,7 @@ def run(opts: argparse.Namespace, argv: list[str]) -> dict:
 
     result["config"] = {
         "script": SCRIPT,
+        "scripts": {n: script_of(n) for n in opts.arms},
         "command": "python -m benchmarks.grpo " + shlex.join(argv),
         "world_size": world,
         "arms": opts.arms,

@@ -1,6 +1,7 @@
 """GRPO benchmark (``python -m benchmarks.grpo``): the figures follow from the trainer's own log, by hand-computed
-examples; ratios are taken within each repeat; both arms get the same sizes; every output file is written. Timings are
-never asserted."""
+examples; ratios are taken within each repeat, each arm's over FSDP2 running the same trainer (GRPO or RLOO); every arm
+gets the same sizes; the RLOO arms' completions stop at the GRPO arms' target lengths; every output file is written.
+Timings are never asserted."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.grpo.aggregate import aggregate
-from benchmarks.grpo.arms import ARMS
+from benchmarks.grpo.arms import ARMS, RLOO_ARMS, baseline_of
 from benchmarks.grpo.cli import parse_args
 from benchmarks.grpo.records import make_record, parse_log_history, summarize_run
 from benchmarks.grpo.report import write_outputs
@@ -197,12 +198,18 @@ def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tm
     train = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "grpo_train", train)  # its dataclasses resolve their annotations there
     spec.loader.exec_module(train)
+    from odc_accelerate.scripts import rloo
+
     parsed = {}
     for name, arm in ARMS.items():
         cmd = command(arm, opts, tmp_path / name)["cmd"]
-        assert cmd[cmd.index("--config_file") + 1].endswith(arm.config)
-        at = cmd.index(str(ROOT / "examples" / "grpo" / "train.py"))
-        parsed[name] = train.make_parser().parse_args_and_config(cmd[at + 1 :], fail_with_unknown_args=True)[1]
+        example = "rloo" if name in RLOO_ARMS else "grpo"
+        assert cmd[cmd.index("--config_file") + 1] == str(ROOT / "examples" / example / "configs" / arm.config)
+        # the RLOO arms run the offline RLOO script's parser and main through benchmarks/grpo/rloo_train.py
+        script = ROOT / ("benchmarks/grpo/rloo_train.py" if name in RLOO_ARMS else "examples/grpo/train.py")
+        at = cmd.index(str(script))
+        parser = rloo.make_parser() if name in RLOO_ARMS else train.make_parser()
+        parsed[name] = parser.parse_args_and_config(cmd[at + 1 :], fail_with_unknown_args=True)[1]
     for training in parsed.values():
         assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (2, 2)
         assert (training.num_generations, training.max_completion_length) == (4, 100)
@@ -216,6 +223,11 @@ def test_both_arms_get_the_same_sizes_and_the_example_accepts_their_arguments(tm
     assert not parsed["odc"].use_vllm and not parsed["fsdp2"].use_vllm
     plain = parsed["fsdp2_vllm"]
     assert plain.odc is None and plain.use_vllm is True and plain.vllm_mode == "colocate"
+    # RLOO: TRL's trainer on plain FSDP2 against ODC's free plan, neither with vLLM
+    assert type(parsed["rloo_odc"]).__name__ == type(parsed["rloo_fsdp2"]).__name__ == "ODCRLOOConfig"
+    assert parsed["rloo_fsdp2"].odc is None and parsed["rloo_fsdp2"].odc_plan is None
+    assert parsed["rloo_odc"].odc is True and parsed["rloo_odc"].odc_plan == "free"
+    assert not parsed["rloo_odc"].use_vllm and not parsed["rloo_fsdp2"].use_vllm
 
 
 def test_the_vllm_arm_runs_only_when_asked_for_and_where_vllm_is_installed(monkeypatch):
@@ -228,3 +240,78 @@ def test_the_vllm_arm_runs_only_when_asked_for_and_where_vllm_is_installed(monke
         parse_args(["--arms", "odc,odc_vllm"])  # no vLLM here: refused before anything runs
     have["vllm"] = object()
     assert parse_args(["--arms", "odc,odc_vllm"]).arms == ["odc", "odc_vllm"]
+
+
+def test_rloo_arms_are_compared_with_rloo_on_fsdp2_not_with_grpo():
+    runs = _runs()
+    # RLOO's runs: its FSDP2 arm 2x GRPO's FSDP2 step in every repeat, its ODC arm 1.5x GRPO's ODC
+    runs["rloo_fsdp2"] = [
+        make_record("rloo_fsdp2", parse_log_history(_fsdp2_history(2 * f)), [1000.0, 1000.0], 1, rep)
+        for rep, f in enumerate(FSDP2_SCALES)
+    ]
+    runs["rloo_odc"] = [
+        make_record("rloo_odc", parse_log_history(_odc_history(1.5 * g)), [1000.0, 1000.0], 1, rep)
+        for rep, g in enumerate(ODC_SCALES)
+    ]
+    assert {baseline_of(n) for n in ARMS} == {"fsdp2", "rloo_fsdp2"}
+    result = aggregate(runs)
+    assert set(result["ratios"]) == {"odc", "rloo_odc"}  # no ratio of a baseline, none across trainers
+    grpo, rloo = result["ratios"]["odc"]["step_s"], result["ratios"]["rloo_odc"]["step_s"]
+    # per repeat: 1.5 x ODC's / (2 x FSDP2's) = 0.75 x GRPO's ratio of the same repeat
+    assert rloo["per_repeat"] == pytest.approx([0.75 * r for r in grpo["per_repeat"]])
+    assert result["arms"]["rloo_fsdp2"]["step_s"] == pytest.approx(2 * 14.4)
+    # without its FSDP2 arm, an RLOO arm has no ratio (it is never divided by GRPO's)
+    del runs["rloo_fsdp2"]
+    assert set(aggregate(runs)["ratios"]) == {"odc"}
+
+
+def test_rloo_arms_have_their_own_ratio_lines_and_say_which_examples_ran(tmp_path):
+    runs = {
+        "rloo_fsdp2": [make_record("rloo_fsdp2", parse_log_history(_fsdp2_history()), [900.0, 900.0], 1, 0)],
+        "rloo_odc": [make_record("rloo_odc", parse_log_history(_odc_history()), [900.0, 900.0], 1, 0)],
+    }
+    result = aggregate(runs)
+    result["config"] = dict(
+        command="python -m benchmarks.grpo --arms rloo_fsdp2,rloo_odc", world_size=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, num_generations=4, completions_per_step=8, max_completion_length=256,
+        max_steps=3, warmup=1, repeats=1,
+    )  # fmt: skip
+    result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today", allocator="caching")
+    snippet = write_outputs(result, tmp_path)["snippet"].read_text()
+    assert "- RLOO: ODC + plan free / RLOO: FSDP2 (TRL), step time: **0.833x**" in snippet  # 10 / 12
+    assert "RLOO example on the GRPO example's rollout (offline" in snippet and "GRPO example and" not in snippet
+
+
+def test_the_rloo_arms_stop_completions_at_the_grpo_arms_target_lengths(tmp_path):
+    """One RLOO step of the RLOO arms' trainer (ODC off, one process) on prompts whose continuations are 5 tokens: every
+    completion has 5 tokens, the last one EOS, where TRL's own generation would run a random model's to the cap."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.grpo.rloo_train import TargetLengthRLOOTrainer
+    from odc_accelerate.data import ascii_text_reward, load_offline_tokenizer, offline_grpo_dataset, tiny_qwen2_config
+    from odc_accelerate.integrations.trl import ODCRLOOConfig
+
+    tokenizer = load_offline_tokenizer()
+    dataset = offline_grpo_dataset(tokenizer=tokenizer)
+    five = dataset.filter(lambda row: row["target_length"] == 5).select(range(4))
+    config = tiny_qwen2_config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(config, dtype="float32", attn_implementation="sdpa")
+    args = ODCRLOOConfig(
+        output_dir=str(tmp_path), bf16=False, use_cpu=True, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=16, max_steps=1, logging_steps=1, beta=0.0, report_to="none", save_strategy="no",
+    )  # fmt: skip
+    trainer = TargetLengthRLOOTrainer(
+        model=model, reward_funcs=ascii_text_reward, args=args, train_dataset=five, processing_class=tokenizer
+    )
+    trainer.train()
+    logged = next(row for row in trainer.state.log_history if "completions/mean_length" in row)
+    assert logged["completions/mean_length"] == logged["completions/max_length"] == 5.0
+    assert logged["completions/clipped_ratio"] == 0.0  # each ends with EOS, as the GRPO arms' completions do
+    with pytest.raises(ValueError, match="target_length"):
+        TargetLengthRLOOTrainer(
+            model=model,
+            reward_funcs=ascii_text_reward,
+            args=args,
+            train_dataset=five.remove_columns("target_length"),
+            processing_class=tokenizer,
+        )
