@@ -5,7 +5,7 @@
 # Further options go to tests/gpu/gpu_session.py (--cases check:parity,trainer:grpo,...; --budget-s SECONDS),
 # each as "--name value" or "--name=value"; any other option is refused before anything runs.
 # Cases, each in its own processes under its own cap, never two at once: environment; the engine-level checks
-# (refusals, parity, ranks8, memory: tests/gpu/gpu_check.py); the Trainer-level checks (sft_fp32 with 2 and 8
+# (refusals, parity, ranks8, memory, ordered: tests/gpu/gpu_check.py); the Trainer-level checks (sft_fp32 with 2 and 8
 # ranks, dpo_fp32, sft_bf16, grpo, and speed, ODC against its zero-communication limit: tests/gpu/gpu_trainer.py);
 # the accumulate paths (check:speed). check:memory_policy and calibrate run when named in --cases. OUT_DIR receives
 # three files: session.tar.gz (every case's results and logs), trainer_speed.json (the speed case's figures, with the

@@ -18,6 +18,11 @@ DYNAMIC_TARGETS = {
     "dynamic_vs_free_slowed": 1.25,  # one rank slower: tokens/s over ODC + free under the same slowdown
 }
 """Targets of ODC + plan dynamic (checked and reported, never asserted)."""
+ORDERED_TARGETS = {"ordered_step_over_atomic_max": 1.05}
+"""Target of the ordered gradient reduction: its step time within 5% of the atomic one's (checked and reported, never
+asserted)."""
+ORDERED_PAIRS = (("odc_ordered", "odc"),)
+"""(ordered arm, the atomic arm it is compared with: same plan and memory policy)."""
 DYNAMIC_PAIRS = (("odc_dynamic", "odc", ""), ("odc_dynamic_both", "odc_both", "_keep_both"))
 """(dynamic arm, free arm with the same memory policy, suffix of its target keys): the pairs compared like with like."""
 
@@ -78,6 +83,21 @@ def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None)
             dynamic_targets.update(_dynamic_targets(arms, runs, slow, dyn, free, suffix))
     if dynamic_targets:
         out["dynamic_targets"] = dynamic_targets
+    ordered_targets = {}
+    for ordered, atomic in ORDERED_PAIRS:
+        if ordered in arms and atomic in arms:
+            goal = ORDERED_TARGETS["ordered_step_over_atomic_max"]
+            value = arms[ordered]["step_s"] / arms[atomic]["step_s"]
+            pairs = zip(_by_repeat(runs[ordered]), _by_repeat(runs[atomic]), strict=False)
+            ordered_targets["ordered_step_over_atomic"] = {
+                "value": value,
+                "target": f"<= {goal}",
+                "met": value <= goal,
+                # each repeat's own ratio, from the two arms' runs that ran next to each other
+                "per_repeat": [o["summary"]["step_s_median"] / a["summary"]["step_s_median"] for o, a in pairs],
+            }
+    if ordered_targets:
+        out["ordered_targets"] = ordered_targets
     if "odc" in arms:
         odc = arms["odc"]
         # A second, cruder limit: tokens over ODC's mean busy time (compute plus ODC's own copies and adds).

@@ -79,6 +79,15 @@ ARMS: dict[str, Arm] = {
             ("--odc", "true", "--odc_plan", "dynamic", "--odc_memory_policy", "both"),
             planned=True,
         ),
+        # The ordered gradient reduction (docs/reduction.md): each rank sums its microbatches locally, each owner
+        # reads and sums the ranks' contributions in rank order at the step boundary. Compared with "odc" (atomic).
+        Arm(
+            "odc_ordered",
+            "ODC + plan free, ordered",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--odc_reduction", "ordered"),
+            planned=True,
+        ),
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
     )
 }

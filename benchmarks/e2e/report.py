@@ -67,6 +67,7 @@ def targets_text(result: dict) -> list[str]:
         "dynamic_vs_free_equal": "ODC + dynamic tokens/s over ODC + free",
         "dynamic_step_over_ideal": "ODC + dynamic step time over the ideal",
         "dynamic_vs_free_slowed": "ODC + dynamic tokens/s over ODC + free",
+        "ordered_step_over_atomic": "ODC ordered step time over ODC atomic",
     }
     # the same targets for the pair that keeps parameters and gradients through the step (odc_memory_policy both)
     names.update(
@@ -79,7 +80,7 @@ def targets_text(result: dict) -> list[str]:
         }
     )
     lines = []
-    targets = {**result.get("targets", {}), **result.get("dynamic_targets", {})}
+    targets = {**result.get("targets", {}), **result.get("dynamic_targets", {}), **result.get("ordered_targets", {})}
     for key, t in targets.items():
         # three decimals for ratios: at two, 1.295 prints as 1.30x next to "NOT met" for a 1.3 target
         value = f"{t['value']:.3f}x" if "vs" in key or "over" in key else f"{t['value']:.2f}"

@@ -7,7 +7,8 @@ wheels' install; the CPU dry run allows 3 times the caps and the budget). The de
 
 1. ``environment``: GPU, driver, package versions and the package's commit (``ODC_GPU_COMMIT``, else git);
 2. the engine-level cases of `gpu_check`: ``refusals``, ``parity``, ``ranks8`` (8 ranks on the GPU: parity, the
-   dynamic plan's claims, 7 ranks adding into one owner's shard at once), ``memory``;
+   dynamic plan's claims, 7 ranks adding into one owner's shard at once), ``memory``, ``ordered`` (the ordered
+   gradient reduction's step time against ``atomic``, and two ordered runs ending bitwise equal);
 3. the Trainer-level cases of `gpu_trainer`: ``sft_fp32`` (2 and 8 ranks, the free and the dynamic plan, against TRL
    in one process), ``dpo_fp32``, ``sft_bf16``, ``grpo``;
 4. ``check:speed``, the accumulate paths at 1 GiB;
@@ -21,8 +22,8 @@ Each case writes into a work folder; at the end that folder is packed into ``OUT
 case's ``trainer_speed.json`` is copied to ``OUT_DIR`` and the table of cases (status, checks passed, seconds) goes to
 ``OUT_DIR/summary.txt`` and to stdout, last: three files, within the eight a GPU machine sends back. With ``--device
 cpu`` (the dry run, in CI) the cases that exist on CPU run (`CPU_CASES`): parity (the ``shm`` transport and the
-'cuda' transport's protocol over shared memory), ranks8 (the protocol), the SFT Trainer case (2 and 8 ranks), GRPO and
-the speed case on a tiny model. The exit code is 0 when every case that ran passed.
+'cuda' transport's protocol over shared memory), ranks8 and ordered (the protocol), the SFT Trainer case (2 and 8
+ranks), GRPO and the speed case on a tiny model. The exit code is 0 when every case that ran passed.
 """
 
 from __future__ import annotations
@@ -43,18 +44,20 @@ from .gpu_trainer import root_first
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CASES = (
-    "check:refusals", "check:parity", "check:ranks8", "check:memory", "trainer:sft_fp32", "trainer:dpo_fp32",
-    "trainer:sft_bf16", "trainer:grpo", "check:speed", "trainer:speed",
+    "check:refusals", "check:parity", "check:ranks8", "check:memory", "check:ordered", "trainer:sft_fp32",
+    "trainer:dpo_fp32", "trainer:sft_bf16", "trainer:grpo", "check:speed", "trainer:speed",
 )  # fmt: skip
-CPU_CASES = ("check:parity", "check:ranks8", "trainer:sft_fp32", "trainer:grpo", "trainer:speed")
+CPU_CASES = ("check:parity", "check:ranks8", "check:ordered", "trainer:sft_fp32", "trainer:grpo", "trainer:speed")
 #: the most each case may take (seconds, on a GPU); the overall budget may cut it shorter. From the H100 runs of
 #: 2026-11-27 (benchmarks/gpu/h100-2026-11-27): refusals 25 s, parity 35 s, memory 17 s, memory_policy 19 s, each
-#: Trainer case about 50 s with its runs one after another (now at once), GRPO 50 s, calibration 71 s.
+#: Trainer case about 50 s with its runs one after another (now at once), GRPO 50 s, calibration 71 s. check:ordered
+#: has not run on a GPU yet: three launches of 2 ranks on the toy LM, estimated 30-40 s.
 CAPS = {
     "check:refusals": 60,
     "check:parity": 90,
     "check:ranks8": 90,
     "check:memory": 60,
+    "check:ordered": 90,
     "check:memory_policy": 60,
     "check:speed": 60,
     "trainer:sft_fp32": 120,
@@ -88,7 +91,7 @@ def default_cases(device: str) -> list[str]:
 
 #: the case names of each checker (`gpu_check.CASES`, `gpu_trainer.CASES`; not imported: they import torch)
 NAMES = {
-    "check": ("refusals", "parity", "ranks8", "memory", "memory_policy", "speed"),
+    "check": ("refusals", "parity", "ranks8", "memory", "ordered", "memory_policy", "speed"),
     "trainer": ("sft_fp32", "dpo_fp32", "sft_bf16", "grpo", "speed"),
 }
 

@@ -6,6 +6,8 @@ case's JSON and the summary), the table printed last. The cases, each checked he
   protocol over shared memory);
 * ``check:ranks8``: 8 ranks: parity with 0 to 3 microbatches per rank, the dynamic plan's claims (each microbatch
   exactly once), the claim counter raced by 8 ranks, 7 ranks adding into one owner's accumulators at once, exact;
+* ``check:ordered``: the ordered gradient reduction's step time against atomic's (figures stored, never asserted),
+  the two equal to rounding, two ordered runs with deterministic algorithms ending bitwise equal;
 * ``trainer:sft_fp32``: the SFT example under ``accelerate launch`` with 2 ranks, 8 ranks, and 8 ranks under the
   dynamic plan with one rank claiming none, each against TRL's trainer in one process (per-step loss, the update of
   every tensor);
@@ -49,7 +51,14 @@ def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_three_files(
     lines = summary.splitlines()
     assert lines[0].startswith("GPU session (cpu), ") and lines[1].split() == ["case", "status", "checks", "s"]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert list(rows) == ["check:parity", "check:ranks8", "trainer:sft_fp32", "trainer:grpo", "trainer:speed"]
+    assert list(rows) == [
+        "check:parity",
+        "check:ranks8",
+        "check:ordered",
+        "trainer:sft_fp32",
+        "trainer:grpo",
+        "trainer:speed",
+    ]
     for row in rows.values():
         passed, total = map(int, row[2].split("/"))
         assert row[1] == "pass" and passed == total > 0, row
@@ -89,6 +98,17 @@ def test_gpu_session_dry_run_on_cpu_runs_every_cpu_case_and_returns_three_files(
     assert all(c > 0 for c in res["claims_per_rank"]["race"]) and sum(res["claims_per_rank"]["race"]) == 800
     for source in ("fp32", "bf16"):
         assert res["accumulate_into_one"][source]["exact"], res["accumulate_into_one"]
+
+    ordered = json.loads((unpacked / "check_ordered" / "results.json").read_text())["ordered"]
+    assert len(ordered["checks"]) == 5 and all(ordered["checks"].values()), ordered["checks"]
+    assert ordered["transport"] == "cuda-on-cpu" and ordered["deterministic_runs"] == [True, True]
+    assert ordered["plan_microbatches_per_rank"] == [1, 3] and ordered["steps_timed"] == 2
+    # the medians of the same steps for both reductions; the ordered exchange timed inside the ordered step
+    assert set(ordered["step_s_median"]) == {"atomic", "ordered"}
+    assert 0 < ordered["exchange_s_median"] < ordered["step_s_median"]["ordered"]
+    first, second = ordered["hashes"]
+    assert first == second and len(first) == 2 and len(first[0]) > 5  # per rank, every parameter
+    assert "ordered / atomic" in (unpacked / "check_ordered" / "summary.txt").read_text()
 
     trainer = json.loads((unpacked / "trainer_sft_fp32" / "results.json").read_text())
     sft = trainer["sft_fp32"]

@@ -297,3 +297,52 @@ def test_stored_results_name_the_microbatch_range_as_such():
         assert pairs and all(len(p) == 2 and p[0] <= p[1] for p in pairs), path
         assert all(isinstance(mb, dict) for s in _values_of(result, "microbatches") for mb in s), path
         assert all("microbatches_min_max" in arm for arm in result["arms"].values()), path
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_the_ordered_arm_is_the_free_plan_with_the_ordered_reduction(tmp_path, name):
+    """``odc_ordered`` differs from ``odc`` (atomic, the default) by ``--odc_reduction ordered`` only, and the example
+    reads it as the reduction."""
+    workload, opts = parse_args([name, "--arms", "odc,odc_ordered", "--no_limit", "--max_length", "300"])
+    assert opts.arms == ["odc", "odc_ordered"]
+    spec = importlib.util.spec_from_file_location(f"{name}_train_ordered", ROOT / workload.script)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    parsed = {}
+    for arm in opts.arms:
+        cmd = commands(workload, ARMS[arm], opts, 2, tmp_path / arm)[0]["cmd"]
+        args = cmd[cmd.index(str(ROOT / workload.script)) + 1 :]
+        parsed[arm] = train.make_parser().parse_args_and_config(args, fail_with_unknown_args=True)[1]
+    extra = [a for a in ARMS["odc_ordered"].args if a not in ARMS["odc"].args]
+    assert extra == ["--odc_reduction", "ordered"] and ARMS["odc_ordered"].config == ARMS["odc"].config
+    assert parsed["odc_ordered"].odc_reduction == "ordered" and parsed["odc"].odc_reduction is None
+    assert parsed["odc_ordered"].odc_samples_per_step == parsed["odc"].odc_samples_per_step
+
+
+def test_ordered_target_is_the_step_time_ratio_to_the_atomic_arm(tmp_path):
+    def record(step, repeat):
+        summary = {
+            "step_s_median": step, "tokens_per_s": 1000.0 / step, "bubble_pct": 2.0, "busy_s": [step, step],
+            "wait_s": [0.0, 0.0], "microbatches_min_max": [1, 2], "steps_measured": 1,
+        }  # fmt: skip
+        steps = [{"step": 2, "step_s": step, "busy_s": [step, step], "wait_s": [0.0, 0.0]}]
+        return {"summary": summary, "peak_rss_mb": [1.0, 1.0], "repeat": repeat, "steps": steps}
+
+    runs = {"odc": [record(2.0, 0), record(2.4, 1)], "odc_ordered": [record(2.2, 0), record(2.4, 1)]}
+    out = aggregate(runs, 2)
+    t = out["ordered_targets"]["ordered_step_over_atomic"]
+    # medians 2.3 and 2.2 s; per repeat 2.2 / 2.0 and 2.4 / 2.4
+    assert t["value"] == pytest.approx(2.3 / 2.2) and t["met"] is True and t["target"] == "<= 1.05"
+    assert t["per_repeat"] == pytest.approx([1.1, 1.0])
+    slower = aggregate({"odc": [record(2.0, 0)], "odc_ordered": [record(2.2, 0)]}, 2)
+    assert slower["ordered_targets"]["ordered_step_over_atomic"]["met"] is False
+    assert "ordered_targets" not in aggregate({"odc": [record(2.0, 0)]}, 2)
+    slower["config"] = dict(
+        workload="sft", command="python -m benchmarks.e2e sft", world_size=2, max_length=512,
+        samples_per_step=8, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=3, warmup=1,
+        repeats=1,
+    )  # fmt: skip
+    slower["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today")
+    table = write_outputs(slower, tmp_path)["table"].read_text()
+    assert "ODC ordered step time over ODC atomic" in table and "1.100x  (target <= 1.05: NOT met" in table
+    assert "| ODC + plan free, ordered | 2.20 |" in (tmp_path / "README_snippet.md").read_text()
