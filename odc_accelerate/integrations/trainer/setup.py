@@ -189,17 +189,17 @@ class ODCAcceleratorSetup:
         )
         reduction = f"; gradient reduction {reduction}" + (f" ({why})" if why else "")
         logger.warning(
-            "ODC on: transport %s (%s%s)%s%s, plan %s, token budget %s, %s%s; %s; metrics %s.",
+            "ODC on: transport %s (%s%s)%s, plan %s, token budget %s, %s%s; %s%s; metrics %s.",
             getattr(transport, "name", config.transport),
             getattr(transport, "chosen_because", "not attached"),
             accumulate,
-            reduction,
             hsdp,
             _plan_text(config),
             budget,
             samples,
             folded,
             memory,
+            reduction,
             config.metrics,
         )
 
