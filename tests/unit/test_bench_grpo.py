@@ -18,6 +18,7 @@ from benchmarks.grpo.cli import parse_args
 from benchmarks.grpo.records import make_record, parse_log_history, summarize_run
 from benchmarks.grpo.report import write_outputs
 from benchmarks.grpo.runner import arm_order, command
+from tests.conftest import requires_trl_116
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -282,6 +283,7 @@ def test_rloo_arms_have_their_own_ratio_lines_and_say_which_examples_ran(tmp_pat
     assert "RLOO example on the GRPO example's rollout (offline" in snippet and "GRPO example and" not in snippet
 
 
+@requires_trl_116
 def test_the_rloo_arms_stop_completions_at_the_grpo_arms_target_lengths(tmp_path):
     """One RLOO step of the RLOO arms' trainer (ODC off, one process) on prompts whose continuations are 5 tokens: every
     completion has 5 tokens, the last one EOS, where TRL's own generation would run a random model's to the cap."""

@@ -11,6 +11,7 @@ import pytest
 
 from odc_accelerate.config import ODCConfig
 from odc_accelerate.integrations.trainer.run import ODCRun
+from tests.conftest import requires_trl_116
 
 
 @pytest.fixture
@@ -147,6 +148,7 @@ def test_without_a_plan_nothing_is_derived(tmp_path, resolutions):
     assert trainer.args.gradient_accumulation_steps == 3  # the Trainer's own accumulation
 
 
+@requires_trl_116
 def test_a_grpo_trainer_resolves_once_for_its_checks_and_its_set_up(tmp_path, resolutions, monkeypatch):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
