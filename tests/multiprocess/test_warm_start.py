@@ -73,6 +73,7 @@ def _start(cmd: list, warm: bool, tmp_path: Path, **env: str) -> subprocess.Pope
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=warm_start.shell_signals,  # as from a shell, like the warm-start server
     )
 
 

@@ -297,6 +297,17 @@ def serve(path: str, log: str) -> None:
             conn.close()
 
 
+def shell_signals() -> None:
+    """Give this process the signal dispositions of a command started from a shell.
+
+    pytest may run with SIGINT, SIGQUIT and SIGHUP ignored (as a background job of a non-interactive shell, or under
+    nohup); a child inherits that, and Python then keeps ignoring SIGINT. The server, whose forks run the jobs, and the
+    fresh interpreters the tests compare them with start as they would from a shell.
+    """
+    for name in ("SIGINT", "SIGQUIT", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 class Server:
     """A server process, for commands run with `env`. It imports for ~10 s after it starts; until it listens,
     commands start as usual."""
@@ -307,7 +318,10 @@ class Server:
         self.log = os.path.join(self._dir, "log")
         self.env = site_env(env)
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, self.socket, self.log], env=self.env, stdin=subprocess.DEVNULL
+            [sys.executable, __file__, self.socket, self.log],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=shell_signals,  # its forks inherit the server's signal handling
         )
         atexit.register(self.stop)
 
