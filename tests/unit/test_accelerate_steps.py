@@ -32,24 +32,22 @@ class _Engine:
 
 @pytest.fixture
 def loop():
-    """An accelerator (one CPU process, gradient accumulation 2) with one prepared optimizer and a recording engine
+    """An accelerator (one process, gradient accumulation 2) with one prepared optimizer and a recording engine
     attached to it."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from odc_accelerate.integrations import accelerate as integration
 
     integration.enable()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = Accelerator()  # as other tests of this process build it (accelerate's state is shared)
+    accelerator.gradient_accumulation_steps = 2
     model = torch.nn.Linear(2, 1)
     optimizer = accelerator.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     engine = _Engine()
     integration._ENGINES[accelerator] = engine
     yield accelerator, model, optimizer, engine
     integration._ENGINES.pop(accelerator, None)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    accelerator.gradient_accumulation_steps = 1
 
 
 def _microbatch(accelerator, model, optimizer, clip: bool = True) -> None:
