@@ -44,9 +44,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ODCPlugin",
+    "drive_steps",
     "enable",
     "get_engine",
-    "drive_steps",
     "get_frozen_engines",
     "odc_plugin_from_env",
     "prepare_frozen_model",
@@ -239,7 +239,8 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
 # ------------------------------------------------------------------ the step calls of an unmodified accelerate loop
 _CALLER_DRIVEN: weakref.WeakSet = weakref.WeakSet()  # accelerators whose caller makes the engine's step calls
 _STARTED: weakref.WeakSet = weakref.WeakSet()  # accelerators whose current step accelerate's clip / step started
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # AcceleratedOptimizer -> its accelerator
+# AcceleratedOptimizer -> a weak reference to its accelerator (which holds the optimizer: a strong one would keep both)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def drive_steps(accelerator: Any, enabled: bool = True) -> None:
@@ -253,6 +254,10 @@ def drive_steps(accelerator: Any, enabled: bool = True) -> None:
     loop) is left to it. The ODC trainers switch this off (``enabled=False``): they make both calls themselves.
     Gradients read outside accelerate (``torch.nn.utils.clip_grad_norm_``) before ``optimizer.step()`` are not the
     step's: clip with ``accelerator.clip_grad_norm_``.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the accelerator whose engine (`get_engine`) is concerned.
+        enabled (`bool`, *optional*, defaults to `True`): `False` when the caller makes the engine's step calls.
     """
     if enabled:
         _CALLER_DRIVEN.discard(accelerator)
@@ -291,16 +296,18 @@ def _start_step(accelerator: Any, where: str) -> None:
 
 def _before_clip(accelerator: Any) -> None:
     if accelerator.sync_gradients:  # clipping a partial accumulation reads what FSDP2 would hold then: nothing yet
-        _start_step(accelerator, "accelerator.clip_grad_norm_")
+        _start_step(accelerator, "accelerator.clip_grad_norm_ / clip_grad_value_")
 
 
 def _owner(optimizer: Any) -> Any:
-    accelerator = _OWNERS.get(optimizer)
+    """The accelerator with an engine that prepared ``optimizer``, else `None`."""
+    ref = _OWNERS.get(optimizer)
+    accelerator = ref() if ref is not None else None
     if accelerator is None:
         for candidate in list(_ENGINES.keys()):
             if any(o is optimizer for o in compat.prepared_optimizers(candidate)):
-                _OWNERS[optimizer] = accelerator = candidate
-                break
+                _OWNERS[optimizer] = weakref.ref(candidate)
+                return candidate
     return accelerator
 
 
