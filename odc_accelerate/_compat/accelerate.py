@@ -1,7 +1,7 @@
 """Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
 
 Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
-serve five things:
+serve six things:
 
 * **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
   with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
@@ -14,6 +14,11 @@ serve five things:
   ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, which ``Accelerator._prepare_fsdp2`` calls through the name it
   imported into ``accelerate.accelerator``: that name is wrapped to call ``on_prepared``. ``Accelerator.__init__`` is
   wrapped to build a default FSDP plugin (``default_plugin``) when none is passed.
+* **Step calls of an unmodified loop.** ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_`` and
+  ``accelerate.optimizer.AcceleratedOptimizer.step`` are wrapped to call ``before_clip`` and
+  ``before_optimizer_step`` / ``after_optimizer_step`` (the last two only when the step steps: accelerate's
+  ``sync_gradients``), so that the engine's step calls can follow a plain accelerate loop; the integration reads which
+  optimizers an accelerator prepared (:func:`prepared_optimizers`, ``Accelerator._optimizers``).
 * **Teardown.** ``Accelerator.end_training`` is wrapped to call ``before_end_training`` (closing the engine while the
   process group exists) and ``after_end_training`` (releasing what still holds the group once it is destroyed).
 * **PEFT models.** ``accelerate.utils.fsdp_utils._find_final_norm`` is wrapped so that the FSDP2 wrapping groups a
@@ -58,7 +63,17 @@ from . import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_launch", "default_config_file", "install", "launch_parser", "load_config_file", "uninstall"]
+__all__ = [
+    "check_launch",
+    "default_config_file",
+    "install",
+    "launch_parser",
+    "load_config_file",
+    "prepared_optimizers",
+    "sync_each_batch",
+    "syncs_gradients",
+    "uninstall",
+]
 
 _LIBRARY = "accelerate"
 
@@ -71,6 +86,9 @@ class _Callbacks:
     before_end_training: Callable[[Any], None] | None = None
     after_end_training: Callable[[Any], None] | None = None
     default_plugin: Callable[[], Any] | None = None
+    before_clip: Callable[[Any], None] | None = None
+    before_optimizer_step: Callable[[Any], None] | None = None
+    after_optimizer_step: Callable[[Any], None] | None = None
 
 
 _CALLBACKS = _Callbacks()
@@ -162,6 +180,7 @@ class _Target:
 def _targets() -> list[_Target]:
     import accelerate.accelerator as accelerator_mod
     from accelerate import Accelerator
+    from accelerate import optimizer as optimizer_mod
     from accelerate import state as state_mod
     from accelerate.utils import fsdp_utils
 
@@ -169,6 +188,7 @@ def _targets() -> list[_Target]:
     accel_state = _require(state_mod, "AcceleratorState", "accelerate.state")
     _require(partial_state, "_shared_state", "accelerate.state.PartialState")
     wrap_state_init = functools.partial(_wrap_state_init, partial_state=partial_state)
+    accelerated_optimizer = _require(optimizer_mod, "AcceleratedOptimizer", "accelerate.optimizer")
     return [
         _Target(
             partial_state,
@@ -188,6 +208,15 @@ def _targets() -> list[_Target]:
         ),
         _Target(Accelerator, "end_training", "accelerate.Accelerator", _wrap_end_training, ()),
         _Target(Accelerator, "__init__", "accelerate.Accelerator", _wrap_accelerator_init, ("fsdp_plugin",)),
+        _Target(Accelerator, "clip_grad_norm_", "accelerate.Accelerator", _wrap_clip, ("parameters",)),
+        _Target(Accelerator, "clip_grad_value_", "accelerate.Accelerator", _wrap_clip, ("parameters",)),
+        _Target(
+            accelerated_optimizer,
+            "step",
+            "accelerate.optimizer.AcceleratedOptimizer",
+            _wrap_optimizer_step,
+            ("closure",),
+        ),
     ]
 
 
@@ -197,10 +226,13 @@ def install(
     before_end_training: Callable[[Any], None] | None = None,
     after_end_training: Callable[[Any], None] | None = None,
     default_plugin: Callable[[], Any] | None = None,
+    before_clip: Callable[[Any], None] | None = None,
+    before_optimizer_step: Callable[[Any], None] | None = None,
+    after_optimizer_step: Callable[[Any], None] | None = None,
 ) -> None:
-    """Patch accelerate for ODC: FSDP2 on CPU, the PEFT final norm, and the four callbacks.
+    """Patch accelerate for ODC: FSDP2 on CPU, the PEFT final norm, and the callbacks.
 
-    Idempotent: each internal is wrapped once however often this is called; every call replaces all four callbacks
+    Idempotent: each internal is wrapped once however often this is called; every call replaces all the callbacks
     (a callback left `None` is not called). Call it before the process group is created (before ``Accelerator``,
     ``PartialState`` or the Trainer's arguments), so that the CPU patches see the launch.
 
@@ -216,6 +248,12 @@ def install(
             FSDP (``ACCELERATE_USE_FSDP``), its result, if not `None`, is used as the plugin. This is how
             environment-only configuration (``odc-accelerate launch`` exports ``ODC_*`` variables) reaches code that
             builds a plain ``Accelerator()``.
+        before_clip (`Callable[[Accelerator], None]`, *optional*):
+            Called at the start of ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_``, before any gradient is read.
+        before_optimizer_step / after_optimizer_step (`Callable[[AcceleratedOptimizer], None]`, *optional*):
+            Called around ``AcceleratedOptimizer.step`` when it steps (accelerate's ``sync_gradients``; on other
+            microbatches of an accumulation the step is a no-op and neither is called). ``after_optimizer_step`` is
+            not called when the step raised.
 
     Raises:
         `~odc_accelerate._compat.CompatError`: an internal is missing or its parameters changed; nothing is patched.
@@ -228,7 +266,15 @@ def install(
             check_signature(original, t.params, library=_LIBRARY, where=f"{t.where}.{t.name}")
         detail = "The accelerate methods it patches may behave differently there."
         warn_if_untested(_LIBRARY, detail)
-    _CALLBACKS = _Callbacks(on_prepared, before_end_training, after_end_training, default_plugin)
+    _CALLBACKS = _Callbacks(
+        on_prepared,
+        before_end_training,
+        after_end_training,
+        default_plugin,
+        before_clip,
+        before_optimizer_step,
+        after_optimizer_step,
+    )
     for t in targets:
         patch_attribute(t.owner, t.name, t.wrap, library=_LIBRARY, where=t.where)
 
@@ -409,3 +455,46 @@ def _wrap_accelerator_init(original: Callable) -> Callable:
         original(self, *args, **kwargs)
 
     return __init__
+
+
+def _wrap_clip(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def clip(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if _CALLBACKS.before_clip is not None:
+            _CALLBACKS.before_clip(self)
+        return original(self, parameters, *args, **kwargs)
+
+    return clip
+
+
+def _wrap_optimizer_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def step(self: Any, closure: Any = None) -> Any:
+        stepping = syncs_gradients(self)
+        if stepping and _CALLBACKS.before_optimizer_step is not None:
+            _CALLBACKS.before_optimizer_step(self)
+        result = original(self, closure)
+        if stepping and _CALLBACKS.after_optimizer_step is not None:
+            _CALLBACKS.after_optimizer_step(self)
+        return result
+
+    return step
+
+
+def syncs_gradients(optimizer: Any) -> bool:
+    """Whether ``AcceleratedOptimizer.step`` steps now (``optimizer.gradient_state.sync_gradients``: the last
+    microbatch of an accumulation, or no accumulation); on the others it is a no-op."""
+    state = _require(optimizer, "gradient_state", "accelerate.optimizer.AcceleratedOptimizer")
+    return bool(_require(state, "sync_gradients", "accelerate.state.GradientState"))
+
+
+def prepared_optimizers(accelerator: Any) -> list[Any]:
+    """The ``AcceleratedOptimizer``-s ``accelerator.prepare`` made (``Accelerator._optimizers``), in order."""
+    return list(_require(accelerator, "_optimizers", "accelerate.Accelerator"))
+
+
+def sync_each_batch(accelerator: Any) -> bool:
+    """Whether ``accelerator`` was built with ``GradientAccumulationPlugin(sync_each_batch=True)`` (or the Trainer's
+    ``gradient_accumulation_kwargs``): gradients are asked to be reduced after every microbatch, not only the last."""
+    state = _require(accelerator, "gradient_state", "accelerate.Accelerator")
+    return bool(_require(state, "plugin_kwargs", "accelerate.state.GradientState").get("sync_each_batch", False))

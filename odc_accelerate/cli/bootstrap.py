@@ -19,7 +19,9 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
    message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
    ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
 
-Nothing happens on import; `install` does steps 2-5.
+Nothing happens on import; `install` does steps 2-5. With ``--no-odc`` before the script (``odc-accelerate launch``
+of a run without ODC), step 2 only: the script trains with plain FSDP2 and the library's own trainers, FSDP2 over gloo
+on CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ ODC_CLASSES = {
     "RLOOTrainer": "ODCRLOOTrainer",
 }
 
-USAGE = "usage: python -m odc_accelerate.cli.bootstrap SCRIPT [ARGS] | -m MODULE [ARGS]"
+USAGE = "usage: python -m odc_accelerate.cli.bootstrap [--no-odc] SCRIPT [ARGS] | [--no-odc] -m MODULE [ARGS]"
 
 
 def require_odc_trainer(trainer: Any) -> None:
@@ -122,9 +124,13 @@ def _unsupported_hint(cls: type) -> str:
     return ""
 
 
-def install() -> None:
-    """Steps 2-5 of the module docstring, in this process."""
+def install(odc: bool = True) -> None:
+    """Steps 2-5 of the module docstring, in this process (without ``odc``: step 2 only, plain FSDP2)."""
     import odc_accelerate
+
+    if not odc:
+        odc_accelerate.enable()
+        return
 
     from .._compat import transformers as transformers_compat
     from .._compat.trl import classes as trl_classes
@@ -139,6 +145,9 @@ def install() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Check the recipe, `install`, then run the script (or ``-m MODULE``) as ``__main__``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    odc = argv[:1] != ["--no-odc"]
+    if not odc:
+        argv = argv[1:]
     module = None
     if argv[:1] in (["-m"], ["--module"]):
         if len(argv) < 2:
@@ -151,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = recipe_path(args)
     if path is not None:
         read_recipe(path)  # a misspelt odc* key raises here, before any model is built
-    install()
+    install(odc)
     if module is not None:
         sys.argv = [module, *args]  # runpy puts the module's file in argv[0]
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -10,7 +10,10 @@ one run).
 When the run asks for ODC (``odc: true`` in the config file or ``ODC_ENABLE``, or ``odc: true`` in the script's
 ``--config`` recipe, or ``--odc true`` among the script's arguments; the script's own arguments win), the script is
 started through `odc_accelerate.cli.bootstrap`, which gives TRL's own scripts the ODC trainers and stops any run that
-would train without ODC. The script's ``--config`` recipe is checked for misspelt ``odc*`` keys first.
+would train without ODC. The script's ``--config`` recipe is checked for misspelt ``odc*`` keys first. Without ODC the
+script starts through the bootstrap too, with ``--no-odc``: only the package's accelerate patches are installed, so
+that ``odc: false`` is plain FSDP2 as the config asks for it (on CPU: FSDP2 over gloo across the processes; accelerate
+alone would run one independent model per process), with transformers' and TRL's own trainers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
 ]
 
 BOOTSTRAP = "odc_accelerate.cli.bootstrap"
+NO_ODC = "--no-odc"  # the bootstrap's flag: plain FSDP2 (the package's accelerate patches, no ODC trainer)
 
 HELP = """usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [script arguments]
 
@@ -120,13 +124,16 @@ def split_launch_args(args: Sequence[str]) -> tuple[list[str], str, list[str], b
     return args[:at], parsed.training_script, script_args, bool(parsed.module), bool(parsed.no_python)
 
 
-def through_bootstrap(launch_args: Sequence[str], script: str, script_args: Sequence[str], module: bool) -> list[str]:
-    """``accelerate launch`` arguments that start ``script`` (a module name if ``module``) through the bootstrap."""
+def through_bootstrap(
+    launch_args: Sequence[str], script: str, script_args: Sequence[str], module: bool, *, odc: bool = True
+) -> list[str]:
+    """``accelerate launch`` arguments that start ``script`` (a module name if ``module``) through the bootstrap;
+    without ``odc``, the bootstrap installs the package's accelerate patches only (``--no-odc``)."""
     head = list(launch_args)
     if not module:
         head.append("--module")
     target = ["-m", script] if module else [script]
-    return [*head, BOOTSTRAP, *target, *script_args]
+    return [*head, BOOTSTRAP, *([] if odc else [NO_ODC]), *target, *script_args]
 
 
 def _odc_requested(env: Mapping[str, str], script_args: Sequence[str]) -> bool:
@@ -147,8 +154,9 @@ def launch(args: Sequence[str], *, bootstrap: bool | None = None, env: Mapping[s
 
     Args:
         args (`Sequence[str]`): the arguments of ``accelerate launch`` (its options, the script, the script's ones).
-        bootstrap (`bool`, *optional*): start the script through `odc_accelerate.cli.bootstrap`; by default, when the
-            run asks for ODC.
+        bootstrap (`bool`, *optional*): start the script through `odc_accelerate.cli.bootstrap` (`False`: as given);
+            by default, with ODC when the run asks for it and with ``--no-odc`` (plain FSDP2) otherwise, unless the
+            script is not Python (``--no_python``).
         env (`Mapping[str, str]`, *optional*, defaults to `os.environ`): the environment to start from.
 
     Raises:
@@ -162,9 +170,11 @@ def launch(args: Sequence[str], *, bootstrap: bool | None = None, env: Mapping[s
         for name, value in odc_env_from_config(config).items():
             env.setdefault(name, value)
     launch_args, script, script_args, module, no_python = split_launch_args(args)
-    if bootstrap is None:
-        bootstrap = _odc_requested(env, script_args)
-    if bootstrap:
+    odc = _odc_requested(env, script_args) if bootstrap is None else bootstrap
+    if bootstrap is None and not odc and not no_python:
+        # Plain FSDP2 as the config asks for it: on CPU accelerate alone would train one model per process.
+        args = through_bootstrap(launch_args, script, script_args, module, odc=False)
+    if odc:
         if no_python:
             raise ValueError(
                 "This run asks for ODC, which needs a Python training script: drop --no_python, or switch ODC off "

@@ -342,18 +342,19 @@ def setup_refusal(err: BaseException, device: torch.device, held: int) -> Runtim
     )
 
 
+def describe(engine: ODCEngine) -> str:
+    """What ``engine`` serves, over what, and what the memory policy keeps (`log_ready`'s line, and the accelerate
+    loop's banner)."""
+    buckets = engine.replicate_buckets
+    frozen = " (frozen, gather-only)" if engine.frozen else ""
+    reduction = "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})"
+    hsdp = f", HSDP: {engine.replicas} replicas, {len(buckets)} all-reduce bucket(s) per step" if buckets else ""
+    return (
+        f"{len(engine.param_groups)} param groups{frozen}, transport {engine.transport.name}{reduction}{hsdp}, "
+        f"memory policy {engine.memory_policy}: {engine.memory_summary()}"
+    )
+
+
 def log_ready(engine: ODCEngine) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
-    buckets = engine.replicate_buckets
-    logger.info(
-        "ODC engine on rank %d/%d: %d param groups%s, transport %s%s%s, memory policy %s: %s",
-        engine.rank,
-        engine.world_size,
-        len(engine.param_groups),
-        " (frozen, gather-only)" if engine.frozen else "",
-        engine.transport.name,
-        "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})",
-        f", HSDP: {engine.replicas} replicas, {len(buckets)} all-reduce bucket(s) per step" if buckets else "",
-        engine.memory_policy,
-        engine.memory_summary(),
-    )
+    logger.info("ODC engine on rank %d/%d: %s", engine.rank, engine.world_size, describe(engine))

@@ -250,8 +250,10 @@ class ODCEngine:
         self._check_usable()
         if self._state != EngineState.IN_STEP:
             raise RuntimeError(
-                "a backward ran after engine.pre_optimizer_step() and before engine.post_optimizer_step(); "
-                "run every microbatch's backward before pre_optimizer_step()"
+                "a backward ran after engine.pre_optimizer_step() and before engine.post_optimizer_step() (in a "
+                "plain accelerate loop, accelerator.clip_grad_norm_ with sync_gradients makes that call); run every "
+                "microbatch's backward of the step before pre_optimizer_step() / clipping, and step the optimizer "
+                "before the next backward"
             )
         if op != dist.ReduceOp.SUM:
             raise RuntimeError(f"ODC expects sum reductions (the engine owns the divisor), FSDP2 passed {op}")
@@ -398,6 +400,12 @@ class ODCEngine:
         self._state = EngineState.IN_OPTIMIZER
 
     @property
+    def state(self) -> EngineState:
+        """Where the engine is in its optimizer-step cycle (``IN_STEP``: microbatches may run; ``IN_OPTIMIZER``: the
+        gradients are folded, the optimizer may step; ``CLOSED`` / ``BROKEN``)."""
+        return self._state
+
+    @property
     def ordered(self) -> bool:
         """This engine runs the ordered reduction (``reduction == "ordered"``)."""
         return self.reduction == ReductionName.ORDERED
@@ -509,6 +517,11 @@ class ODCEngine:
         self.stats.kept_params, self.stats.kept_grads = memory.apply_choices(
             self._groups, choices, frozen=self.frozen, ordered=self.ordered
         )
+
+    def may_keep_grads(self) -> bool:
+        """Whether the memory policy as configured may keep unsharded gradients through a step on some rank (``auto``
+        may; ``grads`` / ``both`` for a trainable group do): the same answer on every rank."""
+        return memory.may_keep_grads(self._policy, self._groups, frozen=self.frozen, ordered=self.ordered)
 
     def memory_choices(self) -> dict[str, str]:
         """What this rank keeps through the current step, per param group FQN (``"both"``, ``"params"``, ...)."""

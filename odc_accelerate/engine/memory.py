@@ -100,6 +100,20 @@ def choose_fixed(pairs: list[tuple[str, str]], fqns: Sequence[str]) -> dict[str,
     return out
 
 
+def may_keep_grads(
+    policy: str | list[tuple[str, str]], groups: Sequence[ServedGroup], *, frozen: bool, ordered: bool
+) -> bool:
+    """Whether ``policy`` (`parse_policy`'s result) may keep some group's unsharded gradients through a step on some
+    rank: ``auto`` may (where a rank's free memory allows), a fixed policy where it gives a trainable group ``grads``
+    or ``both``. Decided from the policy as configured, so the same on every rank."""
+    trainable = [g.fqn for g in groups if g.reduce_dtype is not None]
+    if frozen or ordered or not trainable:
+        return False
+    if policy == AUTO:
+        return True
+    return any(keep_grads for _, keep_grads in choose_fixed(policy, trainable).values())
+
+
 def choice_name(keep: tuple[bool, bool]) -> str:
     return next(name for name, flags in CHOICES.items() if flags == keep)
 

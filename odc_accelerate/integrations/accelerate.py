@@ -1,6 +1,8 @@
 """ODC for `accelerate`: the `ODCPlugin` (an FSDP2 plugin that attaches an `ODCEngine`), and `enable()`.
 
-Custom training loop:
+An unmodified accelerate loop (``accelerator.accumulate``, ``accelerator.backward``, ``accelerator.clip_grad_norm_``,
+``optimizer.step()``) trains with ODC as it is: accelerate's own optimizer step drives the engine (`drive_steps`).
+A loop may also call the engine itself:
 
 ```python
 from accelerate import Accelerator
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ODCPlugin",
+    "drive_steps",
     "enable",
     "get_engine",
     "get_frozen_engines",
@@ -63,6 +66,8 @@ def enable() -> None:
     * ``Accelerator()`` without an ``fsdp_plugin`` under ``ODC_ENABLE=true`` (``odc-accelerate launch``) gets an
       `ODCPlugin`.
     * A PEFT model's LM head is grouped with its final norm, as accelerate does for plain models.
+    * An accelerate loop that never calls the engine trains with it: accelerate's own step drives it (see
+      `drive_steps`).
 
     `ODCPlugin`, the ODC TRL configs and `ODCTrainerMixin` call it; a script that builds a plain ``Accelerator()``
     under ``odc-accelerate launch`` calls it before creating the accelerator. Call it before the process group is
@@ -73,6 +78,9 @@ def enable() -> None:
         before_end_training=_close_engine,
         after_end_training=_release_process_groups,
         default_plugin=odc_plugin_from_env,
+        before_clip=_before_clip,
+        before_optimizer_step=_before_optimizer_step,
+        after_optimizer_step=_after_optimizer_step,
     )
 
 
@@ -203,8 +211,119 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         # cannot add into peers' memory atomically, instead of refusing.
         reduction=config.reduction if "reduction" in config.given else None,
     )
+    if compat.sync_each_batch(accelerator) and engine.may_keep_grads():
+        # Decided from the policy as configured (the same on every rank), before any step: `auto` chooses per rank
+        # and step, so its choice of the moment cannot decide without refusing on some ranks only.
+        engine.close()
+        raise ValueError(
+            f"accelerate's sync_each_batch=True asks for a reduce after every microbatch, but odc_memory_policy="
+            f"{config.memory_policy} keeps unsharded gradients through the step"
+            + (" where a rank's free memory allows" if config.memory_policy == "auto" else "")
+            + ". With ODC the memory policy decides: drop sync_each_batch, or set odc_memory_policy to neither (or "
+            "params)."
+        )
     _ENGINES[accelerator] = engine
     logger.info("ODC engine attached (transport=%s, %d param groups).", config.transport, len(engine.param_groups))
+    if accelerator not in _CALLER_DRIVEN and accelerator.is_main_process:
+        from ..engine._setup import describe
+
+        logger.warning(
+            "ODC on: %s (transport: %s). Step calls follow accelerate's: pre_optimizer_step at the step's first "
+            "accelerator.clip_grad_norm_ or optimizer.step, post_optimizer_step after optimizer.step; a loop that "
+            "calls them itself keeps them.",
+            describe(engine),
+            getattr(engine.transport, "chosen_because", "given"),
+        )
+
+
+# ------------------------------------------------------------------ the step calls of an unmodified accelerate loop
+_CALLER_DRIVEN: weakref.WeakSet = weakref.WeakSet()  # accelerators whose caller makes the engine's step calls
+_STARTED: weakref.WeakSet = weakref.WeakSet()  # accelerators whose current step accelerate's clip / step started
+# AcceleratedOptimizer -> a weak reference to its accelerator (which holds the optimizer: a strong one would keep both)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drive_steps(accelerator: Any, enabled: bool = True) -> None:
+    """Whether accelerate's own step calls drive ``accelerator``'s engine (on by default).
+
+    On, an accelerate loop that never calls the engine trains with ODC unmodified: once a step's gradients are
+    complete (accelerate's ``sync_gradients``: the last microbatch of ``accelerator.accumulate``, or every microbatch
+    without it), the first of ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` / ``optimizer.step()`` calls
+    ``engine.pre_optimizer_step(optimizer)`` (clipping sees the step's gradients), and ``optimizer.step()`` is followed
+    by ``engine.post_optimizer_step()``. A step whose ``pre_optimizer_step`` the loop made itself (the `get_engine`
+    loop) is left to it. The ODC trainers switch this off (``enabled=False``): they make both calls themselves.
+    Gradients read outside accelerate (``torch.nn.utils.clip_grad_norm_``) before ``optimizer.step()`` are not the
+    step's: clip with ``accelerator.clip_grad_norm_``.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the accelerator whose engine (`get_engine`) is concerned.
+        enabled (`bool`, *optional*, defaults to `True`): `False` when the caller makes the engine's step calls.
+    """
+    if enabled:
+        _CALLER_DRIVEN.discard(accelerator)
+    else:
+        _CALLER_DRIVEN.add(accelerator)
+
+
+def _driven_engine(accelerator: Any) -> Any:
+    """``accelerator``'s engine when accelerate's step calls drive it and it is between steps' microbatches."""
+    from ..engine.stats import EngineState
+
+    engine = _ENGINES.get(accelerator)
+    if engine is None or accelerator in _CALLER_DRIVEN or engine.state is not EngineState.IN_STEP:
+        return None  # no engine, the caller drives it, or this step's pre_optimizer_step was made already
+    return engine
+
+
+def _start_step(accelerator: Any, where: str) -> None:
+    engine = _driven_engine(accelerator)
+    if engine is None:
+        return
+    optimizers = compat.prepared_optimizers(accelerator)
+    if len(optimizers) != 1:
+        # The same prepared optimizers on every rank: every rank refuses here, before any step.
+        raise ValueError(
+            f"ODC drives its optimizer step from accelerate's for one optimizer, but this Accelerator prepared "
+            f"{len(optimizers)} ({where} was called): the engine folds the step's gradients once, for one optimizer. "
+            "Prepare one optimizer (several param groups are fine), or make the step calls yourself: "
+            "engine = odc_accelerate.integrations.accelerate.get_engine(accelerator); engine.pre_optimizer_step() "
+            "after the step's last backward, before clipping and the first optimizer.step(); "
+            "engine.post_optimizer_step() after the last optimizer.step()."
+        )
+    engine.pre_optimizer_step(optimizers[0])
+    _STARTED.add(accelerator)
+
+
+def _before_clip(accelerator: Any) -> None:
+    if accelerator.sync_gradients:  # clipping a partial accumulation reads what FSDP2 would hold then: nothing yet
+        _start_step(accelerator, "accelerator.clip_grad_norm_ / clip_grad_value_")
+
+
+def _owner(optimizer: Any) -> Any:
+    """The accelerator with an engine that prepared ``optimizer``, else `None`."""
+    ref = _OWNERS.get(optimizer)
+    accelerator = ref() if ref is not None else None
+    if accelerator is None:
+        for candidate in list(_ENGINES.keys()):
+            if any(o is optimizer for o in compat.prepared_optimizers(candidate)):
+                _OWNERS[optimizer] = weakref.ref(candidate)
+                return candidate
+    return accelerator
+
+
+def _before_optimizer_step(optimizer: Any) -> None:
+    accelerator = _owner(optimizer)
+    if accelerator is not None:
+        _start_step(accelerator, "optimizer.step()")
+
+
+def _after_optimizer_step(optimizer: Any) -> None:
+    accelerator = _owner(optimizer)
+    if accelerator is not None and accelerator in _STARTED:
+        _STARTED.discard(accelerator)
+        engine = _ENGINES.get(accelerator)
+        if engine is not None:
+            engine.post_optimizer_step()
 
 
 _FROZEN_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

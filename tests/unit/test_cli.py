@@ -313,22 +313,38 @@ def test_launch_starts_the_script_through_the_bootstrap_when_odc_is_asked_for(tm
         "--lr",
         "1",
     ]
-    # the script's own --odc false wins over the config file: no bootstrap
+    # the script's own --odc false wins over the config file: plain FSDP2 (the bootstrap without ODC)
+    plain = ["--module", "odc_accelerate.cli.bootstrap", "--no-odc"]
     assert main(["launch", "--config_file", odc, "train.py", "--odc", "false"]) == 0
-    assert _script_part(calls.pop()[0]) == ["--config_file", odc, "train.py", "--odc", "false"]
+    assert _script_part(calls.pop()[0]) == ["--config_file", odc, *plain, "train.py", "--odc", "false"]
     # ODC_ENABLE=false in the launching shell wins over the file
     monkeypatch.setenv("ODC_ENABLE", "false")
     assert main(["launch", "--config_file", odc, "train.py"]) == 0
     cmd, env = calls.pop()
-    assert _script_part(cmd) == ["--config_file", odc, "train.py"] and env["ODC_ENABLE"] == "false"
+    assert _script_part(cmd) == ["--config_file", odc, *plain, "train.py"] and env["ODC_ENABLE"] == "false"
 
 
-def test_launch_without_odc_runs_the_script_as_given_unless_the_recipe_asks(tmp_path, calls):
+def test_launch_without_odc_runs_plain_fsdp2_through_the_bootstrap_unless_the_recipe_asks(tmp_path, calls):
     plain = _write_config(tmp_path)
     assert main(["launch", "--config_file", plain, "train.py", "--lr", "1"]) == 0
     cmd, env = calls.pop()
-    assert _script_part(cmd) == ["--config_file", plain, "train.py", "--lr", "1"]
+    # The package's accelerate patches only (FSDP2 over gloo on CPU), no ODC trainer: what `odc: false` promises.
+    no_odc = ["--module", "odc_accelerate.cli.bootstrap", "--no-odc"]
+    assert _script_part(cmd) == ["--config_file", plain, *no_odc, "train.py", "--lr", "1"]
     assert not any(key.startswith("ODC_") for key in env) and "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in env
+    # a module script keeps accelerate's --module; a non-Python program runs as given
+    assert main(["launch", "--config_file", plain, "-m", "pkg.train"]) == 0
+    assert _script_part(calls.pop()[0]) == [
+        "--config_file",
+        plain,
+        "-m",
+        "odc_accelerate.cli.bootstrap",
+        "--no-odc",
+        "-m",
+        "pkg.train",
+    ]
+    assert main(["launch", "--config_file", plain, "--no_python", "train.sh"]) == 0
+    assert _script_part(calls.pop()[0]) == ["--config_file", plain, "--no_python", "train.sh"]
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("odc: true\nmax_steps: 2\n")
     assert main(["launch", "--config_file", plain, "train.py", "--config", str(recipe)]) == 0
@@ -598,6 +614,35 @@ def test_bootstrap_runs_the_script_as_main_with_its_arguments(tmp_path, monkeypa
         "trainer": "ODCSFTTrainer",
         "config": "ODCGRPOConfig",
     }
+
+
+def test_bootstrap_without_odc_installs_the_accelerate_patches_only(tmp_path, monkeypatch, restore_bootstrap):
+    import json
+
+    from accelerate import Accelerator
+
+    from odc_accelerate._compat import accelerate as accelerate_compat
+    from odc_accelerate._compat import is_patched
+    from odc_accelerate.cli import bootstrap
+
+    accelerate_compat.uninstall()
+    script = tmp_path / "probe.py"
+    out = tmp_path / "probe.json"
+    script.write_text(
+        "import json, sys\n"
+        "import transformers\n"
+        "from trl import SFTTrainer\n"
+        "json.dump({'argv': sys.argv, 'trainer': SFTTrainer.__module__, 'base': transformers.Trainer.__module__},\n"
+        "          open(sys.argv[-1], 'w'))\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["bootstrap"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    bootstrap.main(["--no-odc", str(script), str(out)])
+    seen = json.loads(out.read_text())
+    # the library's own trainers, with accelerate patched for FSDP2 on CPU
+    assert seen["argv"] == [str(script), str(out)]
+    assert seen["trainer"].startswith("trl.") and seen["base"].startswith("transformers.")
+    assert is_patched(Accelerator, "__init__")
 
 
 def test_bootstrap_checks_the_recipe_before_swapping(tmp_path, monkeypatch, restore_bootstrap):

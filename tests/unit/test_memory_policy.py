@@ -90,7 +90,62 @@ def test_engine_refuses_a_bad_policy_before_anything_else():
         ODCEngine(torch.nn.Linear(2, 2), memory_headroom="a bit")
 
 
-def test_trainer_refuses_sync_each_batch_with_a_policy_that_keeps_gradients():
+def test_whether_a_policy_may_keep_gradients_is_decided_from_the_policy_as_configured():
+    from types import SimpleNamespace
+
+    groups = [SimpleNamespace(fqn=f, reduce_dtype=torch.float32) for f in ("<root>", "layers.0", "layers.1")]
+    frozen_group = [SimpleNamespace(fqn="<root>", reduce_dtype=None)]
+
+    def may(policy, gs=groups, **kw):
+        return memory.may_keep_grads(memory_spec.parse_policy(policy), gs, **{"frozen": False, "ordered": False, **kw})
+
+    assert may("auto") and may("grads") and may("both") and may("layers.1=grads")
+    assert not may("neither") and not may("params") and not may("experts.*=grads")  # no group matches
+    assert not may("auto", ordered=True) and not may("both", frozen=True) and not may("grads", frozen_group)
+
+
+class _Accelerator:  # weak-referenceable, as accelerate's
+    def __init__(self, plugin, sync_each_batch):
+        from types import SimpleNamespace
+
+        self.state = SimpleNamespace(fsdp_plugin=plugin)
+        self.gradient_state = SimpleNamespace(plugin_kwargs={"sync_each_batch": sync_each_batch})
+        self.is_main_process = False
+
+
+@pytest.mark.parametrize("policy", ["auto", "grads", "layers.*=both"])
+def test_sync_each_batch_is_refused_when_the_engine_attaches_whatever_this_rank_would_keep(monkeypatch, policy):
+    """The refusal reads the policy as configured, when the engine attaches (before any step, the same on every rank):
+    here this rank's own choice keeps nothing (``auto`` with little free memory), and it is refused all the same."""
+    from types import SimpleNamespace
+
+    import odc_accelerate.engine
+    from odc_accelerate.integrations import accelerate as integration
+
+    closed = []
+
+    class Engine:  # the engine attached to the model: what the refusal reads
+        def __init__(self, model, memory_policy, **kwargs):
+            self.param_groups = ["<root>", "layers.0"]
+            groups = [SimpleNamespace(fqn=f, reduce_dtype=torch.float32) for f in self.param_groups]
+            self._policy = memory_spec.parse_policy(memory_policy)
+            self.may_keep_grads = lambda: memory.may_keep_grads(self._policy, groups, frozen=False, ordered=False)
+            self.memory_choices = lambda: dict.fromkeys(self.param_groups, "neither")
+            self.close = lambda: closed.append(self)
+
+    monkeypatch.setattr(odc_accelerate.engine, "ODCEngine", Engine)
+    accelerator = _Accelerator(integration.ODCPlugin(memory_policy=policy), sync_each_batch=True)
+    with pytest.raises(ValueError, match=f"sync_each_batch=True .* odc_memory_policy={policy} keeps unsharded"):
+        integration._attach_engine(accelerator, object())
+    assert len(closed) == 1 and integration.get_engine(accelerator) is None  # closed, not attached
+    for ok_policy, sync in (("neither", True), ("params", True), (policy, False)):
+        accelerator = _Accelerator(integration.ODCPlugin(memory_policy=ok_policy), sync_each_batch=sync)
+        integration._attach_engine(accelerator, object())
+        assert isinstance(integration.get_engine(accelerator), Engine)
+
+
+def test_trainer_step_with_sync_each_batch_follows_the_set_up_decision_not_this_ranks_choice():
+    """A rank whose ``auto`` kept gradients this step runs it: the refusal was decided at set-up, on every rank."""
     import contextlib
     from types import SimpleNamespace
 
@@ -103,7 +158,7 @@ def test_trainer_refuses_sync_each_batch_with_a_policy_that_keeps_gradients():
     class Loop(ODCStepLoop, Trainer):
         pass
 
-    def loop_with(choice: str) -> Loop:
+    for choice in ("grads", "both", "neither", "params"):
         loop = Loop()
         loop.accelerator = SimpleNamespace(
             gradient_state=SimpleNamespace(plugin_kwargs={"sync_each_batch": True}),
@@ -114,22 +169,12 @@ def test_trainer_refuses_sync_each_batch_with_a_policy_that_keeps_gradients():
         )
         steps = []
         loop.odc_engine = SimpleNamespace(
-            memory_choices=lambda: {"<root>": choice, "layers.0": "neither"},
-            pre_optimizer_step=lambda optimizer: steps.append(1),
+            memory_choices=lambda choice=choice: {"<root>": choice, "layers.0": "neither"},
+            pre_optimizer_step=lambda optimizer, steps=steps: steps.append(1),
         )
         loop.optimizer = None  # a Trainer has the attribute from __init__ on
-        loop.odc_config = SimpleNamespace(memory_policy=choice)
+        loop.odc_config = SimpleNamespace(memory_policy="auto")
         loop.odc_step_timer = SimpleNamespace(compute=lambda device: contextlib.nullcontext())
         loop.args = SimpleNamespace(device="cpu")
-        loop.steps = steps
-        return loop
-
-    for choice in ("grads", "both"):
-        loop = loop_with(choice)
-        with pytest.raises(ValueError, match=f"sync_each_batch=True .* odc_memory_policy={choice} keeps"):
-            loop.training_step(None, [{}, {}])
-        assert (loop.accelerator.gather, loop.steps) == ("real", [])  # refused before anything changed
-    for choice in ("neither", "params"):  # they reduce every microbatch, as sync_each_batch asks
-        loop = loop_with(choice)
-        assert float(loop.training_step(None, [{}, {}])) == 2.0 and loop.steps == [1]
+        assert float(loop.training_step(None, [{}, {}])) == 2.0 and steps == [1]
         assert loop.accelerator.gather == "real"

@@ -14,7 +14,7 @@ from typing import Any
 from ...config import ODCConfig
 from ...planning import PlanName
 from ...validation import str_to_bool
-from ..accelerate import ODCPlugin, get_engine, resolved_options
+from ..accelerate import ODCPlugin, drive_steps, get_engine, resolved_options
 from .run import ODCRun
 from .timing import StepTimer
 
@@ -69,6 +69,9 @@ class ODCAcceleratorSetup:
                     f"ODC needs FSDP2 across several processes, but this run is {state.distributed_type} with "
                     f"{state.num_processes} process(es). {LAUNCH_HINT}"
                 )
+            # The step loop calls pre_optimizer_step and the callback post_optimizer_step: accelerate's own optimizer
+            # step and clipping must not drive the engine as well.
+            drive_steps(self.accelerator, False)
 
     def _odc_resolve_early(self, args: Any) -> ODCConfig:
         """Resolve the options from ``args`` before the Trainer's set-up, for a trainer that needs them then; the

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..._compat import accelerate as accelerate_compat
 from ..._compat import transformers as tcompat
 from .data import ZeroWeightMicrobatch, merge_for_counting
 from .dynamic import ClaimedStep, ClaimQueue
@@ -115,15 +116,8 @@ class ODCStepLoop:
         # step boundary (one scatter-add per step) or are scatter-added after every microbatch. Plain FSDP2 (ODC
         # off) does as the Trainer does for its own microbatches: gradients stay local until the rank's last
         # microbatch (the lockstep plan gives every rank the same count); accelerate's `sync_each_batch=True` trades
-        # that back for memory.
-        asked_each_batch = bool(self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
-        keeps_grads = engine is not None and any(c in ("grads", "both") for c in engine.memory_choices().values())
-        if asked_each_batch and keeps_grads:
-            raise ValueError(
-                f"accelerate's sync_each_batch=True asks for a reduce after every microbatch, but odc_memory_policy="
-                f"{self.odc_config.memory_policy} keeps unsharded gradients through the step. With ODC the memory "
-                "policy decides: drop sync_each_batch, or set odc_memory_policy to neither (or params)."
-            )
+        # that back for memory. (A memory policy that keeps gradients is refused with it when the engine attaches.)
+        asked_each_batch = accelerate_compat.sync_each_batch(self.accelerator)
         deferred = DeferredGather()
         real_gathers = self.accelerator.gather_for_metrics, self.accelerator.gather, self.accelerator.reduce
         total = torch.zeros((), device=self.args.device)
