@@ -40,3 +40,13 @@ def loss_scale(global_num_tokens: int, world_size: int) -> float:
     if isinstance(world_size, bool) or int(world_size) != world_size or world_size <= 0:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     return world_size / global_num_tokens
+
+
+def batch_mean_weight(rows: int, total_rows: float, world_size: int) -> float:
+    """Factor that turns a microbatch's loss averaged over its own rows into its share of the step's loss.
+
+    With ``rows x W / total_rows`` per microbatch (``total_rows``: the rows of the whole step over all ranks), FSDP2's
+    average over the ``W`` ranks gives the mean over every row of the step, whichever rank or microbatch a row ran in
+    (one process's mean over the global batch). DPO and the reward trainer count pairs as rows, RLOO sequences.
+    """
+    return rows * world_size / float(max(total_rows, 1))

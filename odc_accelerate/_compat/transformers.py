@@ -39,6 +39,8 @@ _METHODS = {
     "_track_num_input_tokens": ("inputs",),
     "_remove_unused_columns": ("dataset", "description"),
     "floating_point_ops": ("inputs",),
+    "set_initial_training_values": ("args", "dataloader"),
+    "get_total_train_batch_size": ("args",),
 }
 
 
@@ -84,6 +86,30 @@ def count_label_tokens(trainer: Any, batch: dict) -> int:
     else:
         return 0
     return int(labels.ne(-100).sum())
+
+
+def counts_loss_items(trainer: Any, batch: Any) -> bool:
+    """Whether the Trainer passes ``num_items_in_batch`` for a step whose first microbatch is ``batch``: its
+    ``_get_num_items_in_batch`` counts only when the batch has ``labels`` and the model takes the loss keyword arguments
+    (or a ``compute_loss_func`` is set); otherwise it passes `None`."""
+    return (
+        isinstance(batch, dict)
+        and "labels" in batch
+        and bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
+    )
+
+
+def loss_is_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:
+    """Whether the Trainer's ``training_step`` takes ``compute_loss``'s value as already normalised over the whole
+    accumulated batch (`True`) or as a mean per batch that it divides by the accumulation steps (`False`): the class's
+    ``loss_is_scaled_for_ga`` when set (transformers 5.19+), else a loss normalised by ``num_items_in_batch`` (the
+    model takes the loss keyword arguments and the count was passed) or by a ``compute_loss_func``."""
+    own = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if own is not None:
+        return bool(own)
+    return bool(
+        (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or trainer.compute_loss_func is not None
+    )
 
 
 def passthrough_skip_first_batches() -> None:

@@ -13,6 +13,7 @@ a zero-weight microbatch that keeps FSDP2's collectives paired (no hang, nothing
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -183,3 +184,89 @@ def test_plain_fsdp2_on_the_lockstep_plan_trains_as_one_process(runs):
     assert len(steps) == 2
     # 3 microbatches on each rank (the zero-weight one included) for 5 samples of one microbatch each
     assert all(step["odc/microbatches_min"] == step["odc/microbatches_max"] == 3 for step in steps), steps
+
+
+# ---------------------------------------------------------------------------------------------------- run_glue-shaped
+# tests/helpers/loops/run_glue.py: a tiny Qwen2ForSequenceClassification, one label per sample, the Trainer's default
+# DataCollatorWithPadding; 2 x 3 x 2 = 12 samples per step from --gradient_accumulation_steps 2 (folded into the plan)
+RUN_GLUE = ROOT / "tests" / "helpers" / "loops" / "run_glue.py"
+GLUE_SAMPLES_PER_STEP = 12
+GLUE = [
+    *PARITY[: PARITY.index("--block_size")],
+    *PARITY[PARITY.index("--block_size") + 2 :],
+    "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def glue_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glue")
+    out = {name: root / name for name in ("odc", "reference", "own_loader")}
+    odc_launch = [sys.executable, "-m", "odc_accelerate.cli", "launch", "--config_file", CONFIGS / "odc_cpu.yaml"]
+    odc_launch += ["--main_process_port", "0", RUN_EXAMPLE, RUN_GLUE]
+    # one 64-token padded microbatch at most (the longest sample): several microbatches per rank, of 1 to 3 rows
+    env = base_env(ODC_MAX_TOKENS_PER_MICROBATCH="64", ODC_DUMP_PARAMS="1")
+    jobs = {
+        "odc": background(
+            run,
+            [*odc_launch, "--own_loss", "true", *GLUE, "--log_level", "info", "--output_dir", out["odc"]],
+            env=env,
+            timeout=400,
+        ),
+        "reference": background(
+            run,
+            [sys.executable, REFERENCE, "--samples_per_step", GLUE_SAMPLES_PER_STEP, RUN_GLUE, "--own_loss", "true"]
+            + [*GLUE, "--output_dir", out["reference"]],
+            env=env,
+            timeout=400,
+        ),
+        "own_loader": background(
+            run, [*odc_launch, "--own_loader", "true", *GLUE, "--output_dir", out["own_loader"]], env=env, timeout=400
+        ),
+    }
+    return {"procs": results(jobs), "out": out}
+
+
+def test_a_scripts_per_batch_mean_loss_on_sequence_classification_trains_as_one_process(glue_runs):
+    """run_glue's collator and labels are served (no refusal), and a MyTrainer whose compute_loss is the batch's mean
+    (the Trainer divides it by the accumulation steps) trains, on planned microbatches of unequal rows, as the script
+    does in one process on the same 12 samples per step: each microbatch's mean weighted by rows x W / rows of the
+    step."""
+    import torch
+
+    for name in ("odc", "reference"):
+        check_ok(glue_runs["procs"][name])
+    out, ref = glue_runs["out"]["odc"], glue_runs["out"]["reference"]
+    assert "ODC on: transport shm" in glue_runs["procs"]["odc"].stderr
+    steps = logged_steps(out)
+    assert len(steps) == 2 and all(step["odc/microbatches_max"] >= 2 for step in steps), steps
+    for a, b in zip(steps, logged_steps(ref), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)  # fp32 summation order
+    init = torch.load(ref / "initial_params.pt")
+    assert max_rel(torch.load(out / "initial_params.pt"), init) == 0.0
+    trained, expected = final_params(out), torch.load(ref / "final_params.pt")
+    assert max(float((expected[k] - init[k]).abs().max()) for k in expected) > 0
+    assert max_rel(trained, expected) <= 1e-4
+
+
+def test_the_trainers_own_throughput_and_banner_count_the_planned_step(glue_runs):
+    """The Trainer's train_samples_per_second counts the 12 samples of each planned step (not the 3 x 1 x 2 of the
+    folded accumulation), and its banner's total train batch size is the planned step."""
+    check_ok(glue_runs["procs"]["odc"])
+    metrics = json.loads((glue_runs["out"]["odc"] / "train_results.json").read_text())
+    trained = 2 * GLUE_SAMPLES_PER_STEP
+    assert metrics["train_samples_per_second"] * metrics["train_runtime"] == pytest.approx(trained, rel=2e-3)
+    stderr = glue_runs["procs"]["odc"].stderr
+    assert f"Total train batch size (w. parallel, distributed & accumulation) = {GLUE_SAMPLES_PER_STEP}" in stderr
+
+
+def test_a_scripts_own_training_loader_is_refused_by_name_on_every_rank_before_training(glue_runs):
+    """Each rank refuses from its own class when the Trainer has built the loader, before the model is prepared (no
+    collective, so no rank waits on another; the launcher may stop a peer before it prints its own refusal)."""
+    proc = glue_runs["procs"]["own_loader"]
+    assert proc.returncode != 0
+    refusal = "ValueError: __main__.MyLoaderTrainer.get_train_dataloader returns a DataLoader of batches of its own"
+    assert f"[rank0]: {refusal}" in proc.stderr, proc.stderr[-4000:]
+    assert "Remove the override" in proc.stderr and "ODC on:" not in proc.stderr
+    assert not (glue_runs["out"]["own_loader"] / "trainer_state.json").exists()

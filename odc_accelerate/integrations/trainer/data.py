@@ -21,6 +21,7 @@ __all__ = [
     "ZeroWeightMicrobatch",
     "input_tokens",
     "merge_for_counting",
+    "microbatch_rows",
 ]
 
 
@@ -177,6 +178,23 @@ def input_tokens(batch: dict) -> int:
         return int(batch["position_ids"].numel())
     ids = batch.get("input_ids")
     return int(ids.numel()) if ids is not None else 0
+
+
+def microbatch_rows(batch: dict) -> int:
+    """The samples of a collated microbatch: its rows, or in one packed row (``DataCollatorWithFlattening``: no
+    attention mask, ``position_ids`` restarting at 0 for each sequence) its sequences."""
+    if "cu_seq_lens_q" in batch:
+        return int(batch["cu_seq_lens_q"].numel()) - 1
+    position_ids = batch.get("position_ids")
+    if batch.get("attention_mask") is None and position_ids is not None and position_ids.shape[0] == 1:
+        return int((position_ids == 0).sum())
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() > 0:
+        return int(ids.shape[0])
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
 
 
 def merge_for_counting(microbatches: list[dict], main: str) -> dict:

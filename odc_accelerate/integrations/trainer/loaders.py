@@ -18,7 +18,7 @@ from ..._compat import transformers as tcompat
 from .budget import BudgetRule, token_budget
 from .data import StepCollator, StepDataLoader, StepDataset
 from .dynamic import QueueDataset, keep_queue
-from .plain import check_collator
+from .plain import check_collator, check_step_loader
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,20 @@ class ODCStepLoaders:
             hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
         )
 
+    def get_total_train_batch_size(self, args: Any) -> int:
+        # Under a plan the Trainer runs one accumulation step of whole planned steps: its own count
+        # (per_device_train_batch_size x 1 x world) would miss the folded accumulation (its banner's "Total train batch
+        # size", its train_samples_per_second).
+        if self.odc_config.balanced and self.odc_plans_from_dataset:
+            return int(self.odc_run.samples_per_step)
+        return super().get_total_train_batch_size(args)
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+        # The first call after the Trainer built its training loader, before the model is prepared: on every rank.
+        if self.odc_config.balanced and self.odc_plans_from_dataset:
+            check_step_loader(self, dataloader)
+        return super().set_initial_training_values(args, dataloader)
+
     def get_train_dataloader(self) -> DataLoader:
         if not (self.odc_config.balanced and self.odc_plans_from_dataset):
             return super().get_train_dataloader()
@@ -136,7 +150,12 @@ class ODCStepLoaders:
         dataset = tcompat.remove_unused_columns(self, self.train_dataset, description="training")
         lengths = self._odc_lengths(dataset)
         # A collator that cannot collate planned microbatches is refused here, before the model is sharded.
-        check_collator(self.data_collator, lengths, list(getattr(dataset, "column_names", None) or []))
+        check_collator(
+            self.data_collator,
+            lengths,
+            list(getattr(dataset, "column_names", None) or []),
+            first_row=dataset[0] if len(dataset) else None,
+        )
         config = self.odc_config
         self.odc_run = run = self.odc_run.with_token_budget(self._odc_budget(lengths))
         world = max(1, int(self.args.world_size))

@@ -33,8 +33,12 @@ What the mixin changes, and why:
   the next one when it is free and loads and collates only what it claims (see `dynamic`).
 * **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
   time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
-* **Refused under a plan:** the plain Trainer's own loss where it would be a mean per microbatch, and collators
-  that cannot collate samples of different lengths together (`plain`); a mixture-of-experts router's auxiliary loss
+* **A plain Trainer's per-batch-mean loss** (a script's ``compute_loss`` the Trainer divides by the accumulation
+  steps) is weighted by ``rows x W / rows of the step``: the mean over the step's rows (`plain`, `step`).
+* **Refused under a plan:** the plain Trainer's own loss where it would be a mean per microbatch,
+  ``average_tokens_across_devices=False`` with a loss normalised by ``num_items_in_batch`` (the plain Trainer's and
+  SFT's), collators that cannot collate samples of different lengths together, and a ``get_train_dataloader`` that
+  does not return ODC's step loader (`plain`); a mixture-of-experts router's auxiliary loss
   (TRL's ``router_aux_loss_coef``, on by default for such models), a function of which samples share a microbatch
   (`setup.check_router_aux_loss`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
@@ -83,6 +87,7 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         tcompat.passthrough_skip_first_batches()
         self._odc_sampler = None
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
+        self._odc_step_rows = 0  # rows (samples) of the current step over all ranks (per-batch-mean loss weights)
         self._odc_budget_warned = False  # the over-budget warning is given once per trainer
         self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
         self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
@@ -94,5 +99,5 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
                 self.model, self.args, self.odc_config, coef=getattr(self, "router_aux_loss_coef", None)
             )
         if self.odc_config.balanced and self.odc_plans_from_dataset:
-            check_token_mean_loss(self)  # the Trainer's own loss, should it be a mean per microbatch
+            check_token_mean_loss(self)  # a plain Trainer's loss that no microbatch weight makes exact
         self.add_callback(ODCCallback(self))

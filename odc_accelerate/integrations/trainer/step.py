@@ -7,6 +7,10 @@
 * ``accelerator.gather_for_metrics`` / ``gather`` / ``reduce`` calls made during the microbatches (TRL makes several
   per microbatch) are answered locally and recorded; one all-reduce at the step boundary produces the global values
   (`metrics.reduce_step_metrics`, `_odc_finalize_metrics`).
+* A loss that is a mean over its microbatch (a plain Trainer's ``compute_loss`` that the Trainer divides by the
+  accumulation steps, `plain.weights_batch_mean_loss`) is weighted by ``rows x W / rows of the step``
+  (`odc_accelerate.loss.batch_mean_weight`; the rows of the step are counted in the same all-reduce): the mean over
+  the step's rows, what plain FSDP2 gives for a per-row loss whatever the microbatches.
 * A `ZeroWeightMicrobatch` (an empty ``lockstep`` slot under plain FSDP2, see `data.StepCollator`) runs its forward
   and backward with its loss scaled by 0, which keeps FSDP2's per-layer collectives paired across ranks; it adds
   nothing to the gradient, the step's loss, its count of loss items, input tokens or metrics.
@@ -25,9 +29,11 @@ import torch
 
 from ..._compat import accelerate as accelerate_compat
 from ..._compat import transformers as tcompat
-from .data import ZeroWeightMicrobatch, merge_for_counting
+from ...loss import batch_mean_weight
+from .data import ZeroWeightMicrobatch, merge_for_counting, microbatch_rows
 from .dynamic import ClaimedStep, ClaimQueue
 from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
+from .plain import step_items, weights_batch_mean_loss
 
 __all__ = ["ODCStepLoop"]
 
@@ -55,10 +61,12 @@ class ODCStepLoop:
             return self._odc_claimed_step(batch_samples, device, start)
         microbatches = [mb for item in batch_samples for mb in item]
         real = _weighted(microbatches)
-        counts = torch.tensor([self._odc_num_items(real)], dtype=torch.float64, device=device)
+        rows = sum(microbatch_rows(mb) for mb in real)
+        counts = torch.tensor([self._odc_num_items(real), rows], dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
-            # The one collective of the step before its microbatches: the global count of loss items.
+            # The one collective of the step before its microbatches: the global counts of loss items and rows.
             counts = self.accelerator.reduce(counts, reduction="sum")
+        self._odc_step_rows = int(counts[1])
         self.odc_step_timer.start(self.model, self.odc_engine, real, start)
         self.odc_step_timer.add_work(len(microbatches) - len(real), 0)  # zero-weight microbatches: compute only
         num_items = torch.tensor(int(counts[0]), device=device)
@@ -68,6 +76,7 @@ class ODCStepLoop:
         """Start a step of the ``dynamic`` plan: the global count of loss items before the first claim."""
         queue = ClaimQueue([mb for item in items for mb in item.microbatches], rows=items[0].rows)
         step = ClaimedStep(queue, self._odc_load_microbatch)
+        self._odc_step_rows = sum(len(mb) for mb in queue.microbatches)  # the step's samples, known to every rank
         count = self._odc_queue_items(step)
         if count is None:
             # Each rank counts a 1/W share of the queue (collated now, kept for its own later claims); one all-reduce.
@@ -143,14 +152,20 @@ class ODCStepLoop:
                     self._odc_count_claimed(mb)
                 # dynamic: whether a microbatch was the rank's last is known only at its next claim (see `dynamic`)
                 sync = dynamic or sync_each_batch or i == len(inputs) - 1
+                items = step_items(self, mb, num_items_in_batch)
+                weight = 0.0 if zero_weight else 1.0
+                if not zero_weight and weights_batch_mean_loss(self, items):
+                    weight = batch_mean_weight(
+                        microbatch_rows(mb), self._odc_step_rows, self.accelerator.num_processes
+                    )
                 with (
                     contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
-                    _zero_weight(self.accelerator) if zero_weight else contextlib.nullcontext(),
+                    _scaled_backward(self.accelerator, weight) if weight != 1.0 else contextlib.nullcontext(),
                     self.odc_step_timer.compute(self.args.device),
                 ):
-                    loss = super().training_step(model, mb, num_items_in_batch)
+                    loss = super().training_step(model, mb, items)
                 if not zero_weight:
-                    total += loss
+                    total += loss * weight
         finally:
             self._odc_looping = False
             (  # type: ignore[method-assign]
@@ -214,17 +229,23 @@ def _weighted(microbatches: list[Any]) -> list[Any]:
     return [mb for mb in microbatches if not isinstance(mb, ZeroWeightMicrobatch)]
 
 
+def _zero_weight(accelerator: Any) -> contextlib.AbstractContextManager:
+    """Within the block ``accelerator.backward`` scales the loss by 0 first: a gradient of exact zeros, through the
+    same forward and backward collectives."""
+    return _scaled_backward(accelerator, 0.0)
+
+
 @contextlib.contextmanager
-def _zero_weight(accelerator: Any) -> Iterator[None]:
-    """Within the block ``accelerator.backward`` scales the loss by 0 first, whatever computed it (the Trainer's step
-    hands every loss to it): a gradient of exact zeros, through the same forward and backward collectives."""
+def _scaled_backward(accelerator: Any, weight: float) -> Iterator[None]:
+    """Within the block ``accelerator.backward`` scales the loss by ``weight`` first, whatever computed it (the
+    Trainer's step hands every loss to it)."""
     own = "backward" in vars(accelerator)
     backward = accelerator.backward
 
-    def zero_weight_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-        return backward(loss * 0.0, **kwargs)
+    def weighted_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        return backward(loss * weight, **kwargs)
 
-    accelerator.backward = zero_weight_backward
+    accelerator.backward = weighted_backward
     try:
         yield
     finally:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..._compat.trl.grpo import GRPO_LOSS_NORMALISATION
+from ...loss import batch_mean_weight
 
 __all__ = ["dpo_loss_weight", "grpo_loss_weight", "reward_loss_weight", "rloo_loss_weight"]
 
 
 def dpo_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
     """DPO averages over the pairs of a microbatch: ``pairs x W / pairs of the whole step``."""
-    return pairs * world_size / float(total_pairs)
+    return batch_mean_weight(pairs, total_pairs, world_size)
 
 
 def reward_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
@@ -29,7 +30,7 @@ def reward_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float
 def rloo_loss_weight(rows: int, total_rows: int, world_size: int) -> float:
     """RLOO averages its per-sequence loss over the sequences of a microbatch (and TRL divides it by the gradient
     accumulation steps, one under an ODC plan): ``rows x W / sequences of the whole step``."""
-    return rows * world_size / float(max(total_rows, 1))
+    return batch_mean_weight(rows, total_rows, world_size)
 
 
 def grpo_loss_weight(

@@ -11,6 +11,7 @@ from ..._compat.trl import lm_head as trl_lm_head
 from ..._compat.trl import sft as trl_sft
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
+from ..trainer.plain import check_average_tokens
 from .metrics import finalize_sft_metrics
 
 __all__ = ["ODCSFTTrainer"]
@@ -36,6 +37,13 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
                 stack.enter_context(trl_sft.sft_padding_free_with_max_length(self, training_args))
             super().__init__(*args, **kwargs)
         trl_sft.check_sft(self)
+
+    def _odc_check_settings(self, config: Any) -> None:
+        super()._odc_check_settings(config)
+        if config.balanced:
+            # TRL's loss divides by num_items_in_batch (the step's label tokens over all ranks under a plan) and
+            # multiplies by the number of processes only with the flag on.
+            check_average_tokens(self, "SFTTrainer's loss")
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         finalize_sft_metrics(self, metrics)
