@@ -152,6 +152,10 @@ def test_trainer_step_with_sync_each_batch_follows_the_set_up_decision_not_this_
     from odc_accelerate.integrations.trainer.step import ODCStepLoop
 
     class Trainer:  # what the loop's super().training_step reaches: one microbatch's loss
+        loss_is_scaled_for_ga = True  # normalised by the step's loss items: the loop weights nothing
+        model_accepts_loss_kwargs = True
+        compute_loss_func = None
+
         def training_step(self, model, inputs, num_items_in_batch=None):
             return torch.ones(())
 
