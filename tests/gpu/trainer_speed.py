@@ -24,9 +24,9 @@ never checked: the checks are that every run finished and logged its measured st
 On CPU (the dry run) the same arms run once each, whatever the time left (the budget is then only each run's timeout),
 on a tiny model of the same family (2 layers, hidden 112, 14 heads, 2 KV heads, tied embeddings) for 3 steps (warm-up,
 measured, profiled) of 4 samples of at most 64 tokens: that tests this driver, not speed. Its work is fixed by steps and
-samples, so a loaded machine makes it slower, not shorter: the model keeps Qwen's 151,936-token vocabulary (the
-tokenizer's ids), and the vocabulary-wide head and log-probabilities are most of a step's time on CPU, in proportion to
-its tokens (8 samples of 256 tokens: 7 s a step per rank of ``odc2``).
+samples, so a loaded machine makes it slower, not shorter. The model keeps Qwen's 151,936-token vocabulary (the
+tokenizer's ids): its head's log-probabilities and gradient, over the whole vocabulary in every microbatch, are most of
+a CPU step, so the step has few microbatches (one sample each) of few tokens.
 """
 
 from __future__ import annotations
