@@ -21,8 +21,12 @@ run and of the reference's, are kept. Writes ``DIR/trainer_speed.json`` after ev
 (``ODC_GPU_COMMIT``, else git), settings, every run's steps, the medians and the ratios. Figures are printed and stored,
 never checked: the checks are that every run finished and logged its measured steps.
 
-On CPU (the dry run) the same arms run once each on a tiny model of the same family (2 layers, hidden 112, 14 heads, 2
-KV heads, tied embeddings) for a few steps: that tests this driver, not speed.
+On CPU (the dry run) the same arms run once each, whatever the time left (the budget is then only each run's timeout),
+on a tiny model of the same family (2 layers, hidden 112, 14 heads, 2 KV heads, tied embeddings) for 3 steps (warm-up,
+measured, profiled) of 4 samples of at most 64 tokens: that tests this driver, not speed. Its work is fixed by steps and
+samples, so a loaded machine makes it slower, not shorter. The model keeps Qwen's 151,936-token vocabulary (the
+tokenizer's ids): its head's log-probabilities and gradient, over the whole vocabulary in every microbatch, are most of
+a CPU step, so the step has few microbatches (one sample each) of few tokens.
 """
 
 from __future__ import annotations
@@ -53,8 +57,16 @@ TINY = dict(hidden_size=112, intermediate_size=608, num_hidden_layers=2, num_att
 SETTINGS = {
     # samples per optimizer step, truncation, token budget of a microbatch, warm-up / measured steps, most repeats
     "cuda": dict(samples_per_step=32, max_length=4096, budget=4096, warmup=2, measured=6, repeats=3),
+    # on CPU a fixed amount of work: one run per arm, whatever the time left (``fixed_runs``), each of few tokens
     "cpu": dict(
-        samples_per_step=8, max_length=256, budget=256, warmup=1, measured=1, repeats=1, args=["--use_cpu", "true"]
+        samples_per_step=4,
+        max_length=64,
+        budget=64,
+        warmup=1,
+        measured=1,
+        repeats=1,
+        fixed_runs=True,
+        args=["--use_cpu", "true"],
     ),
 }
 
@@ -246,8 +258,10 @@ def case_speed(device: str, work: Path, out: Path, logs: list[str], budget_s: fl
         ran = False
         for pair in PAIRS:
             left = budget - (time.monotonic() - start)
-            # the first round runs every arm; later rounds a pair whose runs fit in what is left
-            if (repeat and left < 1.2 * pair_s.get(pair, 0.0)) or left < 20:
+            # the first round runs every arm; later rounds a pair whose runs fit in what is left. With fixed runs (CPU)
+            # every arm runs whatever is left: the budget is each run's timeout, the session's cap the safety net.
+            fits = not (repeat and left < 1.2 * pair_s.get(pair, 0.0)) and left >= 20
+            if not (fits or settings.get("fixed_runs")):
                 continue
             began = time.monotonic()
             for arm in pair:

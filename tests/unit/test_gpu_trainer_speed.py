@@ -69,3 +69,59 @@ def test_arms_interleave_and_pairs_repeat_while_their_runs_fit(monkeypatch, tmp_
     assert order == ["odc2", "limit2", "odc1", "limit1", "odc2", "limit2"]
     assert out["repeats_run"] == {"odc2": 2, "limit2": 2, "odc1": 1, "limit1": 1}
     assert all(out["checks"].values()) and (tmp_path / "trainer_speed.json").exists()
+
+
+def _fake_schedule(monkeypatch, run_s: float) -> list[str]:
+    """`case_speed` with every run taking ``run_s`` of a fake clock; the arms in the order they ran."""
+    from tests.gpu import trainer_speed
+
+    clock = [0.0]
+    order: list[str] = []
+
+    def run_arm(arm, device, settings, model, run_dir, timeout, logs):
+        order.append(arm)
+        clock[0] += run_s
+        transport = "CudaTransport" if device == "cuda" else "ShmTransport"
+        transports = [transport] * int(arm[-1]) if arm.startswith("odc") else None
+        return {"arm": arm, "ok": True, "step_s": 1.0, "processes": [], "transports": transports}
+
+    monkeypatch.setattr(trainer_speed, "run_arm", run_arm)
+    monkeypatch.setattr(trainer_speed, "build_model", lambda device, path: {"parameters": 1})
+    monkeypatch.setattr(trainer_speed, "machine", lambda device: {"device": device})
+    monkeypatch.setattr(trainer_speed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    return order
+
+
+def test_the_cpu_dry_run_runs_every_arm_once_whatever_the_time_left(monkeypatch, tmp_path):
+    # a loaded machine: each run takes 100 s against a 30 s budget; on CPU the runs are fixed, so every arm still
+    # runs, once (on a GPU the 1-rank pair would be left out when the time is gone)
+    from tests.gpu import trainer_speed
+
+    order = _fake_schedule(monkeypatch, run_s=100.0)
+    out = trainer_speed.case_speed("cpu", tmp_path, tmp_path, [], budget_s=30)
+    assert order == list(trainer_speed.ARMS)
+    assert out["repeats_run"] == dict.fromkeys(trainer_speed.ARMS, 1) and all(out["checks"].values())
+    # the same clock on a GPU: the budget decides
+    order.clear()
+    out = trainer_speed.case_speed("cuda", tmp_path, tmp_path, [], budget_s=30)
+    assert order == ["odc2", "limit2"] and not all(out["checks"].values())
+
+
+def test_the_cpu_dry_runs_are_three_steps_of_few_tokens(tmp_path):
+    # the tiny model keeps the tokenizer's 151,936-token vocabulary: a CPU step's time goes with its microbatches (the
+    # head's work over the whole vocabulary) and its tokens; a sample is at most one microbatch
+    from tests.gpu import trainer_speed
+
+    settings = trainer_speed.SETTINGS["cpu"]
+    for arm in trainer_speed.ARMS:
+        (tmp_path / arm).mkdir()  # an ODC run's accelerate config is written there
+        jobs = trainer_speed._jobs(arm, "cpu", settings, tmp_path / "model", tmp_path / arm)
+        assert len(jobs) == (2 if arm == "limit2" else 1)
+        for _, cmd, env in jobs:
+            args = [str(c) for c in cmd]
+            steps, samples, length = (int(args[args.index(name) + 1]) for name in
+                                      ("--max_steps", "--odc_samples_per_step", "--max_length"))  # fmt: skip
+            # warm-up, measured and the profiled step
+            assert steps == 3 and env["ODC_BENCH_PROFILE_STEP"] == "3"
+            assert samples <= 4 and samples * length <= 256, args
+            assert "--use_cpu" in args
