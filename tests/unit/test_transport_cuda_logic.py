@@ -459,6 +459,8 @@ def test_the_plugin_passes_the_reduction_only_where_it_was_given(monkeypatch):
     class Accelerator:  # the plugin keeps engines by accelerator, weakly
         def __init__(self, plugin):
             self.state = SimpleNamespace(fsdp_plugin=plugin)
+            self.gradient_state = SimpleNamespace(plugin_kwargs={})  # no sync_each_batch
+            self.is_main_process = False  # no banner
 
     class Engine:
         param_groups: list = []
