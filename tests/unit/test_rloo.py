@@ -328,7 +328,7 @@ def _trl_one_process(monkeypatch, beta, normalize):
     logps = OLD_LONG.clone().requires_grad_(True)  # the policy as at generation: every ratio is 1
     trainer = _planned_trainer(0, 1, logps, ODCConfig(enable=False), beta, normalize)
     batch = trl_grpo.generate_and_score_completions(trainer, [{"prompt": "p"}] * 16)
-    RLOOTrainer._compute_loss(trainer, trainer.model, batch).backward()
+    RLOOTrainer.compute_loss(trainer, trainer.model, batch).backward()
     return batch["advantages"], logps.grad
 
 
@@ -432,7 +432,7 @@ def test_an_empty_lockstep_slot_gives_a_finite_loss_and_exact_zero_gradients(mon
     logps = OLD_LONG.clone().requires_grad_(True)
     trainer = _planned_trainer(rank, 2, logps, config, 0.05, False)
     trainer._odc_looping, trainer._odc_totals = True, (16, 0.0)
-    raw = RLOOTrainer._compute_loss(trainer, trainer.model, filler.batch)
+    raw = RLOOTrainer.compute_loss(trainer, trainer.model, filler.batch)
     assert torch.isfinite(raw)
     loss = trainer.compute_loss(trainer.model, filler.batch)
     (loss * 0.0).backward()
