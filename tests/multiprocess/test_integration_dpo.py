@@ -328,7 +328,8 @@ def test_peft_run_saves_an_adapter_that_loads_with_peft(runs, tiny_model, kind):
 
 BAD_CONFIGS = {  # id: (arguments, what the error says)
     "sync-ref-model": (["--sync_ref_model", "true"], "sync_ref_model=True is not supported with ODC"),
-    "sft-loss": (["--loss_type", "sft"], "loss_type 'sft' averages its NLL"),
+    # a loss that sorts within the microbatch, beside one ODC serves (the unit tests cover 'sft' and 'aot_unpaired')
+    "aot-loss": (["--loss_type", "sigmoid", "aot"], "loss_type 'aot' sorts the policy's and the reference's"),
     "budget-too-small": (
         ["--max_length", "64", "--odc_max_tokens_per_microbatch", "40"],
         "smaller than the longest pair",

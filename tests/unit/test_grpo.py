@@ -356,3 +356,43 @@ def test_generation_without_peer_sync_reaches_generate_through_a_wrapper(monkeyp
     with pytest.raises(CompatError, match=r"GenerationMixin\.generate\(synced_gpus=\.\.\.\)"):
         with generation_without_peer_sync(model, sync=False, around=contextlib.nullcontext):
             pass
+
+
+@pytest.mark.parametrize("odc", [False, True], ids=["plain_fsdp2", "odc"])
+def test_an_empty_lockstep_slot_is_a_zero_weight_copy_of_a_real_completion(monkeypatch, odc):
+    """Plain FSDP2 runs an empty slot of the lockstep plan as a `ZeroWeightMicrobatch` of one of the rank's completions,
+    unchanged (its mask, advantage and log-probs: TRL's loss on it is finite, and the step loop scales it by 0); ODC
+    needs no filler."""
+    import accelerate.utils
+
+    from odc_accelerate.integrations.trainer.data import ZeroWeightMicrobatch
+    from odc_accelerate.integrations.trl.grpo import ODCGRPOTrainer
+    from odc_accelerate.planning import StreamingStepPlanner
+
+    batch = _trl_batch()
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda rows: rows)  # this batch is the step's, gathered
+    monkeypatch.setattr(StreamingStepPlanner, "plan", lambda self, lengths: [[[0, 1], []], [[2], [0]]])
+    trainer = object.__new__(ODCGRPOTrainer)
+    trainer.__dict__.update(
+        use_vllm=False,
+        accelerator=SimpleNamespace(
+            num_processes=2, process_index=0, device=torch.device("cpu"), unwrap_model=lambda m: m
+        ),
+        model=SimpleNamespace(),
+        args=SimpleNamespace(per_device_train_batch_size=2),
+        max_completion_length=4,
+        odc_config=ODCConfig(enable=odc, plan="lockstep", max_tokens_per_microbatch=64),
+        odc_step_timer=SimpleNamespace(add_work=lambda *a: None),
+        _tokenizer=SimpleNamespace(pad_token_id=PAD),
+    )
+    microbatches = ODCGRPOTrainer._odc_plan(trainer, batch)
+    assert microbatches[0]["odc_rows"] == 2 and not isinstance(microbatches[0], ZeroWeightMicrobatch)
+    if odc:
+        assert len(microbatches) == 1
+        return
+    filler = microbatches[1]
+    assert isinstance(filler, ZeroWeightMicrobatch) and filler.batch["odc_rows"] == 0
+    own = collate_rollouts(split_rollouts(batch)[1:2], PAD, "cpu")  # the rank's last completion of the step
+    for key, value in own.items():
+        assert torch.equal(filler.batch[key], value), key
+    assert filler.batch["completion_mask"].sum() == 4 and float(filler.batch["advantages"]) == -1.0

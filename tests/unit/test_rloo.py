@@ -14,10 +14,11 @@ from odc_accelerate._compat.trl import classes as trl_classes
 from odc_accelerate._compat.trl import grpo as trl_grpo
 from odc_accelerate._compat.trl import rloo as trl_rloo
 from odc_accelerate.config import ODCConfig
+from odc_accelerate.integrations.trainer.data import ZeroWeightMicrobatch
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics
 from odc_accelerate.integrations.trl.loss import rloo_loss_weight
 from odc_accelerate.integrations.trl.metrics import finalize_rloo_metrics
-from odc_accelerate.integrations.trl.rloo import RLOO_KEYS, check_rloo_args
+from odc_accelerate.integrations.trl.rloo import RLOO_KEYS, ODCRLOOTrainer, check_rloo_args
 from odc_accelerate.integrations.trl.rollouts import collate_rollouts, split_rollouts
 
 BALANCED = ODCConfig(enable=True, plan="free")
@@ -233,3 +234,206 @@ def test_advantages_are_trls_whichever_rank_holds_each_group(monkeypatch, beta, 
     for world in (2, 4, 8):
         split = torch.cat([_trl_advantages(monkeypatch, beta, normalize, r, world) for r in range(world)])
         assert torch.equal(split, one), world
+
+
+# ------------------------------------------------- advantages and loss weights through ODC's split, plan and collation
+# Distinct completions (identified by their first token, 100 + row) after prompts of 1-4 tokens, so that the plan
+# regroups them; per-token log-probs whose sums overflow exp() (old_logps near -127), as long completions' do.
+OLD_LONG = OLD - 40.0
+REF_LONG = OLD_LONG + torch.linspace(-0.3, 0.2, 16 * 3).reshape(16, 3)
+
+
+class _PlannedRLOO(ODCRLOOTrainer):
+    """ODC's RLOO trainer with generation, rewards and log-probs fixed: TRL's generation batch, ODC's split, plan and
+    collation, and TRL's loss (``_compute_loss``) on each planned microbatch are the trainers' own."""
+
+    def _generate(self, prompts):
+        rows = self.rows.tolist()
+        return [[1] * (1 + r % 4) for r in rows], [[100 + r, 200 + r, 5] for r in rows], ["abc" for _ in rows]
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        return REWARDS[:, None].clone()  # TRL returns every rank's rewards (gathered)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        if not kw.get("compute_entropy"):  # at generation: the policy's and the reference's, fixed
+            return (OLD_LONG if model is self.model else REF_LONG)[self.rows], None, None
+        rows = input_ids[:, -logits_to_keep] - 100  # the loss: the trained log-probs of these completions
+        return self.logps[rows], torch.zeros(len(rows), logits_to_keep), None
+
+
+def _planned_trainer(rank: int, world: int, logps: torch.Tensor, config: ODCConfig, beta: float, normalize: bool):
+    trainer = object.__new__(_PlannedRLOO)
+    rows = torch.arange(16).reshape(world, -1)[rank]
+    accelerator = SimpleNamespace(
+        device=torch.device("cpu"),
+        process_index=rank,
+        num_processes=world,
+        reduce=lambda t, reduction="sum": t,
+        gather=lambda t: t,
+        unwrap_model=lambda m: m,
+        is_main_process=rank == 0,
+    )
+    args = SimpleNamespace(
+        per_device_train_batch_size=len(rows),
+        gradient_checkpointing_kwargs=None,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+    )
+    trainer.__dict__.update(
+        rows=rows,
+        logps=logps,
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        ref_model=object(),
+        accelerator=accelerator,
+        args=args,
+        beta=beta,
+        normalize_advantages=normalize,
+        num_generations=G,
+        pad_to_multiple_of=None,
+        mask_truncated_completions=False,
+        eos_token_ids=[5],
+        reward_weights=torch.ones(1),
+        reward_clip_range=None,
+        reward_func_names=["fixed"],
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        aux_loss_enabled=False,
+        max_completion_length=3,
+        odc_config=config,
+        odc_step_timer=SimpleNamespace(add_work=lambda *a: None),
+        _odc_looping=False,
+        _odc_totals=(0, 0.0),
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        _metrics={"train": defaultdict(list)},
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": defaultdict(list),
+            "advantages": [],
+            "extra": defaultdict(list),
+        },
+        _pending_extra_logs={},
+        _pending_metrics={},
+    )
+    return trainer
+
+
+def _trl_one_process(monkeypatch, beta, normalize):
+    """TRL's RLOO on one process, the 16 completions in one microbatch: each completion's advantage, and the gradient
+    of its loss with respect to the trained per-token log-probs (its weight x advantage)."""
+    from trl.trainer import rloo_trainer
+
+    monkeypatch.setattr(rloo_trainer, "gather", lambda t: t)
+    monkeypatch.setattr(rloo_trainer, "gather_object", lambda x: list(x))
+    logps = OLD_LONG.clone().requires_grad_(True)  # the policy as at generation: every ratio is 1
+    trainer = _planned_trainer(0, 1, logps, ODCConfig(enable=False), beta, normalize)
+    batch = trl_grpo.generate_and_score_completions(trainer, [{"prompt": "p"}] * 16)
+    RLOOTrainer.compute_loss(trainer, trainer.model, batch).backward()
+    return batch["advantages"], logps.grad
+
+
+def _with_an_empty_slot(monkeypatch):
+    """The lockstep plan with rank 0's last slot emptied (its samples moved into its previous microbatch): what the
+    plan gives a rank when a step has fewer microbatches than slots (16 completions on 2 ranks rarely do)."""
+    from odc_accelerate.planning import StreamingStepPlanner
+
+    plan = StreamingStepPlanner.plan
+
+    def emptied(self, lengths):
+        out = plan(self, lengths)
+        out[0][-2] = out[0][-2] + out[0][-1]
+        out[0][-1] = []
+        return out
+
+    monkeypatch.setattr(StreamingStepPlanner, "plan", emptied)
+
+
+def _odc_two_ranks(monkeypatch, beta, normalize, config):
+    """What each of 2 ranks computes under ODC: TRL's generation batch on the rank (its advantages over the gathered
+    rewards), ODC's split, the gathered rows, the plan and this rank's collated microbatches, and the weighted loss of
+    each; the backward of their sum over ranks / 2 (FSDP2's average). Returns per completion (by its row) the advantage
+    it was trained with and how many times it was trained, the gradient, and the ranks' microbatches."""
+    import accelerate.utils
+    from trl.trainer import rloo_trainer
+
+    from odc_accelerate.integrations.trl.online import ODCOnlineTrainerMixin
+
+    kl_all = (OLD_LONG - REF_LONG).sum(-1)
+    monkeypatch.setattr(rloo_trainer, "gather", lambda t: kl_all.clone() if t.shape == (8,) else t)
+    monkeypatch.setattr(rloo_trainer, "gather_object", lambda x: list(x))
+    logps = OLD_LONG.clone().requires_grad_(True)
+    trainers = [_planned_trainer(rank, 2, logps, config, beta, normalize) for rank in (0, 1)]
+    batches = [t._odc_generate([{"prompt": "p"}] * 8) for t in trainers]
+    split = [split_rollouts(b, (), RLOO_KEYS) for b in batches]
+    # accelerate's gather_object, as the ranks see it: every rank's rows, rank 0's first
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda rows: split[0] + split[1])
+    advantages, seen, total, planned = {}, torch.zeros(16, dtype=torch.long), 0.0, []
+    for trainer, batch in zip(trainers, batches, strict=True):
+        microbatches = ODCOnlineTrainerMixin._odc_plan(trainer, batch)
+        planned.append(microbatches)
+        trainer._odc_looping = True
+        for mb in microbatches:
+            zero = isinstance(mb, ZeroWeightMicrobatch)
+            inputs = mb.batch if zero else mb
+            loss = trainer.compute_loss(trainer.model, inputs, num_items_in_batch=batch.get("num_items_in_batch"))
+            total = total + (loss * 0.0 if zero else loss) / 2  # the step loop's zero-weight backward; FSDP2's mean
+            if not zero and int(inputs["odc_rows"]) > 0:
+                for row, adv in zip(_rows(inputs), inputs["advantages"], strict=True):
+                    advantages[row] = adv
+                    seen[row] += 1
+    total.backward()
+    return advantages, seen, logps.grad, planned
+
+
+@pytest.mark.parametrize(
+    ("config", "empty_slot"),
+    [
+        (ODCConfig(enable=False, plan="lockstep", max_tokens_per_microbatch=12), True),  # plain FSDP2, a filler
+        (ODCConfig(enable=True, plan="free", max_tokens_per_microbatch=12), False),
+    ],
+)
+@pytest.mark.parametrize(("beta", "normalize"), [(0.05, False), (0.0, True)])
+def test_advantages_and_loss_weights_through_odcs_plan_on_two_ranks_are_trls_on_one(
+    monkeypatch, config, empty_slot, beta, normalize
+):
+    expected_advantages, expected_grad = _trl_one_process(monkeypatch, beta, normalize)
+    assert expected_advantages.abs().sum() > 0 and torch.isfinite(expected_grad).all()
+    if empty_slot:
+        _with_an_empty_slot(monkeypatch)
+    advantages, seen, grad, planned = _odc_two_ranks(monkeypatch, beta, normalize, config)
+    # weight x advantage per completion token: the step's gradient is TRL's one-process gradient, finite
+    assert torch.isfinite(grad).all()
+    assert torch.allclose(grad, expected_grad, rtol=1e-6, atol=0.0), (grad - expected_grad).abs().max()
+    assert seen.tolist() == [1] * 16  # every completion trained once, on one rank
+    for row in range(16):
+        assert torch.equal(advantages[row], expected_advantages[row]), row
+    sizes = [[len(_rows(mb)) for mb in p] for p in planned]
+    assert sorted(n for p in sizes for n in p) != [8, 8], sizes  # the plan regrouped the step's completions
+    fillers = [mb for p in planned for mb in p if isinstance(mb, ZeroWeightMicrobatch)]
+    assert len(fillers) == int(empty_slot) and (not empty_slot or isinstance(planned[0][-1], ZeroWeightMicrobatch))
+
+
+def _rows(mb) -> list[int]:
+    return ((mb.batch if isinstance(mb, ZeroWeightMicrobatch) else mb)["completion_ids"][:, 0] - 100).tolist()
+
+
+def test_an_empty_lockstep_slot_gives_a_finite_loss_and_exact_zero_gradients(monkeypatch):
+    """The filler of an empty slot alone: its loss through TRL's ``_compute_loss`` and ODC's weight is finite, and its
+    zero-weight backward adds exact zeros (a masked-out filler with old_logps near -127 gave NaN)."""
+    config = ODCConfig(enable=False, plan="lockstep", max_tokens_per_microbatch=12)
+    _with_an_empty_slot(monkeypatch)
+    *_, planned = _odc_two_ranks(monkeypatch, 0.05, False, config)
+    assert planned[0][-1].batch["completion_mask"].sum() > 0  # a real completion: one of the rank's own
+    assert _rows(planned[0][-1]) == _rows(planned[0][-2])[-1:]
+
+    fillers = [(rank, mb) for rank, p in enumerate(planned) for mb in p if isinstance(mb, ZeroWeightMicrobatch)]
+    assert len(fillers) == 1
+    rank, filler = fillers[0]
+    logps = OLD_LONG.clone().requires_grad_(True)
+    trainer = _planned_trainer(rank, 2, logps, config, 0.05, False)
+    trainer._odc_looping, trainer._odc_totals = True, (16, 0.0)
+    raw = RLOOTrainer.compute_loss(trainer, trainer.model, filler.batch)
+    assert torch.isfinite(raw)
+    loss = trainer.compute_loss(trainer.model, filler.batch)
+    (loss * 0.0).backward()
+    assert torch.equal(logps.grad, torch.zeros_like(logps))

@@ -140,14 +140,13 @@ def reduce_step_metrics(
     differ, so the step's metrics stay local.
 
     Raises:
-        RuntimeError: a microbatch made more than ``slots`` gathers.
+        RuntimeError: a microbatch of any rank made more than ``slots`` gathers, on every rank after the exchange (a
+            rank that raised before it would leave the others waiting in the gather).
     """
     packet = _Packet(slots)
     ran = deferred.calls + deferred.zero_weight_calls
     width = max((len(c) for c in ran), default=0)
-    if width > slots:
-        raise RuntimeError(f"ODC defers at most {slots} metric gathers per microbatch, got {width}.")
-    uneven = any(len(c) != width for c in ran)
+    uneven = any(len(c) != width for c in ran) or width > slots  # over: nothing recorded, only the width sent
     local = torch.zeros(packet.size, dtype=torch.float64)
     packet.field(local, "mins")[:] = float("nan")
     packet.field(local, "maxs")[:] = float("nan")
@@ -170,6 +169,15 @@ def reduce_step_metrics(
     if gather is not None:
         rows = gather(rows)
     rows = rows.reshape(-1, packet.size).cpu()
+    widths = rows[:, packet.index("width")]
+    if float(widths.max()) > slots:
+        over = [rank for rank, w in enumerate(widths.tolist()) if w > slots]
+        raise RuntimeError(
+            f"ODC defers at most {slots} metric gathers per microbatch, but a microbatch made {int(widths.max())} (on "
+            f"rank {', '.join(map(str, over))}): a trainer that gathers that many values per microbatch (its "
+            "compute_loss's accelerator.gather / gather_for_metrics / reduce calls) cannot run under a plan. Gather "
+            "fewer per microbatch, or run without --odc / --odc_plan."
+        )
     total = rows.sum(dim=0)
     width_sum = float(total[packet.index("width")])
     width_sq = float(total[packet.index("width_sq")])

@@ -41,6 +41,9 @@ What the mixin changes, and why:
   does not return ODC's step loader (`plain`); a mixture-of-experts router's auxiliary loss
   (TRL's ``router_aux_loss_coef``, on by default for such models), a function of which samples share a microbatch
   (`setup.check_router_aux_loss`).
+* **Trainers served.** ``transformers.Trainer`` and TRL's SFT, DPO, GRPO, RLOO and reward trainers through the ODC
+  classes (and subclasses of them); the mixin on any other TRL trainer (KTO, ORPO, CPO, online DPO, ...) is refused by
+  name at construction (`odc_accelerate.integrations.trl.unsupported.check_mixin_trainer`).
 * **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
   sampler is deterministic (seed, epoch, step) and a stream is read in its own order, so skipping the trained steps
   resumes the exact data order.
@@ -53,6 +56,7 @@ from typing import Any
 from ..._compat import datasets as dcompat
 from ..._compat import transformers as tcompat
 from ..accelerate import enable
+from ..trl.unsupported import check_mixin_trainer
 from .callback import ODCCallback
 from .loaders import ODCStepLoaders
 from .plain import check_token_mean_loss
@@ -81,6 +85,8 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Every rank, any launch, before any work: a TRL trainer ODC does not serve, by name.
+        check_mixin_trainer(type(self), ODCTrainerMixin)
         enable()
         tcompat.check()
         dcompat.check()

@@ -20,7 +20,35 @@ from .reference import ODCReferenceModelMixin, check_reference_settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ODCDPOTrainer"]
+__all__ = ["BATCH_COUPLED_LOSS_TYPES", "PER_PAIR_LOSS_TYPES", "ODCDPOTrainer", "check_dpo_loss_types"]
+
+#: TRL's DPO loss types (``--loss_type``) that are one value per pair, averaged over the microbatch's pairs (WPO's
+#: ``use_weighting`` and LD-DPO's ``ld_alpha`` weigh each pair by its own sequences): exact with `dpo_loss_weight`.
+PER_PAIR_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sigmoid_norm",
+)
+
+#: TRL's DPO loss types whose value for a pair depends on the other pairs of its microbatch, so that no weight makes
+#: them exact once the plan regroups the step's pairs -> why (refused under a plan, `check_dpo_loss_types`).
+BATCH_COUPLED_LOSS_TYPES = {
+    "sft": "averages its NLL over the chosen tokens of each microbatch",
+    "aot": (
+        "sorts the policy's and the reference's chosen-minus-rejected log-ratios within each microbatch and pairs them "
+        "by rank"
+    ),
+    "aot_unpaired": "sorts the chosen and the rejected log-ratios within each microbatch and pairs them by rank",
+}
 
 
 class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
@@ -62,13 +90,7 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
         # Refuse what ODC cannot do exactly before any model is sharded or any log-prob precomputed.
         args, config = self.args, self.odc_config
         check_reference_settings(args, config)
-        loss_types = getattr(args, "loss_type", None) or []
-        if config.balanced and "sft" in ([loss_types] if isinstance(loss_types, str) else list(loss_types)):
-            raise ValueError(
-                "loss_type 'sft' averages its NLL over the chosen tokens of each microbatch, which cannot be made exact "
-                "when ranks run different microbatches. Drop 'sft' from --loss_type (and its --loss_weights entry), or "
-                "run without --odc / --odc_plan."
-            )
+        check_dpo_loss_types(args, config)
 
     # ------------------------------------------------------------------ planning
     def _odc_lengths(self, dataset: Any) -> Any:
@@ -126,6 +148,25 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
             )
             return
         finalize_dpo_metrics(self, metrics)
+
+
+def check_dpo_loss_types(args: Any, config: Any) -> None:
+    """Refuse, under a plan, the loss types of `BATCH_COUPLED_LOSS_TYPES` in ``args.loss_type``.
+
+    Raises:
+        ValueError: naming the first such loss type, why, and what to change.
+    """
+    if not config.balanced:
+        return
+    loss_types = getattr(args, "loss_type", None) or []
+    for loss_type in [loss_types] if isinstance(loss_types, str) else list(loss_types):
+        why = BATCH_COUPLED_LOSS_TYPES.get(loss_type)
+        if why is not None:
+            raise ValueError(
+                f"loss_type {loss_type!r} {why}, so its value depends on which pairs share a microbatch: that cannot "
+                "be made exact when the plan groups the step's pairs into microbatches of its own. Drop "
+                f"{loss_type!r} from --loss_type (and its --loss_weights entry), or run without --odc / --odc_plan."
+            )
 
 
 def _shared_on_disk(dataset: Any, args: Any, name: str) -> Any:

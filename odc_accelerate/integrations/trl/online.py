@@ -35,6 +35,7 @@ from ..._compat import transformers as tcompat
 from ..._compat.trl import grpo as trl_grpo
 from ..accelerate import call_before_end_training
 from ..trainer.budget import BudgetRule
+from ..trainer.data import ZeroWeightMicrobatch
 from ..trainer.dynamic import ClaimedStep, ClaimQueue
 from .rollouts import GRPO_KEYS, RolloutKeys, collate_rollouts, loss_tokens, split_rollouts
 
@@ -260,21 +261,25 @@ class ODCOnlineTrainerMixin:
                 return mb
 
             return ClaimedStep(ClaimQueue(claim_queue(plan), rows=True), load)
-        microbatches = []
+        microbatches: list[Any] = []
         tokens = 0
-        for indices in plan[self.accelerator.process_index]:
+        mine = plan[self.accelerator.process_index]
+        for indices in mine:
             if indices:
                 mb = collate(indices)
                 mb["odc_rows"] = len(indices)
                 tokens += int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
-            else:
-                # An empty slot of the lockstep plan still runs a forward and backward (plain FSDP2's collectives
-                # need every rank): a completion with nothing to learn from, and a weight of 0.
-                mb = collate([0])
-                mb["completion_mask"] = torch.zeros_like(mb["completion_mask"])
-                mb["advantages"] = torch.zeros_like(mb["advantages"])
+                microbatches.append(mb)
+            elif not self.odc_config.enable:
+                # An empty slot of the lockstep plan under plain FSDP2 still runs a forward and backward (its
+                # collectives pair every rank's microbatches): a zero-weight microbatch (`ZeroWeightMicrobatch`, as
+                # SFT's) of a real completion, unchanged, so that TRL's loss on it is finite (a masked-out filler
+                # kept old_logps: exp(0 - old_logps) overflowed and inf x 0 wrote NaN into every gradient); the step
+                # loop scales it by 0 and leaves it out of the loss and the metrics. ODC needs no filler.
+                filler = next((ix[-1:] for ix in reversed(mine) if ix), [0])
+                mb = collate(filler)
                 mb["odc_rows"] = 0
-            microbatches.append(mb)
+                microbatches.append(ZeroWeightMicrobatch(mb))
         self.odc_step_timer.add_work(len(microbatches), tokens)
         return microbatches
 
