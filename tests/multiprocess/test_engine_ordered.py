@@ -24,10 +24,32 @@ def _configs():
         dict(name="shm/both/slowed", transport="shm", memory_policy="both", slow_seed=12),
         dict(name="network", transport="network", slow_seed=13),
         dict(name="cuda-on-cpu", transport="cuda-on-cpu", slow_seed=14),
+        # the streams of a GPU, faked on CPU: which events the engine records and waits for around its local adds
+        dict(name="shm/neither/streams", transport="shm", fake_streams=True),
         # positive control for the counted atomic paths, after the ordered run: the atomic reduction goes through them
         dict(name="atomic", transport="cuda-on-cpu", reduction="atomic"),
     ]
     return configs
+
+
+def check_stream_order(log: list[tuple]) -> None:
+    """The engine's own events order its local adds (on the reduce-scatter stream) before every read of a
+    contribution, and after the previous step's zeroing (on the default stream): ``FakeStreams``' log."""
+    latest_add, synchronized, zeroed, waited = None, set(), None, True
+    adds = waits = 0
+    for what, *rest in log:
+        if what == "record" and rest[0] == "reduce-scatter":
+            assert waited, f"an add before its stream waited for the zeroing (event {zeroed}): {log}"
+            latest_add, adds = rest[1], adds + 1
+        elif what == "synchronize":
+            synchronized.add(rest[1])
+        elif what == "read":
+            assert latest_add is None or latest_add in synchronized, f"{rest[0]} read before this rank's adds: {log}"
+        elif what == "record" and rest[0] == "default":
+            zeroed, waited = rest[1], False
+        elif what == "wait" and rest[0] == "reduce-scatter" and rest[1] == zeroed:
+            waited, waits = True, waits + 1
+    assert adds > 0 and waits > 0 and synchronized, log
 
 
 def test_ordered_matches_one_process_and_repeats_bit_for_bit_on_every_transport_and_policy():
@@ -62,6 +84,7 @@ def test_ordered_matches_one_process_and_repeats_bit_for_bit_on_every_transport_
         assert res["cuda-on-cpu"]["transport"] == "cuda-on-cpu"
         assert set(res["cuda-on-cpu"]["atomic_calls"].values()) == {0}, res["cuda-on-cpu"]["atomic_calls"]
         assert res["atomic"]["atomic_calls"]["CudaTransport.accumulate"] > 0, res["atomic"]["atomic_calls"]
+        check_stream_order(res["shm/neither/streams"]["stream_log"])
 
 
 # ranks 0-1 are host 0, ranks 2-3 host 1

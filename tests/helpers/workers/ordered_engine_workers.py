@@ -39,7 +39,28 @@ def _slow_down(rng: random.Random | None) -> None:
         time.sleep(rng.uniform(0.01, 0.08))
 
 
-def _train(model: torch.nn.Module, engine: ODCEngine, steps: list, rank: int, world_size: int, slow) -> list[dict]:
+def _fake_streams(engine: ODCEngine) -> Any:
+    """Give ``engine`` the streams a GPU would have (`FakeStreams`, on CPU) and log its reads of contributions in
+    the same log, so that the order of adds, waits and reads can be checked."""
+    from odc_accelerate.engine.streams import LocalAddFence
+    from tests.helpers.infra.fake_streams import FakeStreams
+
+    streams = FakeStreams()
+    engine._fence = LocalAddFence(streams)
+    read = engine.transport.read
+
+    def logged_read(peer: int, name: str, out: torch.Tensor) -> None:
+        if "/to" in name:
+            streams.mark("read", name)
+        read(peer, name, out)
+
+    engine.transport.read = logged_read
+    return streams
+
+
+def _train(
+    model: torch.nn.Module, engine: ODCEngine, steps: list, rank: int, world_size: int, slow, streams: Any = None
+) -> list[dict]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     kept = []
     for step in steps:
@@ -49,7 +70,11 @@ def _train(model: torch.nn.Module, engine: ODCEngine, steps: list, rank: int, wo
         for ids in step[rank]:
             _slow_down(slow)
             loss, _ = token_loss_sum(model, ids)
+            if streams is not None:
+                streams.current = "reduce-scatter"  # where FSDP2 runs the reduce-scatter hook on a GPU
             (loss * scale).backward()
+            if streams is not None:
+                streams.current = "default"
         _slow_down(slow)
         engine.pre_optimizer_step(optim)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -84,7 +109,8 @@ def ordered_engine_runs(rank: int, world_size: int, spec: dict[str, Any]) -> dic
             counter = _AtomicCounter()  # after set-up: counts every accumulate from here on
         seed = config.get("slow_seed")
         slow = random.Random(seed) if seed is not None and rank == spec.get("slow_rank", 0) else None
-        kept = _train(model, engine, steps, rank, world_size, slow)
+        streams = _fake_streams(engine) if config.get("fake_streams") else None
+        kept = _train(model, engine, steps, rank, world_size, slow, streams)
         stats = engine.last_step_stats
         out[config["name"]] = {
             "params": full_params(model),
@@ -95,6 +121,7 @@ def ordered_engine_runs(rank: int, world_size: int, spec: dict[str, Any]) -> dic
             "buffers": sorted(engine._buffers),
             "stats": {k: getattr(stats, k) for k in ("bytes_read", "exchange_s", "scatters", "kept_grads")},
             "atomic_calls": dict(counter.calls) if counter is not None else None,
+            "stream_log": streams.log if streams is not None else None,
         }
         engine.close()
         dist.barrier()
