@@ -89,6 +89,9 @@ _FusedMoEMethodBase = _import(f"{_FUSED_MOE}.fused_moe_method_base", "FusedMoEMe
 _UnquantizedFusedMoEMethod = _import(f"{_FUSED_MOE}.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod")
 _UnquantizedMoeBackend = _import(f"{_FUSED_MOE}.oracle.unquantized", "UnquantizedMoeBackend")
 
+_parallel_state = _import("vllm.distributed", "parallel_state")
+_InprocClient = _import("vllm.v1.engine.core_client", "InprocClient")
+
 #: The unquantized MoE backends whose experts' set-up vLLM must repeat on an in-place reload, and does not.
 #: ``UnquantizedFusedMoEMethod._setup_kernel`` (vllm 0.32: ``fused_moe/unquantized_fused_moe_method.py:187``) takes
 #: any call after the first load for a weight update and skips ``moe_kernel.fused_experts.process_weights_after_loading``
@@ -100,8 +103,6 @@ _UnquantizedMoeBackend = _import(f"{_FUSED_MOE}.oracle.unquantized", "Unquantize
 #: default on H100/H200; FlashInfer, whose layout conversion ``_setup_kernel`` re-runs on every call) have no such step
 #: by the source; not run on a GPU here, and left alone there (CUDA graphs may hold their kernels).
 MOE_BACKENDS_SET_UP_AGAIN = ("CPU",)
-_parallel_state = _import("vllm.distributed", "parallel_state")
-_InprocClient = _import("vllm.v1.engine.core_client", "InprocClient")
 
 
 def _check_private_functions() -> None:
