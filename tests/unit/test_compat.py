@@ -1,5 +1,6 @@
 """The compat scaffold (`odc_accelerate._compat`): messages, signature checks, idempotent patches."""
 
+import enum
 import functools
 import json
 import subprocess
@@ -165,6 +166,15 @@ def _stand_in_vllm(monkeypatch, version, *, runner=True):
         def shutdown(self):
             raise AssertionError("never called")
 
+    class FusedMoEMethodBase:
+        pass
+
+    class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+        def _setup_kernel(self, layer, w13, w2):
+            raise AssertionError("never called")
+
+        _init_moe_kernel = process_weights_after_loading = _setup_kernel
+
     def module(name, **attrs):
         mod = types.ModuleType(name)
         mod.__dict__.update(attrs)
@@ -178,6 +188,10 @@ def _stand_in_vllm(monkeypatch, version, *, runner=True):
     module("vllm.distributed", parallel_state=parallel_state)
     module("vllm.v1.engine.core_client", InprocClient=InprocClient)
     module("vllm.v1.worker.gpu_model_runner", **({"GPUModelRunner": GPUModelRunner} if runner else {}))
+    fused_moe = "vllm.model_executor.layers.fused_moe"
+    module(f"{fused_moe}.fused_moe_method_base", FusedMoEMethodBase=FusedMoEMethodBase)
+    module(f"{fused_moe}.unquantized_fused_moe_method", UnquantizedFusedMoEMethod=UnquantizedFusedMoEMethod)
+    module(f"{fused_moe}.oracle.unquantized", UnquantizedMoeBackend=enum.Enum("UnquantizedMoeBackend", ["CPU"]))
     monkeypatch.delitem(sys.modules, "odc_accelerate._compat.vllm", raising=False)  # imported afresh, and forgotten
     monkeypatch.setattr(_compat, "vllm", None, raising=False)  # after the test, with the package's attribute
 

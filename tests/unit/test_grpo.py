@@ -281,25 +281,21 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
     assert recorded["step_time"] == [5.0, 0.75]
 
 
-@pytest.mark.parametrize("refused", ["server", "tensor_parallel", "moe", "dora"])
+@pytest.mark.parametrize("refused", ["server", "tensor_parallel", "dora"])
 def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     """The real trainer stops in its set-up, before TRL would create an engine: here vLLM is not even installed. A
-    mixture-of-experts model and a PEFT adapter the weight sync cannot merge are refused there too, by name."""
+    PEFT adapter the weight sync cannot merge is refused there too, by name."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from odc_accelerate.data import load_offline_tokenizer, offline_vocab_size
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
-    from odc_accelerate.testing.models import tiny_causal_lm_config
 
     sizes = dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
-    if refused == "moe":
-        model = AutoModelForCausalLM.from_config(tiny_causal_lm_config("moe", hidden_size=16))
-    else:
-        model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=offline_vocab_size(), **sizes))
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=offline_vocab_size(), **sizes))
     args = ODCGRPOConfig(
         output_dir=str(tmp_path),
         odc=True,
@@ -313,7 +309,6 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     error, match = {
         "server": (ValueError, "vllm_mode='server' is not supported with ODC"),
         "tensor_parallel": (ValueError, "vllm_tensor_parallel_size=2"),
-        "moe": (NotImplementedError, "Qwen3MoeForCausalLM is a mixture-of-experts model"),
         "dora": (NotImplementedError, "q_proj uses DoRA"),
     }[refused]
     peft_config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True) if refused == "dora" else None

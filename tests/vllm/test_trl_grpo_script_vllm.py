@@ -1,12 +1,14 @@
 """TRL's own, unmodified ``trl/scripts/grpo.py`` with ``--use_vllm true --vllm_mode colocate`` trains with ODC under
 ``odc-accelerate launch --config_file`` a file written by ``odc-accelerate config --cpu --default``: 2 CPU processes,
 a local model folder holding a tied model (a tiny Llama 3.2-shaped model: ``lm_head.weight`` is the input
-embedding), a local JSON-lines dataset of the offline prompts, a reward function given as a dotted import path, 2
-steps. The script runs through `tests/helpers/loops/run_example.py`, which adds the vLLM checks from outside
+embedding) in one run and a mixture-of-experts model (a tiny Qwen3-MoE, 4 experts, 2 per token, its router's
+auxiliary loss off with ``--router_aux_loss_coef 0``) in the other, a local JSON-lines dataset of the offline prompts,
+a reward function given as a dotted import path, 2 steps. The script runs through `tests/helpers/loops/run_example.py`, which adds the vLLM checks from outside
 (``ODC_TEST_VLLM_CHECK=1``: `tests/helpers/loops/vllm_trainer_check.py`): each rank's engine is refreshed by ODC's per-rank
 sync (counted: one per step and rank, none of TRL's), with no torch.distributed call in any sync or generation, and
 after every sync its log-probabilities of every position of the check prompts equal the trained model's (the tied LM
-head included)."""
+head included; for the MoE model, the experts as vLLM's CPU backend lays them out after ODC's sync had it set them up
+again: `odc_accelerate._compat.vllm.MOE_BACKENDS_SET_UP_AGAIN`)."""
 
 from __future__ import annotations
 
@@ -29,16 +31,20 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def trl_grpo(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tied", "moe"])
+def trl_grpo(request, tmp_path_factory):
     import trl
+    from safetensors import safe_open
 
     from odc_accelerate.data import load_offline_tokenizer, offline_grpo_dataset
     from odc_accelerate.testing.models import save_tiny_causal_lm
 
-    root = tmp_path_factory.mktemp("trl_grpo_vllm")
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"trl_grpo_vllm_{kind}")
     model_dir, data_dir, out = root / "model", root / "data", root / "out"
-    save_tiny_causal_lm("tied", model_dir, seed=0, hidden_size=256)  # head_dim 64: vLLM's CPU attention needs it
+    save_tiny_causal_lm(kind, model_dir, seed=0, hidden_size=256)  # head_dim 64: vLLM's CPU attention needs it
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        checkpoint_tensors = len(list(f.keys()))
     tokenizer = load_offline_tokenizer()
     tokenizer.save_pretrained(model_dir)
     data_dir.mkdir()
@@ -59,12 +65,14 @@ def trl_grpo(tmp_path_factory):
         "--max_completion_length", "16", "--learning_rate", "1e-3", "--bf16", "false", "--dtype", "float32",
         "--report_to", "none", "--output_dir", out,
     ]  # fmt: skip
+    if kind == "moe":
+        args += ["--router_aux_loss_coef", "0"]  # the router's auxiliary loss is not what this run checks
     proc = run(
         [*CLI, "launch", "--config_file", cfg, "--main_process_port", "0", RUN_EXAMPLE, script, *args],
         env=base_env(ODC_TEST_VLLM_CHECK="1", ODC_COUNT_DIST_CALLS="1", **ENV),
         timeout=900,
     )
-    return {"proc": proc, "out": out, "shm_before": shm_before}
+    return {"kind": kind, "proc": proc, "out": out, "shm_before": shm_before, "checkpoint_tensors": checkpoint_tensors}
 
 
 def test_trls_own_grpo_script_generates_with_vllm_and_trains_with_odc(trl_grpo):
@@ -82,19 +90,27 @@ def test_trls_own_grpo_script_generates_with_vllm_and_trains_with_odc(trl_grpo):
     assert shm_leftovers() - trl_grpo["shm_before"] == set()
 
 
-def test_odcs_per_rank_sync_refreshed_each_engine_to_the_trained_tied_model(trl_grpo):
+def test_odcs_per_rank_sync_refreshed_each_engine_to_the_trained_model(trl_grpo):
     check_ok(trl_grpo["proc"])
+    tied, moe = trl_grpo["kind"] == "tied", trl_grpo["kind"] == "moe"
     ranks = reports(trl_grpo["out"], "vllm_check_rank")
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         where = f"rank {r['rank']}"
+        print(
+            f"{trl_grpo['kind']} {where}: |logprob diff| after each sync "
+            f"{[c['logprob_max_diff'] for c in r['checks']]}, stale engine {[c['stale_logprob_max_diff'] for c in r['checks']]}"
+        )
         # ODC's sync ran once per step on each rank (TRL's own sync is replaced: it would gather with collectives)
         assert len(r["syncs"]) == 2 and len(r["checks"]) == 2, where
         assert r["sync_dist_calls"] == [{}] * 2 and r["generation_dist_calls"] == [{}] * 2, where
         for s in r["syncs"]:
-            # the model's 20 tensors (2 layers of 9, the embedding, the final norm), the tied one also under the LM
-            # head's name (a layer of its own in vLLM, loaded only under that name); all of vLLM's loaded
-            assert s["parameters"] == 21 and s["loaded"] > 0, s
+            # the checkpoint's tensors (the tied model's 20: 2 layers of 9, the embedding, the final norm; the MoE
+            # model's experts one tensor per expert and projection), the tied one also under the LM head's name (a
+            # layer of its own in vLLM, loaded only under that name); all of vLLM's loaded
+            assert s["parameters"] == trl_grpo["checkpoint_tensors"] + tied and s["loaded"] > 0, s
+            # vLLM's CPU backend set up both MoE layers' experts again at each sync (none in the tied model)
+            assert s["moe_layers_set_up"] == (2 if moe else 0), s
         for c in r["checks"]:
             assert c["logprob_max_diff"] < LOGPROB_TOLERANCE, f"{where}: {c}"
         assert r["checks"][1]["stale_logprob_max_diff"] > 10 * LOGPROB_TOLERANCE, f"{where}: {r['checks'][1]}"
