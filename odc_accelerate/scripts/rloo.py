@@ -11,7 +11,7 @@ recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``, ``--odc_tim
 Without ``--model_name_or_path`` it trains the GRPO script's offline model (a small Qwen2 built from a config with
 Qwen's tokenizer: the ``demo`` extra), saved first to ``OUTPUT_DIR/initial_model`` since TRL builds RLOO's reference
 model (``beta`` 0.05 by default) and vLLM's engines from the policy's path; without ``--dataset_name`` /
-``--datasets`` on the GRPO script's offline prompts and rewards (`odc_accelerate.data.offline_grpo_dataset`). RLOOTrainer
+``--datasets`` on the GRPO script's offline prompts and rewards (`odc_accelerate.demo.offline_grpo_dataset`). RLOOTrainer
 has no ``rollout_func``: TRL generates every completion itself (a random model rarely samples EOS, so most run to
 ``max_completion_length``).
 
@@ -85,7 +85,7 @@ def main(
     from accelerate.logging import get_logger
     from trl import get_peft_config, get_quantization_config
 
-    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
+    from odc_accelerate.demo import ascii_text_reward, continuation_overlap_reward
 
     logger = get_logger(__name__)
     reward_funcs = load_reward_funcs(script_args)
@@ -105,7 +105,7 @@ def main(
             _save_for_vllm(model, processing_class, training_args, logger)
 
     def offline():
-        from odc_accelerate.data import offline_grpo_dataset
+        from odc_accelerate.demo import offline_grpo_dataset
 
         logger.info("No --dataset_name: offline default (prompts from pydoc_data help topics).")
         return offline_grpo_dataset(tokenizer=processing_class)

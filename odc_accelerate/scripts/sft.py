@@ -59,7 +59,7 @@ def main(
         (model,), processing_class = offline_models(training_args, model_args)
 
     def offline():
-        from odc_accelerate.data import offline_sft_dataset
+        from odc_accelerate.demo import offline_sft_dataset
 
         logger.info("No --dataset_name: offline default (pydoc_data help topics, long-tailed lengths).")
         return offline_sft_dataset()
