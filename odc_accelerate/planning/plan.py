@@ -1,16 +1,9 @@
 """The step planner: split one optimizer step's samples over ranks and microbatches with balanced cost.
 
-Pure functions over numpy arrays (no torch, no torch.distributed), so every rank can compute the same global plan
-from the same inputs without talking to the others. Two plans, after how a step's cost adds up:
-
-- ``"free"`` (`odc_accelerate.planning.free`): with On-Demand Communication ranks never wait for each other inside a
-  step, so a step costs the largest per-rank total. Ranks may run different numbers of microbatches.
-- ``"lockstep"`` (`odc_accelerate.planning.lockstep`): plain FSDP2 synchronises every rank at every layer of every
-  microbatch, so a step costs the sum over microbatch slots of the slot's costliest microbatch. Every rank runs the
-  same number of microbatches.
-- ``"dynamic"`` (`odc_accelerate.planning.dynamic`): one queue of the step's microbatches, costliest first; ranks
-  claim from it while the step runs (needs ODC). As a `Plan` the queue is dealt round-robin over the ranks.
-"""
+Pure functions over numpy arrays (no torch, no torch.distributed), so every rank computes the same global plan from
+the same inputs. Three plans: ``"free"`` (`.free`: a step costs the largest per-rank total, ranks may run different
+numbers of microbatches), ``"lockstep"`` (`.lockstep`: plain FSDP2's cost, the sum over slots of each slot's costliest
+microbatch) and ``"dynamic"`` (`.dynamic`: one queue claimed while the step runs). See docs/planning.md."""
 
 from __future__ import annotations
 
