@@ -2,7 +2,8 @@
 
 ODC needs ``register``, one-sided ``read`` and ``accumulate``, and ``barrier``, none of which may require the peer's
 training thread to take part; the ``dynamic`` plan may also use ``claim`` (`odc_accelerate.transport.claims`). Every
-wait honours ``timeout`` and names a dead or missing peer in :class:`ODCTimeoutError`. See docs/transports.md."""
+wait honours ``timeout`` and names a dead or missing peer in :class:`ODCTimeoutError`. See docs/transports.md.
+"""
 
 from __future__ import annotations
 

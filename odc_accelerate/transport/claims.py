@@ -4,7 +4,8 @@ A free rank claims the next unclaimed microbatch of the step's list (the same on
 fetch-and-add and runs it; past the end of the list it goes to the barrier. Claims make no ``torch.distributed`` call.
 The counter lives in the transport (``shm``/``cuda``: rank 0's header; ``network``/``hierarchical``: rank 0's service),
 else in the ``torch.distributed`` store (`StoreClaimCounter`). A rank that dies after claiming is named at the next
-barrier: the step is lost, never silently short. See docs/planning.md."""
+barrier: the step is lost, never silently short. See docs/planning.md.
+"""
 
 from __future__ import annotations
 

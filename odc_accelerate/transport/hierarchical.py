@@ -3,7 +3,8 @@
 Ranks are grouped by :func:`host_id` (``ODC_HOST_ID``, else host name and boot id). A ``ShmTransport`` over each host's
 ranks holds their buffers; a ``NetworkTransport`` over all ranks serves the same buffers to other hosts and gives the
 one barrier and ``claim``. Adds into a buffer take a per-buffer thread lock, then the shm record lock (record locks
-belong to a process, not a thread). See docs/transports.md, "Protocol details"."""
+belong to a process, not a thread). See docs/transports.md, "Protocol details".
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 No rank adds into another's memory: each rank adds its microbatches' contributions for owner ``o`` into its own buffer
 ``"<group>/to<o>"`` (`add_contribution`); after a barrier each owner reads every rank's buffer in rank order and sums
 them (`sum_in_rank_order`: the same bits whatever order the ranks finished in); after a second barrier each rank zeroes
-its buffers (`zero_contributions`). Why pull, and the memory it takes: docs/reduction.md."""
+its buffers (`zero_contributions`). Why pull, and the memory it takes: docs/reduction.md.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Each rank owns a segment file in ``/dev/shm`` (a control header, then its buffer
 every peer's segment. ``read`` copies out of the mapping, ``accumulate`` adds in place under a POSIX record lock,
 ``barrier`` polls the peers' counters and checks they are alive. The file names exist only during ``register``
 (:func:`cleanup_stale_segments` removes those of a rank killed there). File lifetime, locking and store ordering:
-docs/transports.md, "Shared-memory files" and "Protocol details"."""
+docs/transports.md, "Shared-memory files" and "Protocol details".
+"""
 
 from __future__ import annotations
 

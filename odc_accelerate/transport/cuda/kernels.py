@@ -4,7 +4,8 @@
 dtype and added with system-scope atomics, staging nothing. Triton is imported on first use; `kernel_available` says
 without compiling whether the kernel can run, `probe` compiles and launches it once at set-up; the transport falls back
 to ``index_add_`` where either says no. CPU tensors run it under ``TRITON_INTERPRET=1`` (tests). Launch parameters
-(`BLOCK`, `NUM_WARPS`, the ``sm_share`` grid cap) and their measurements: docs/transports.md, "The accumulate kernel"."""
+(`BLOCK`, `NUM_WARPS`, the ``sm_share`` grid cap) and their measurements: docs/transports.md, "The accumulate kernel".
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
 device, so the unit tests exercise it on CPU; :mod:`.device` supplies the GPU facts, :mod:`.transport` the
 symmetric-memory segment and the streams. The two add paths (the Triton kernel, or ``index_add_`` through a staging
-pool of fixed size) and the memory they take: docs/transports.md, "`cuda`"."""
+pool of fixed size) and the memory they take: docs/transports.md, "`cuda`".
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ copy on the caller's stream, ``accumulate`` an atomic add into the owner's accum
 ``index_add_`` through a staging pool where Triton cannot run on some rank). Control plane: a small ``ShmTransport``
 (barrier, dead-peer detection, ``claim``) and a :mod:`.watchdog` over the set-up steps that have no timeout. The ranks
 exchange device facts and refuse together before allocating. Design, memory, refusals and what ran on a GPU:
-docs/transports.md ("`cuda`") and docs/gpu.md."""
+docs/transports.md ("`cuda`") and docs/gpu.md.
+"""
 
 from __future__ import annotations
 

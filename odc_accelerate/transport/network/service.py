@@ -3,7 +3,8 @@
 A listening socket and one handler thread per peer: reads are served from the owner's buffer, adds applied in chunks
 under a per-buffer lock, each connection's messages in order (so a barrier arrival stands for every add sent before
 it). Peers' hellos, arrivals, goodbyes and reported failures go into `PeerStatus`; rank 0's service also answers
-``claim``. See docs/transports.md, "Protocol details"."""
+``claim``. See docs/transports.md, "Protocol details".
+"""
 
 from __future__ import annotations
 

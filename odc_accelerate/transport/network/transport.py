@@ -4,7 +4,8 @@ This is the training thread's side, `NetworkTransport`: one persistent ``TCP_NOD
 bytes sent without copies, fire-and-forget adds (ordered per connection, so one barrier per step is enough), ``claim``
 served by rank 0, and a barrier that names a peer whose connection closed without a goodbye. ``register`` is its only
 ``torch.distributed`` call (addresses and a job id). Protocol, address choice and wire format: docs/transports.md,
-"Protocol details"."""
+"Protocol details".
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Wire format of the network transport: one fixed header per message, and the socket helpers both sides use.
 
 Every message starts with `HEADER` (operation, buffer index, two 64-bit fields ``a`` and ``b``); the table of
-operations is in docs/transports.md, "Protocol details"."""
+operations is in docs/transports.md, "Protocol details".
+"""
 
 from __future__ import annotations
 
