@@ -3,7 +3,8 @@
 An unmodified accelerate loop trains with ODC as it is: accelerate's own optimizer step drives the engine
 (`drive_steps`). A loop may also call the engine itself (`get_engine`): ``engine.pre_optimizer_step(optimizer)`` before
 clipping and ``optimizer.step()``, ``engine.post_optimizer_step()`` after; the full loop is in docs/integrations.md
-("accelerate: `ODCPlugin`") and docs/design.md ("Using the engine directly")."""
+("accelerate: `ODCPlugin`") and docs/design.md ("Using the engine directly").
+"""
 
 from __future__ import annotations
 

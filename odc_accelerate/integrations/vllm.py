@@ -4,7 +4,8 @@
 peer shard) and yields each parameter under its Hugging Face name; `sync_vllm_weights` feeds them to vLLM's in-place
 reload, so each rank refreshes its own engine and waits for no peer. One engine per rank, in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``tensor_parallel_size=1``); vLLM's internals are in
-`odc_accelerate._compat.vllm`. Usage and facts about vLLM beside a torch.distributed job: docs/vllm.md."""
+`odc_accelerate._compat.vllm`. Usage and facts about vLLM beside a torch.distributed job: docs/vllm.md.
+"""
 
 from __future__ import annotations
 

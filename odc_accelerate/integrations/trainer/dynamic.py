@@ -5,7 +5,8 @@ loop claims the next index (`ODCEngine.claim_microbatches`) when the rank is fre
 backward, then loads and collates only that microbatch (`ClaimedStep`). The step's loss items are counted before the
 first claim (from the queue, or a ``1/W`` share collated per rank and one all-reduce). A rank learns that a microbatch
 was its last only at its next claim, so the engine's memory policy decides what syncing after each one means. See
-docs/planning.md ("dynamic")."""
+docs/planning.md ("dynamic").
+"""
 
 from __future__ import annotations
 

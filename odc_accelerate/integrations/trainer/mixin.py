@@ -3,7 +3,8 @@
 The mixin builds the `ODCPlugin`, makes one dataloader item this rank's whole optimizer step (the Trainer runs with
 ``gradient_accumulation_steps=1`` and ``training_step`` loops the microbatches), makes the loss exact over the global
 batch, answers metric gathers locally and reduces them once per step, logs the ``odc/*`` metrics, and refuses what a
-plan cannot serve. What it changes and why: docs/integrations.md, "The transformers `Trainer`: `ODCTrainerMixin`"."""
+plan cannot serve. What it changes and why: docs/integrations.md, "The transformers `Trainer`: `ODCTrainerMixin`".
+"""
 
 from __future__ import annotations
 

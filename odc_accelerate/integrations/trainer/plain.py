@@ -5,7 +5,8 @@ microbatches a plan makes, and ODC's own training loader.
 normalised by ``num_items_in_batch``, or the Trainer's own per-microbatch mean), `weights_batch_mean_loss` says when a
 per-batch mean is weighted by ``rows x W / rows of the step``, `check_collator` refuses collators that cannot collate
 samples of different lengths, and `check_step_loader` a ``get_train_dataloader`` that does not return ODC's loader.
-The rules, collator by collator: docs/integrations.md, "The plain `transformers.Trainer`: `ODCTrainer`"."""
+The rules, collator by collator: docs/integrations.md, "The plain `transformers.Trainer`: `ODCTrainer`".
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ One all-reduce at the step start counts the step's loss items (and rows) over al
 scaled by `odc_accelerate.loss_scale` (or `odc_accelerate.loss.batch_mean_weight` for a per-batch mean). Metric
 gathers during the microbatches are answered locally and reduced at the step boundary. A `ZeroWeightMicrobatch` (an
 empty ``lockstep`` slot under plain FSDP2) runs with its loss scaled by 0 so FSDP2's collectives stay paired.
-``engine.pre_optimizer_step()`` runs at the end of ``training_step``, before the Trainer's clipping."""
+``engine.pre_optimizer_step()`` runs at the end of ``training_step``, before the Trainer's clipping.
+"""
 
 from __future__ import annotations
 

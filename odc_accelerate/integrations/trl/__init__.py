@@ -4,7 +4,8 @@ friends).
 One module per trainer (`sft`, `dpo`, `grpo`, `reward`, `rloo`) and per shared concern (`config`, `online`,
 `grpo_checks`, `unsupported`, `reference`, `metrics`, `rollouts`, `loss`); TRL's internals are in
 `odc_accelerate._compat.trl`. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
-Usage and what each trainer changes: docs/integrations.md."""
+Usage and what each trainer changes: docs/integrations.md.
+"""
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any

@@ -3,7 +3,8 @@
 Generation makes no collective (`.online.ODCOnlineTrainerMixin`: each rank decodes its own prompts, or refreshes its
 own colocated vLLM engine from the published shards); the step's completions are planned over all ranks like SFT
 samples (``--odc_plan free`` unless ``lockstep`` or ``dynamic``), and each microbatch's loss is weighted for its loss
-type (`.loss.grpo_loss_weight`). See docs/integrations.md, "TRL GRPO"."""
+type (`.loss.grpo_loss_weight`). See docs/integrations.md, "TRL GRPO".
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Generation: transformers' ``generate`` without ``synced_gpus`` over ODC's one-si
 refreshed from the published shards; TRL scores once per step. Training: one optimizer step is one generation batch,
 its completions gathered once and planned like SFT samples, each microbatch's loss weighted by the trainer. A trainer
 puts `ODCOnlineTrainerMixin` first in its bases and supplies ``odc_rollout_keys``, `_odc_init_context`,
-`_odc_check_trainer`, `_odc_check_settings`, `_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md."""
+`_odc_check_trainer`, `_odc_check_settings`, `_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 RLOO generates like GRPO (`.online.ODCOnlineTrainerMixin`). Its advantages are TRL's, computed over the step's global
 batch at generation; each planned microbatch's sequence-level loss is weighted by ``rows x W / completions of the
 step`` (`.loss.rloo_loss_weight`); entropy and clip ratios are reduced once per step
-(`.metrics.finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO"."""
+(`.metrics.finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO".
+"""
 
 from __future__ import annotations
 

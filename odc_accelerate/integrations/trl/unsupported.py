@@ -4,7 +4,8 @@ reasons, and so does `odc_accelerate.ODCTrainerMixin` on a TRL trainer it does n
 `SERVED_TRAINERS` are served through ODC's own classes; `UNSUPPORTED_TRAINERS` holds the known reasons (KTO,
 distillation, ORPO, CPO, online DPO). The check goes by the names of TRL's classes among the trainer's bases, so a
 subclass is refused as well and no TRL module is imported for it. The reasons: docs/integrations.md, "TRL trainers
-ODC refuses"."""
+ODC refuses".
+"""
 
 from __future__ import annotations
 
