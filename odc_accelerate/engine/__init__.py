@@ -1,9 +1,10 @@
 """The ODC engine: FSDP2 with one-sided gathers and scatter-accumulates, synchronised once per optimizer step.
 
-``engine`` (`ODCEngine`, the step lifecycle), ``_setup`` (what its ``__init__`` checks and builds), ``_hooks`` (the FSDP2
-all-gather / reduce-scatter hooks), ``stats``, ``memory`` (the step memory policy), ``model_check``, ``hsdp`` and
+``engine`` (`ODCEngine`, the step lifecycle), ``_setup`` (what its ``__init__`` checks and builds), ``_hooks`` (the
+FSDP2 all-gather / reduce-scatter hooks), ``stats``, ``memory`` (the step memory policy), ``model_check``, ``hsdp`` and
 ``process_exit``. Names are imported lazily: the transports read `odc_accelerate.engine.memory`, and the engine imports
-the transports, so importing this package must not import `ODCEngine`. See docs/design.md, "The engine"."""
+the transports, so importing this package must not import `ODCEngine`. See docs/design.md, "The engine".
+"""
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any

@@ -5,7 +5,8 @@ all-gather hook reads the peers' shards; the reduce-scatter hook adds each owner
 (or, under ``ordered``, into this rank's own contributions) and returns zeros; ``pre_optimizer_step`` meets every rank
 at one barrier and folds the accumulator into ``.grad`` with FSDP2's own post-processing. Between
 ``post_optimizer_step`` and ``pre_optimizer_step`` it makes no torch.distributed call, so ranks may run any number of
-microbatches. One step through the code: docs/design.md."""
+microbatches. One step through the code: docs/design.md.
+"""
 
 from __future__ import annotations
 

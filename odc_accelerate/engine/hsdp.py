@@ -3,7 +3,8 @@
 The shard group runs as on a 1-D mesh; :class:`ReplicaReducer` all-reduces each owner's summed shard across replicas
 once, at ``pre_optimizer_step`` (buckets in flight while earlier ones fold; the "touched" flags ride in the first).
 :func:`check_shard_group_hosts` refuses a shard group that spans hosts; :func:`report_failure` and
-:func:`explain_failure` make every surviving rank's error name a rank that died. See docs/multinode.md."""
+:func:`explain_failure` make every surviving rank's error name a rank that died. See docs/multinode.md.
+"""
 
 from __future__ import annotations
 

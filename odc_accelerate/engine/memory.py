@@ -4,7 +4,8 @@
 there), ``both`` or ``neither``; ``auto`` chooses per rank from its free memory after every optimizer step, and
 ``pattern=choice`` pairs choose per group. Under the ordered reduction the gradient half is ignored. `choose` and
 `apply_choices` run a policy over an engine's groups; its spelling and the memory readings are in
-`odc_accelerate.memory_spec`. See docs/memory.md."""
+`odc_accelerate.memory_spec`. See docs/memory.md.
+"""
 
 from __future__ import annotations
 
