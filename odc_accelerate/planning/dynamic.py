@@ -4,7 +4,8 @@ Every rank builds the same queue and a free rank claims the next microbatch (`od
 cost model's error or a slower device is absorbed while the step runs. The queue keeps at least
 ``min(QUEUE_PER_RANK x ranks, samples)`` microbatches, splitting the costliest (`split_until`). As a `Plan` it is dealt
 round-robin (rank ``r`` holds items ``r, r + W, ...``); `claim_queue` puts it back together. Why, and what was
-measured: docs/planning.md, "The dynamic plan"."""
+measured: docs/planning.md, "The dynamic plan".
+"""
 
 from __future__ import annotations
 

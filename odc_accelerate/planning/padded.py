@@ -1,9 +1,10 @@
 """Step planning for padded collation (TRL's DPO collator, SFT without ``padding_free``, `DataCollatorWithPadding`).
 
-A padded microbatch costs ``sum(rows) * row_cost(width)`` and holds ``sum(rows) * width`` tokens, so every plan sorts the
-samples by width and cuts consecutive runs that fit the budget: ``free`` balances the ranks' padded totals (then a
-local search), ``lockstep`` gives every rank the same number of runs, ``dynamic`` splits runs until the queue is
-long enough and deals it round-robin. See docs/planning.md, "Padded shapes"."""
+A padded microbatch costs ``sum(rows) * row_cost(width)`` and holds ``sum(rows) * width`` tokens, so every plan sorts
+the samples by width and cuts consecutive runs that fit the budget: ``free`` balances the ranks' padded totals (then a
+local search), ``lockstep`` gives every rank the same number of runs, ``dynamic`` splits runs until the queue is long
+enough and deals it round-robin. See docs/planning.md, "Padded shapes".
+"""
 
 from __future__ import annotations
 

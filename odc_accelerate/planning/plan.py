@@ -3,7 +3,8 @@
 Pure functions over numpy arrays (no torch, no torch.distributed), so every rank computes the same global plan from
 the same inputs. Three plans: ``"free"`` (`.free`: a step costs the largest per-rank total, ranks may run different
 numbers of microbatches), ``"lockstep"`` (`.lockstep`: plain FSDP2's cost, the sum over slots of each slot's costliest
-microbatch) and ``"dynamic"`` (`.dynamic`: one queue claimed while the step runs). See docs/planning.md."""
+microbatch) and ``"dynamic"`` (`.dynamic`: one queue claimed while the step runs). See docs/planning.md.
+"""
 
 from __future__ import annotations
 
