@@ -4,7 +4,8 @@
 ``__main__`` (`runpy`), `install` checks its ``--config`` recipe for misspelt ``odc*`` keys, installs ODC's accelerate
 patches, swaps TRL's served configs and trainers and ``transformers.Trainer`` for the ODC classes, and makes
 ``Trainer.train`` stop, naming the class, on a trainer ODC cannot serve. Nothing happens on import. With ``--no-odc``
-only the accelerate patches are installed (plain FSDP2). Step by step: docs/integrations.md, "The command line"."""
+only the accelerate patches are installed (plain FSDP2). Step by step: docs/integrations.md, "The command line".
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """``odc-accelerate config``: write an accelerate config file for FSDP2 + ODC, as ``accelerate config`` does.
 
 Each setting comes from its flag (every ODC option by its config key), else a question with a default, else with
-``--default`` the default. The file is the ``odc_cpu`` or ``odc_gpu`` preset with the answers applied, checked before it
-is written, to accelerate's default config file unless ``--config_file``; an existing file is replaced only with
-``--force``. See docs/configuration.md."""
+``--default`` the default. The file is the ``odc_cpu`` or ``odc_gpu`` preset with the answers applied, checked before
+it is written, to accelerate's default config file unless ``--config_file``; an existing file is replaced only with
+``--force``. See docs/configuration.md.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ accelerate never exports unknown ``fsdp_config`` keys to the workers, so this la
 there, exports them as their ``ODC_*`` variables (values already in the environment win), then runs ``accelerate
 launch``. Every script starts through `odc_accelerate.cli.bootstrap`: with the ODC trainers when the run asks for ODC
 (config file, environment, recipe or ``--odc true``; the script's arguments win), else with ``--no-odc`` (plain
-FSDP2, over gloo on CPU). See docs/integrations.md, "The command line"."""
+FSDP2, over gloo on CPU). See docs/integrations.md, "The command line".
+"""
 
 from __future__ import annotations
 
