@@ -2,14 +2,15 @@
 """Group Relative Policy Optimization with ODC: TRL's ``trl/scripts/grpo.py`` with the ODC trainer and an offline
 default.
 
-Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``, ``--odc_transport``,
-``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
-``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``,
-and ``--offline_rollout``. Without ``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``, and
+``--offline_rollout``. Without ``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no
 network, its completions stopped at real continuation lengths (examples/grpo/README.md).
 
-    odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT"""
+    odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT
+"""
 
 from __future__ import annotations
 

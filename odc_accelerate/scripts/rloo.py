@@ -1,14 +1,15 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/rloo.py (Apache-2.0).
 """REINFORCE Leave-One-Out with ODC: TRL's ``trl/scripts/rloo.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``, ``--odc_transport``,
-``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
-``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``.
-Without ``--model_name_or_path`` and ``--dataset_name`` it trains the GRPO script's offline default, no network, the
-model saved first to ``OUTPUT_DIR/initial_model`` (examples/rloo/README.md).
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
+``--model_name_or_path`` and ``--dataset_name`` it trains the GRPO script's offline default, no network, the model
+saved first to ``OUTPUT_DIR/initial_model`` (examples/rloo/README.md).
 
-    odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT"""
+    odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT
+"""
 
 from __future__ import annotations
 
