@@ -1,5 +1,6 @@
-"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging Face
-causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary."""
+"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging
+Face causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary.
+"""
 
 from __future__ import annotations
 
