@@ -4,7 +4,8 @@ Each option is one field; its metadata names it on every other surface: ``key`` 
 argument and flag, ``odc_transport``) and ``env`` (the variable ``odc-accelerate launch`` exports, ``ODC_TRANSPORT``).
 `ODCConfig.from_sources` resolves one run's options (explicit values, then ``fsdp_config``, then the environment, then
 the defaults); a constructed config is read-only. What a trainer derives at run time lives on
-`~odc_accelerate.integrations.trainer.run.ODCRun`. The options: docs/configuration.md."""
+`~odc_accelerate.integrations.trainer.run.ODCRun`. The options: docs/configuration.md.
+"""
 
 import json
 import os

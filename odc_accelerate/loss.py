@@ -4,7 +4,8 @@ FSDP2 (and ODC) average gradients over ranks, ``grad = (1/W) sum_r g_r``, so a p
 when each microbatch's loss is its summed token loss times ``W / N`` (``N``: label tokens of the whole step on all
 ranks, known from the plan or one all-reduce at step start): every token then weighs ``1/N``, whichever rank or
 microbatch ran it. A per-microbatch mean would weight a token by ``1 / (tokens of its microbatch)``. See
-docs/design.md, "What the engine guarantees"."""
+docs/design.md, "What the engine guarantees".
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Both are driven by `~odc_accelerate.config.ODCConfig` options (``time_collective
 integration, and usable directly in a custom loop. `CollectiveTimer` runs FSDP2's comms synchronously through its
 custom-comm API and, while open (``dist_api=True``), wraps the blocking ``torch.distributed`` functions, counting the
 time blocked. It measures, it does not train: it removes FSDP2's overlap (little on CPU). With ODC the engine owns the
-comms (``fsdp_comms=False``). What is seen and what is not: docs/telemetry.md."""
+comms (``fsdp_comms=False``). What is seen and what is not: docs/telemetry.md.
+"""
 
 from __future__ import annotations
 
