@@ -1,7 +1,7 @@
-"""Offline demo assets for the scripts, examples and tests: Qwen's tokenizer, real long-tailed text, a tiny Qwen2
-config and GRPO prompts, rewards and rollout. Nothing here touches the network; names load on first use (the GRPO
-rollout imports torch and transformers). What each asset is: examples/sft/README.md and examples/grpo/README.md
-("The offline default")."""
+"""Offline demo assets for the scripts, examples and tests: Qwen's tokenizer (`tokenizer`), real long-tailed text
+(`text`), a tiny Qwen2 config (`model`) and GRPO prompts, rewards and rollout (`prompts`, `rewards`, `rollout`).
+Nothing here touches the network; names load on first use (the rollout imports torch and transformers).
+"""
 
 from __future__ import annotations
 

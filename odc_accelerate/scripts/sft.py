@@ -5,7 +5,7 @@ Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerat
 ``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
 ``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
 ``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
-``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no network (examples/sft/README.md).
+``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no network (`odc_accelerate.demo`).
 
     odc-accelerate sft --max_steps 3 --logging_steps 1 --output_dir OUT
     accelerate launch --config_file CONFIG -m odc_accelerate.scripts.sft --odc true ...  # CONFIG: odc-accelerate config
