@@ -1,19 +1,10 @@
 """`ODCConfig`: every ODC option, defined once.
 
-Each option is one field of `ODCConfig`. Its metadata names the same option on every other surface:
-
-* ``key``: the key in an accelerate config file's ``fsdp_config`` (``odc_transport: shm``), which is also the
-  training-argument field and command-line flag of the ODC trainers (``--odc_transport shm``);
-* ``env``: the environment variable (``ODC_TRANSPORT``) that ``odc-accelerate launch`` exports from the config file
-  for the worker processes.
-
-`ODCConfig.from_sources` resolves the options of one run: explicit values (constructor or training arguments) win
-over the ``fsdp_config`` section, which wins over the environment, which wins over the defaults. A constructed config
-is read-only (assigning to it raises `dataclasses.FrozenInstanceError`; `dataclasses.replace` makes a changed copy),
-so the values a run reads are the values it resolved; what a trainer derives from them at run time (samples per step,
-the chosen token budget) lives on its `~odc_accelerate.integrations.trainer.run.ODCRun`. The plugin
-(`~odc_accelerate.integrations.accelerate.ODCPlugin`), the TRL configs (`~odc_accelerate.integrations.trl`), the
-Trainer mixin and the launcher all derive from this class.
+Each option is one field; its metadata names it on every other surface: ``key`` (the ``fsdp_config`` key, training
+argument and flag, ``odc_transport``) and ``env`` (the variable ``odc-accelerate launch`` exports, ``ODC_TRANSPORT``).
+`ODCConfig.from_sources` resolves one run's options (explicit values, then ``fsdp_config``, then the environment, then
+the defaults); a constructed config is read-only. What a trainer derives at run time lives on
+`~odc_accelerate.integrations.trainer.run.ODCRun`. The options: docs/configuration.md.
 """
 
 import json

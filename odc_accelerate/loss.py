@@ -1,14 +1,10 @@
 """Loss scaling for unequal work per rank.
 
-FSDP2 (and ODC, which reproduces it) averages gradients over ranks: ``grad = (1/W) sum_r g_r``.
-With a per-token loss, the gradient we want is that of the mean over every label token of the
-optimizer step, on every rank and microbatch: ``(1/N) sum_{all tokens} nll``. So each microbatch's
-loss must be its SUMMED token loss times ``W / N`` (``N`` = label tokens of the whole step across all
-ranks): the ``1/W`` of the average cancels the ``W`` and what remains is ``1/N`` for every token,
-whichever rank or microbatch it ran in. A per-microbatch mean instead weights a token by
-``1 / (tokens of its microbatch)``, which differs between ranks as soon as work is unequal.
-
-``N`` is known up front from the step plan (or one all-reduce at step start, never per microbatch).
+FSDP2 (and ODC) average gradients over ranks, ``grad = (1/W) sum_r g_r``, so a per-token loss is exact over the step
+when each microbatch's loss is its summed token loss times ``W / N`` (``N``: label tokens of the whole step on all
+ranks, known from the plan or one all-reduce at step start): every token then weighs ``1/N``, whichever rank or
+microbatch ran it. A per-microbatch mean would weight a token by ``1 / (tokens of its microbatch)``. See
+docs/design.md, "What the engine guarantees".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Telemetry a user can switch on: collective timing (`CollectiveTimer`) and per-step traces (`StepTrace`).
 
 Both are driven by `~odc_accelerate.config.ODCConfig` options (``time_collectives``, ``trace_dir``) in the Trainer
-integration, and usable directly in a custom loop.
-
-ODC's engine times its own step-boundary waits (`ODCEngine.last_step_stats`). Plain FSDP2 waits inside its per-layer
-all-gathers and reduce-scatters, which run asynchronously and are waited on deep inside FSDP2; the only public place
-to see them is FSDP2's custom-comm API. `CollectiveTimer` installs, on every FSDP2 module, a wrapper around the comm
-FSDP2 already uses that runs it synchronously (``async_op=False``) and adds the time spent to a counter.
-
-A training step also blocks in collectives outside FSDP2: the Trainer's global token count, TRL's per-microbatch
-``gather_for_metrics``, ODC's once-per-step metric all-reduce. A rank that finished its compute early waits in the
-first of them it reaches, so leaving them out would book idle time as busy. The timer therefore also wraps the
-blocking ``torch.distributed`` API functions (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``, ...) while
-it is open (``dist_api=True``); a call made from inside an FSDP2 comm is counted once. Not seen: functional
-collectives (DTensor's own reductions, e.g. inside ``clip_grad_norm_``), which bypass the Python API, and the wait of
-an ``async_op=True`` call other than FSDP2's (only the call itself is timed).
-
-Measurement, not training: running the collectives synchronously removes FSDP2's overlap of the next layer's
-all-gather with the current layer's compute. On CPU (gloo, one compute thread per rank) there is little such overlap
-to lose, which is why the end-to-end benchmark (``python -m benchmarks.e2e sft``) enables the timer on every
-FSDP2 arm (``--odc_time_collectives``); on GPUs the timed run is slower than an untimed one. With ODC the engine owns
-the comms: use ``fsdp_comms=False`` there to time only the ``torch.distributed`` calls.
+integration, and usable directly in a custom loop. `CollectiveTimer` runs FSDP2's comms synchronously through its
+custom-comm API and, while open (``dist_api=True``), wraps the blocking ``torch.distributed`` functions, counting the
+time blocked. It measures, it does not train: it removes FSDP2's overlap (little on CPU). With ODC the engine owns the
+comms (``fsdp_comms=False``). What is seen and what is not: docs/telemetry.md.
 """
 
 from __future__ import annotations

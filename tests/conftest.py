@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # The offline model's LM head is Qwen's 152k-token vocabulary, most of a CPU step's compute; the suite keeps the first
-# 8,192 BPE ranks (a valid smaller BPE: `odc_accelerate.data.offline_bpe_ranks`), which makes a step ~10x faster. Jobs
+# 8,192 BPE ranks (a valid smaller BPE: `odc_accelerate.demo.offline_bpe_ranks`), which makes a step ~10x faster. Jobs
 # the tests start inherit it. The install tests run the README's main job at the true default; ODC_OFFLINE_BPE_RANKS=151643
 # runs all at full size.
 os.environ.setdefault("ODC_OFFLINE_BPE_RANKS", "8192")

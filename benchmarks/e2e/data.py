@@ -9,7 +9,7 @@ __all__ = ["DATASETS", "reward_pairs"]
 
 
 def reward_pairs(folder: Path) -> Path:
-    """The offline preference pairs (`odc_accelerate.data.offline_dpo_dataset`: long-tailed, a few dozen to over a
+    """The offline preference pairs (`odc_accelerate.demo.offline_dpo_dataset`: long-tailed, a few dozen to over a
     thousand tokens) as JSON lines in ``folder``, each with a ``length`` column: the tokens of its longer side (prompt +
     completion + the EOS TRL appends), as TRL's collator pads both rows of a pair.
 
@@ -18,7 +18,7 @@ def reward_pairs(folder: Path) -> Path:
     false`` so that the Trainer keeps it, the ``fsdp2_rebalance`` arm runs on the same data as the others (TRL's
     collator reads only the token ids). Returns ``folder``.
     """
-    from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_dpo_dataset
 
     tokenizer = load_offline_tokenizer()
     folder.mkdir(parents=True, exist_ok=True)

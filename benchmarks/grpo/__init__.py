@@ -22,7 +22,7 @@ completion stops at its prompt's ``target_length`` (the token length of the pass
   RLOO, TRL's RLOOTrainer on plain FSDP2 (ODC off, ``examples/rloo/configs/fsdp2_cpu.yaml``) and ODCRLOOTrainer on the
   free plan (``odc_cpu.yaml --odc true --odc_plan free``). RLOOTrainer takes no ``rollout_func``, so both run
   `benchmarks.grpo.rloo_train`: the offline RLOO script (``odc_accelerate.scripts.rloo``) whose trainer generates
-  one turn with the GRPO arms' rollout (`odc_accelerate.data.TargetLengthRollout`), the same in both arms: same
+  one turn with the GRPO arms' rollout (`odc_accelerate.demo.TargetLengthRollout`), the same in both arms: same
   prompts, same completion lengths as the GRPO arms. Their ratios are over ``rloo_fsdp2``. RLOO keeps TRL's default
   ``beta`` (0.05: a reference forward per step, in training time), GRPO TRL's 0.0.
 

@@ -4,7 +4,7 @@
         --odc true --max_steps 3 --logging_steps 1 --output_dir OUT
 
 TRL's GRPOTrainer takes a ``rollout_func``, through which the GRPO arms' offline script stops each completion at its
-prompt's real continuation length (`odc_accelerate.data.TargetLengthRollout`); TRL's RLOOTrainer has none, and a
+prompt's real continuation length (`odc_accelerate.demo.TargetLengthRollout`); TRL's RLOOTrainer has none, and a
 random model rarely samples EOS, so the offline RLOO script's completions would all run to ``max_completion_length``.
 This script runs the offline RLOO script (its arguments, model, prompts, rewards and ``main``) with one change, the
 same in both RLOO arms (FSDP2 and ODC): the trainer is `TargetLengthRLOOTrainer`, whose one-turn generation is the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from odc_accelerate.data import TargetLengthRollout
+from odc_accelerate.demo import TargetLengthRollout
 from odc_accelerate.integrations.trl import ODCRLOOTrainer
 
 
@@ -26,7 +26,7 @@ class TargetLengthRLOOTrainer(ODCRLOOTrainer):
     model and stopped at its prompt's ``target_length`` (capped at ``max_completion_length``), as the GRPO arms'.
 
     The training dataset needs the offline ``prompt`` and ``target_length`` columns
-    (`odc_accelerate.data.offline_grpo_dataset`, the offline script's default); vLLM generation is refused.
+    (`odc_accelerate.demo.offline_grpo_dataset`, the offline script's default); vLLM generation is refused.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

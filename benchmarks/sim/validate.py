@@ -112,7 +112,7 @@ def run_validate_e2e(args: argparse.Namespace) -> dict:
         with open(args.model_config) as f:
             config: Any = json.load(f)
     else:
-        from odc_accelerate.data import tiny_qwen2_config
+        from odc_accelerate.demo import tiny_qwen2_config
 
         config = tiny_qwen2_config().to_dict()  # what the examples build offline
     model = ModelSpec.from_config(config, param_bytes=args.param_bytes, grad_bytes=args.param_bytes)

@@ -60,14 +60,14 @@ def load_model_and_tokenizer(script_args: ScriptArguments, seed: int):
             script_args.model_name_or_path, dtype=torch.float32, attn_implementation="sdpa"
         )
         return model, tokenizer
-    from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
+    from odc_accelerate.demo import load_offline_tokenizer, tiny_qwen2_config
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32, attn_implementation="sdpa")
     return model, load_offline_tokenizer()
 
 
 def training_set(tokenizer, script_args: ScriptArguments, training_args: TrainingArguments):
-    from odc_accelerate.data import offline_sft_dataset
+    from odc_accelerate.demo import offline_sft_dataset
 
     raw = offline_sft_dataset()
     block_size = script_args.block_size

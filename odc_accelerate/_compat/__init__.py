@@ -1,22 +1,10 @@
 """The shared scaffold of the compat modules: one checked place per library for the internals odc_accelerate uses.
 
-Every private internal of torch, accelerate, transformers, TRL and vLLM that odc_accelerate reads, calls, overrides
-or patches goes through this package: one module per library (`accelerate`, `transformers`, `datasets`, `vllm`), or
-one package per library laid out by concern (`torch`: ``fsdp``, ``keep``, ``layout``, ``c10d``, ``symm_mem``, ...;
-`trl`: ``sft``, ``dpo``, ``grpo``, ``lm_head``, ``classes``), each imported on its own. They all use the helpers below,
-so that they all fail the same way:
-
-* `TESTED` holds, per library, the versions odc_accelerate was tested with (`TESTED_OPTIONAL` for the libraries of
-  optional extras, which not every environment has); every message derives its version text from them. `untested_warning` says when the installed version is not among them, and `warn_if_untested` logs that
-  once per process and library (pyproject.toml lets newer minor releases install, so an untested version is expected
-  to run; what it must have is checked, not assumed).
-* `require` / `import_attr` fetch an internal or raise `CompatError` naming what is missing, the installed version
-  and the tested ones; `check_signature` does the same for a parameter that a private function must accept by name
-  (internals are called by keyword, so a renamed or reordered parameter fails loudly instead of binding wrongly).
-* `patch_attribute` is the one way to patch: it records the original on the wrapper, wraps an attribute once however
-  often it is called, and `restore_attribute` / `patched_attribute` undo it.
-
-Importing this package (or any of its modules) patches nothing; patches are explicit calls.
+One module per library (`accelerate`, `transformers`, `datasets`, `vllm`) or one package by concern (`torch`, `trl`),
+each imported on its own, all on the helpers here so that they fail the same way: `TESTED` / `TESTED_OPTIONAL` and
+`warn_if_untested`, `require` / `import_attr` / `check_signature` (raise `CompatError` naming what is missing), and
+`patch_attribute`, the one way to patch. Importing this package patches nothing. What each library's module pins:
+docs/versions.md, "What `_compat/` pins, per library".
 """
 
 from __future__ import annotations

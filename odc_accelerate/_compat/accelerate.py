@@ -1,39 +1,10 @@
 """Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
 
 Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
-serve six things:
-
-* **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
-  with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
-  ``ACCELERATE_USE_CPU``, as ``MULTI_CPU`` with the FSDP plugin dropped. The patches of
-  ``PartialState._prepare_backend`` and ``AcceleratorState.__init__`` fix both, and only them: when a process was
-  started by a multi-process launcher (``LOCAL_RANK`` set, ``WORLD_SIZE > 1``), no accelerator device is present and
-  FSDP was requested, the process group is created with gloo and the state becomes ``DistributedType.FSDP`` with the
-  requested plugin on the CPU device. A GPU run never reaches either branch.
-* **Engine creation.** The ODC engine must attach right after accelerate ``fully_shard``-s the model, i.e. after
-  ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``, which ``Accelerator._prepare_fsdp2`` calls through the name it
-  imported into ``accelerate.accelerator``: that name is wrapped to call ``on_prepared``. ``Accelerator.__init__`` is
-  wrapped to build a default FSDP plugin (``default_plugin``) when none is passed.
-* **Step calls of an unmodified loop.** ``Accelerator.clip_grad_norm_`` / ``clip_grad_value_`` and
-  ``accelerate.optimizer.AcceleratedOptimizer.step`` are wrapped to call ``before_clip`` and
-  ``before_optimizer_step`` / ``after_optimizer_step`` (the last two only when the step steps: accelerate's
-  ``sync_gradients``), so that the engine's step calls can follow a plain accelerate loop; the integration reads which
-  optimizers an accelerator prepared (:func:`prepared_optimizers`, ``Accelerator._optimizers``).
-* **Teardown.** ``Accelerator.end_training`` is wrapped to call ``before_end_training`` (closing the engine while the
-  process group exists) and ``after_end_training`` (releasing what still holds the group once it is destroyed).
-* **PEFT models.** ``accelerate.utils.fsdp_utils._find_final_norm`` is wrapped so that the FSDP2 wrapping groups a
-  PEFT model's LM head with its final norm, as accelerate does for plain models (otherwise TRL's fused LM head
-  all-gathers it per microbatch).
-* **Tied embeddings.** Within the wrapped ``fsdp2_prepare_model``, a model whose LM head is its input embedding gets
-  both in one FSDP2 group (accelerate 1.14 left the head to the root: refused by torch 2.13, silently untied before),
-  and the tie is checked afterwards (:func:`_tied_embeddings_in_one_group`).
-
-The command line (``odc-accelerate launch`` / ``config``) reads, without patching, accelerate's ``accelerate launch``
-parser (:func:`launch_parser`: where the training script and its arguments start, ``--module``, ``--no_python``) and
-its config-file helpers (:func:`default_config_file`, :func:`load_config_file`); :func:`check_launch` verifies them at
-the command's start-up.
-
-The tested accelerate versions are ``TESTED["accelerate"]`` in :mod:`odc_accelerate._compat`.
+serve FSDP2 on CPU, the engine's creation after ``fsdp2_prepare_model``, the step calls of an unmodified loop,
+teardown, PEFT models' LM head grouping and tied embeddings; the command line reads ``accelerate launch``'s parser and
+config helpers without patching (:func:`check_launch`). Each patch and why: docs/versions.md, "What `_compat/` pins".
+The tested versions are ``TESTED["accelerate"]`` in :mod:`odc_accelerate._compat`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The `datasets` internals odc_accelerate reads, in one place.
 
-* A column of a `datasets.Dataset` as one pyarrow array (:func:`arrow_column`): `Dataset.data` is the backing table and
-  `Dataset._indices` (None, or a one-column table) maps rows to it after ``.select`` / ``.shuffle`` /
-  ``.train_test_split``. Reading them gives a dataset's lengths without a Python object per row. A speed-up only: when
-  the internals are not what is expected it returns `None` and the caller reads the column through the public API
-  (slower, same values).
-* A dataset's fingerprint (:func:`fingerprint`), ``Dataset._fingerprint``: the hash of its content and transforms that
-  `datasets` keys its own cache on; the same on every rank for the same data. :func:`check` verifies at start-up that
-  a dataset has one.
+:func:`arrow_column` reads a column as one pyarrow array through ``Dataset.data`` and ``Dataset._indices`` (a speed-up
+only: `None` when the internals differ, and the caller reads the public API); :func:`fingerprint` is
+``Dataset._fingerprint``, the same on every rank for the same data, and :func:`check` verifies it at start-up.
 """
 
 from __future__ import annotations

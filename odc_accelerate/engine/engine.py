@@ -1,27 +1,11 @@
 """ODCEngine: FSDP2 with one-sided gathers and scatter-accumulates, synchronised once per optimizer step.
 
-Data path, per FSDP2 param group (one per ``fully_shard`` call):
-
-* every rank publishes its shard (FSDP2's all-gather input, already in ``param_dtype``) into a
-  transport buffer ``p<i>`` after each optimizer step;
-* FSDP2's all-gather hook fills the peers' rows of the gather output by reading their ``p<i>``;
-* FSDP2's reduce-scatter hook adds row ``r`` of its input into owner ``r``'s accumulator ``g<i>``
-  and returns zeros, so FSDP2's own per-microbatch post-processing adds nothing to ``.grad``;
-* ``pre_optimizer_step`` waits for every rank (one barrier), then folds the accumulator into
-  ``.grad`` with FSDP2's exact post-processing (divisor, dtype cast, per-param split, ``+=``).
-
-Under the ordered reduction (``reduction="ordered"``, ``docs/reduction.md``) the reduce-scatter hook instead adds row
-``o`` into this rank's own contribution ``c<i>/to<o>`` (local, no atomics); after the barrier each owner reads every
-rank's contribution to its shard and sums them in rank order into ``g<i>`` (`_sum_contributions`), then folds as above;
-each rank zeroes its contributions after the post-step barrier, when no owner reads them any more.
-
-The step memory policy (`odc_accelerate.engine.memory`) decides, per group and per rank, whether the gathered
-parameters stay through the step (gathered once; dropped in ``pre_optimizer_step``) and whether unsharded gradients
-stay until ``pre_optimizer_step`` (reduced once, just before the barrier) instead of being scatter-added after every
-microbatch. What ``__init__`` checks and builds is in `odc_accelerate.engine._setup`.
-
-Between ``post_optimizer_step`` and ``pre_optimizer_step`` the engine makes no torch.distributed
-call and waits for no peer, so ranks may run different numbers of microbatches, including zero.
+Per FSDP2 param group, every rank publishes its shard into a transport buffer ``p<i>`` after each optimizer step; the
+all-gather hook reads the peers' shards; the reduce-scatter hook adds each owner's rows into its accumulator ``g<i>``
+(or, under ``ordered``, into this rank's own contributions) and returns zeros; ``pre_optimizer_step`` meets every rank
+at one barrier and folds the accumulator into ``.grad`` with FSDP2's own post-processing. Between
+``post_optimizer_step`` and ``pre_optimizer_step`` it makes no torch.distributed call, so ranks may run any number of
+microbatches. One step through the code: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """HSDP under ODC: one bucketed all-reduce of the folded gradient shards across replicas per optimizer step.
 
-On a 2-D (replicate, shard) mesh FSDP2 reduce-scatters every microbatch's gradients within the shard group and then
-all-reduces the result across the replicate group, again every microbatch. Under ODC the shard group runs as on a
-1-D mesh (one-sided gathers and scatter-accumulates, ranks free to run any number of microbatches); the replicas only
-need each owner's summed shard once per step. :class:`ReplicaReducer` does that at ``pre_optimizer_step``, after the
-shard group's barrier: it packs the accumulators into buckets, starts one ``torch.distributed.all_reduce`` per bucket
-(NCCL on GPUs, gloo on CPU; asynchronous, so later buckets travel while earlier ones are folded) and hands the summed
-shards back in order. The "touched" flags (which param groups got a gradient anywhere) ride in the first bucket, so
-the step makes no other collective.
-
-The shard group must live on one host (its transport is shared memory or CUDA IPC): :func:`check_shard_group_hosts`
-refuses one that spans hosts, saying how to fix the mesh.
-
-A rank that dies is noticed by its own host's peers at the shard group's barrier; they leave a note in the job's
-``torch.distributed`` store (:func:`report_failure`), which the ranks of other hosts read when their all-reduce fails
-(:func:`explain_failure`), so every surviving rank's error names the rank that died.
+The shard group runs as on a 1-D mesh; :class:`ReplicaReducer` all-reduces each owner's summed shard across replicas
+once, at ``pre_optimizer_step`` (buckets in flight while earlier ones fold; the "touched" flags ride in the first).
+:func:`check_shard_group_hosts` refuses a shard group that spans hosts; :func:`report_failure` and
+:func:`explain_failure` make every surviving rank's error name a rank that died. See docs/multinode.md.
 """
 
 from __future__ import annotations

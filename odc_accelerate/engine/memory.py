@@ -1,23 +1,10 @@
 """The step memory policy: which unsharded state a rank keeps through an optimizer step, per FSDP2 param group.
 
-Parameters do not change inside a step, so a rank may gather a param group once and keep it until
-``pre_optimizer_step`` (``params``); and it may keep its unsharded gradient through its microbatches and reduce it
-once, at ``pre_optimizer_step`` (``grads``), instead of scatter-adding it after every microbatch. ``both`` keeps both,
-``neither`` neither (memory bounded by the shard, the accumulator and one microbatch). Under FSDP2 every rank must
-make the same choice (its collectives pair up); under ODC each rank chooses for itself, so ``auto`` picks per rank
-from that rank's free memory, and again after every optimizer step.
-
-A policy is written as one choice for every group (``"both"``), ``"auto"``, or ``pattern=choice`` pairs separated by
-commas, matched against each group's FQN with `fnmatch` (first match wins, unmatched groups keep ``neither``; the
-root group's FQN is ``<root>``): ``"<root>=params,layers.*=both"``.
-
-Under the ordered gradient reduction (``odc_reduction: ordered``) a rank already holds its unsharded gradient through
-the step, in its per-owner contribution buffers, and reduces it once per step; keeping FSDP2's unsharded gradient as
-well would hold it twice and save only local adds. So there the gradient half of every choice is ignored (``grads``
-acts as ``neither``, ``both`` as ``params``) and ``auto`` weighs parameters only: ``ordered=True`` below.
-
-`choose` and `apply_choices` run a policy over an engine's param groups (after every optimizer step). The policy's
-spelling (`parse_policy`) and the memory readings live below the engine, in `odc_accelerate.memory_spec`.
+``params`` keeps the gathered parameters until ``pre_optimizer_step``, ``grads`` the unsharded gradients (reduced once,
+there), ``both`` or ``neither``; ``auto`` chooses per rank from its free memory after every optimizer step, and
+``pattern=choice`` pairs choose per group. Under the ordered reduction the gradient half is ignored. `choose` and
+`apply_choices` run a policy over an engine's groups; its spelling and the memory readings are in
+`odc_accelerate.memory_spec`. See docs/memory.md.
 """
 
 from __future__ import annotations

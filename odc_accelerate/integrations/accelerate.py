@@ -1,26 +1,9 @@
 """ODC for `accelerate`: the `ODCPlugin` (an FSDP2 plugin that attaches an `ODCEngine`), and `enable()`.
 
-An unmodified accelerate loop (``accelerator.accumulate``, ``accelerator.backward``, ``accelerator.clip_grad_norm_``,
-``optimizer.step()``) trains with ODC as it is: accelerate's own optimizer step drives the engine (`drive_steps`).
-A loop may also call the engine itself:
-
-```python
-from accelerate import Accelerator
-from odc_accelerate.integrations.accelerate import ODCPlugin, get_engine
-
-accelerator = Accelerator(fsdp_plugin=ODCPlugin(max_tokens_per_microbatch=4096))
-model, optimizer = accelerator.prepare(model, optimizer)
-engine = get_engine(accelerator)  # an ODCEngine, created when accelerate FSDP2-wrapped the model
-for step_microbatches in dataloader:  # this rank's microbatches of one step; counts may differ per rank
-    for mb in step_microbatches:
-        accelerator.backward(loss_of(model, mb))
-    engine.pre_optimizer_step(optimizer)  # one barrier, gradients folded into .grad
-    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    engine.post_optimizer_step()  # new shards published
-accelerator.end_training()  # closes the engine, destroys the process group
-```
+An unmodified accelerate loop trains with ODC as it is: accelerate's own optimizer step drives the engine
+(`drive_steps`). A loop may also call the engine itself (`get_engine`): ``engine.pre_optimizer_step(optimizer)`` before
+clipping and ``optimizer.step()``, ``engine.post_optimizer_step()`` after; the full loop is in docs/integrations.md
+("accelerate: `ODCPlugin`") and docs/design.md ("Using the engine directly").
 """
 
 from __future__ import annotations

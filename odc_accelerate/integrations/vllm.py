@@ -1,29 +1,10 @@
 """Refresh a vLLM engine's weights from a model trained with ODC, with no torch.distributed call.
 
-Under FSDP2, refreshing a generation engine with the trained weights means gathering the full model with collectives
-(TRL's colocate mode does one per parameter): every rank must be there. Under ODC each rank publishes its shards in a
-transport buffer that any peer may read at any time between optimizer steps, so each rank can refresh its own engine
-by itself: `iter_full_parameters` unshards the model one FSDP unit at a time through FSDP2's own unshard, whose
-all-gather is ODC's hook (one transport read per peer shard, the path every ODC forward takes), and yields each
-parameter under its Hugging Face name; `sync_vllm_weights` feeds those to vLLM's in-place reload
-(``worker.reload_weights``), which loads and repacks each layer. No rank waits for another, and nothing beyond one
-FSDP unit is held in full outside the engine's own copy.
-
-The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one worker (``tensor_parallel_size=1``):
-one engine per rank. Every vLLM internal used is in `odc_accelerate._compat.vllm`. Facts about vLLM next to a
-torch.distributed job (an engine created after ``init_process_group`` joins the job's group, its creation is a
-collective, its tear-down would destroy the group): docs/vllm.md.
-
-```python
-engine = ODCEngine(model)  # model: an FSDP2-sharded Hugging Face model, e.g. Qwen2ForCausalLM
-llm = LLM(path_of_the_initial_model, dtype="float32", enforce_eager=True)  # on every rank, after init_process_group
-...
-engine.post_optimizer_step()  # new shards published
-sync_vllm_weights(llm, engine)  # this rank's engine now holds the trained weights; no collective
-outputs = llm.generate(my_prompts, sampling_params)  # this rank's own prompts
-...
-shutdown_vllm(llm)  # vLLM's groups go, the job's process group stays
-```
+`iter_full_parameters` unshards the model one FSDP unit at a time through FSDP2's own unshard (one transport read per
+peer shard) and yields each parameter under its Hugging Face name; `sync_vllm_weights` feeds them to vLLM's in-place
+reload, so each rank refreshes its own engine and waits for no peer. One engine per rank, in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``tensor_parallel_size=1``); vLLM's internals are in
+`odc_accelerate._compat.vllm`. Usage and facts about vLLM beside a torch.distributed job: docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"`` / ``"dynamic"``), padded shapes, the sampler
-(map-style datasets) and the streaming planner (streams: `datasets.IterableDataset`).
+"""Length-balanced step planning: cost models, the planner (``"free"`` / ``"lockstep"`` / ``"dynamic"``), padded
+shapes, the sampler (map-style datasets) and the streaming planner (streams: `datasets.IterableDataset`).
 
 Everything but the sampler is numpy only; the sampler (a `torch.utils.data.Sampler`) is imported on first use.
 """

@@ -1,24 +1,10 @@
 """The ``"dynamic"`` plan: the step's microbatches in one queue, costliest first, claimed by ranks as they become free.
 
-A static plan is as good as its cost model and as the assumption that every device is equally fast. With On-Demand
-Communication no rank waits for another inside a step, so which rank runs a microbatch can be decided while the step
-runs: every rank builds the same queue of the step's microbatches, and a rank that is free claims the next unclaimed
-one with an atomic fetch-and-add on the step's counter (`odc_accelerate.transport.claims`). Costliest first is the
-longest-processing-time order of list scheduling: the last microbatches, which decide how unevenly ranks finish, are
-the smallest.
-
-Granularity. Packing as tightly as the budget allows gives the fewest microbatches (least per-microbatch overhead), but
-a queue of few microbatches cannot be shared out finely: with 3 microbatches on 2 ranks one rank runs two, and a rank
-1.5x slower than its peer should run 40% of the step, not 50%. So the queue keeps at least
-``min(QUEUE_PER_RANK x ranks, samples)`` microbatches: while it is shorter, its costliest microbatch of several samples
-is split in two (`split_until`). Measured on the end-to-end SFT benchmark (2 ranks, 8 samples per step), two per rank
-left a 10% bubble at equal speeds; four per rank left 3.2%, and 1.06 of the ideal step with one rank 1.5x slower. Each
-extra microbatch costs a gather and a scatter-add per parameter group unless the step memory policy keeps them
-(``odc_memory_policy``: ``both`` or ``auto``), which is how this plan is meant to run.
-
-As a `Plan` (what `plan_step` returns, every index exactly once) the queue is dealt round-robin: rank ``r`` holds
-queue items ``r, r + W, r + 2W, ...``, what each rank would claim if all ran at the same pace. `claim_queue` puts the
-queue back together.
+Every rank builds the same queue and a free rank claims the next microbatch (`odc_accelerate.transport.claims`), so a
+cost model's error or a slower device is absorbed while the step runs. The queue keeps at least
+``min(QUEUE_PER_RANK x ranks, samples)`` microbatches, splitting the costliest (`split_until`). As a `Plan` it is dealt
+round-robin (rank ``r`` holds items ``r, r + W, ...``); `claim_queue` puts it back together. Why, and what was
+measured: docs/planning.md, "The dynamic plan".
 """
 
 from __future__ import annotations

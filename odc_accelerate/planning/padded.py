@@ -1,21 +1,9 @@
 """Step planning for padded collation (TRL's DPO collator, SFT without ``padding_free``, `DataCollatorWithPadding`).
 
-A padded collator turns a microbatch into one ``(rows, width)`` tensor: every row is padded to the widest sequence of
-the microbatch and the padding is computed like real tokens. So a microbatch costs ``sum(rows) * row_cost(width)``
-and holds ``sum(rows) * width`` tokens, which is what its memory budget must bound. Planning on the samples' own
-costs (`odc_accelerate.planning.plan`) would pack samples of unlike lengths together and break the budget.
-
-Both plans keep microbatches of similar widths together: samples are sorted by width and cut into consecutive runs
-that fit the budget (the fewest microbatches a sorted cut allows).
-
-- ``"free"``: ranks are balanced on the samples' own padded costs (LPT + moves/swaps, as in `plan_step`), each rank's
-  samples are cut into runs, and a last local search moves or swaps samples out of the rank whose padded total is
-  largest while that lowers it.
-- ``"lockstep"``: the whole step is cut into runs, split further until every rank can get the same number of
-  microbatches, and runs of similar cost share a slot.
-- ``"dynamic"``: the whole step is cut into runs, the costliest split (at their best cut) while the queue is shorter
-  than four per rank (`QUEUE_PER_RANK`), ordered costliest first and dealt round-robin (the queue ranks claim from,
-  `odc_accelerate.planning.dynamic`).
+A padded microbatch costs ``sum(rows) * row_cost(width)`` and holds ``sum(rows) * width`` tokens, so every plan sorts
+the samples by width and cuts consecutive runs that fit the budget: ``free`` balances the ranks' padded totals (then a
+local search), ``lockstep`` gives every rank the same number of runs, ``dynamic`` splits runs until the queue is long
+enough and deals it round-robin. See docs/planning.md, "Padded shapes".
 """
 
 from __future__ import annotations

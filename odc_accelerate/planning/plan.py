@@ -1,15 +1,9 @@
 """The step planner: split one optimizer step's samples over ranks and microbatches with balanced cost.
 
-Pure functions over numpy arrays (no torch, no torch.distributed), so every rank can compute the same global plan
-from the same inputs without talking to the others. Two plans, after how a step's cost adds up:
-
-- ``"free"`` (`odc_accelerate.planning.free`): with On-Demand Communication ranks never wait for each other inside a
-  step, so a step costs the largest per-rank total. Ranks may run different numbers of microbatches.
-- ``"lockstep"`` (`odc_accelerate.planning.lockstep`): plain FSDP2 synchronises every rank at every layer of every
-  microbatch, so a step costs the sum over microbatch slots of the slot's costliest microbatch. Every rank runs the
-  same number of microbatches.
-- ``"dynamic"`` (`odc_accelerate.planning.dynamic`): one queue of the step's microbatches, costliest first; ranks
-  claim from it while the step runs (needs ODC). As a `Plan` the queue is dealt round-robin over the ranks.
+Pure functions over numpy arrays (no torch, no torch.distributed), so every rank computes the same global plan from
+the same inputs. Three plans: ``"free"`` (`.free`: a step costs the largest per-rank total, ranks may run different
+numbers of microbatches), ``"lockstep"`` (`.lockstep`: plain FSDP2's cost, the sum over slots of each slot's costliest
+microbatch) and ``"dynamic"`` (`.dynamic`: one queue claimed while the step runs). See docs/planning.md.
 """
 
 from __future__ import annotations
@@ -177,20 +171,9 @@ def plan_step(
     ``max_tokens_per_microbatch`` tokens, except a single sample longer than that, which gets a microbatch of
     its own (or raises with ``allow_oversize=False``).
 
-    - ``plan="free"`` (LB-Mini in the ODC paper): minimises the largest per-rank total cost (LPT greedy, then moves and
-      swaps out of the most loaded rank until none helps), then packs each rank's samples into as few microbatches as
-      the budget allows (first-fit decreasing on tokens). Ranks may get different numbers of microbatches; a rank
-      gets no microbatch at all only when there are fewer samples than ranks.
-    - ``plan="lockstep"`` (LB-Micro): every rank gets the same number of microbatches and slot k of every rank
-      runs at the same time, so the planner minimises ``sum_k max_r cost(plan[r][k])``: it fills slots one at a
-      time up to the level set by the costliest remaining sample while single samples dominate, spreads the rest
-      over equal-cost microbatches (LPT), and then moves or swaps samples out of each slot's costliest microbatch.
-      Within a slot, microbatches go to ranks so that the per-rank totals are balanced too. A microbatch is an
-      empty list only where that cannot be avoided: when the step holds fewer samples than
-      ``world_size * number_of_slots`` (e.g. fewer samples than ranks).
-    - ``plan="dynamic"``: the whole step packed first-fit decreasing on tokens, the microbatches ordered costliest
-      first and dealt round-robin (rank ``r`` holds queue items ``r, r + W, ...``); `claim_queue` gives the queue the
-      ranks claim from while the step runs (needs ODC).
+    ``plan="free"`` balances the per-rank totals (`~odc_accelerate.planning.free.plan_free`), ``"lockstep"`` every
+    microbatch slot (`~odc_accelerate.planning.lockstep.plan_lockstep`), ``"dynamic"`` queues the microbatches
+    costliest first, dealt round-robin (`claim_queue`); docs/planning.md, "Three plans".
 
     Args:
         lengths (`Sequence[int]` or `np.ndarray`):

@@ -163,12 +163,8 @@ class LengthBalancedBatchSampler(Sampler[list[list[int]]]):
         allow_oversize (`bool`, *optional*, defaults to `True`):
             With `False`, a dataset row longer than the budget raises a `ValueError` at construction.
         padded (`bool`, *optional*, defaults to `False`):
-            Whether the collator pads every row of a microbatch to its longest sequence (TRL's DPO collator, SFT
-            without ``padding_free``, `DataCollatorWithPadding`). Microbatches are then planned on their padded
-            shapes (`odc_accelerate.planning.plan_padded`): similar lengths share a microbatch, a microbatch costs
-            ``rows x cost(longest)`` and its padded tokens stay within the budget. A row of ``k`` sequences is ``k``
-            batch rows, each padded to the longest of them. With `False` (padding-free or packed collation) a
-            microbatch costs the sum of its samples' costs and holds the sum of their tokens.
+            Whether the collator pads every row of a microbatch to its longest sequence: microbatches are then
+            planned on their padded shapes (`odc_accelerate.planning.plan_padded`; docs/planning.md, "Padded shapes").
         mode (`str`, *optional*):
             Deprecated spelling of ``plan``.
     """

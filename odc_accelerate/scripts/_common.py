@@ -107,14 +107,14 @@ def offline_models(
 ) -> tuple[list[Any], Any]:
     """``copies`` tiny Qwen2 models with the same initial weights (from ``--seed``) on every rank, and the offline
     tokenizer. Honours ``--attn_implementation`` (default sdpa) and ``--dtype`` (default float32); ``shape`` overrides
-    `odc_accelerate.data.tiny_qwen2_config`'s sizes. Causal LMs, or with ``num_labels`` sequence classifiers
+    `odc_accelerate.demo.tiny_qwen2_config`'s sizes. Causal LMs, or with ``num_labels`` sequence classifiers
     (``Qwen2ForSequenceClassification``: a reward model with ``num_labels=1``; the config's pad token is the
     tokenizer's, which locates each row's last token)."""
     require_demo_extra()
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-    from ..data import load_offline_tokenizer, tiny_qwen2_config
+    from ..demo import load_offline_tokenizer, tiny_qwen2_config
 
     tokenizer = load_offline_tokenizer()
     config = tiny_qwen2_config(**dict(shape or {}))

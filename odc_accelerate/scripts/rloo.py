@@ -1,19 +1,12 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/rloo.py (Apache-2.0).
 """REINFORCE Leave-One-Out with ODC: TRL's ``trl/scripts/rloo.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted (``RLOOScriptArguments`` with ``--reward_funcs`` and
-``--reward_model_name_or_path``, ``RLOOConfig``, ``ModelConfig``, ``DatasetMixtureConfig``, and ``--config
-recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``, ``--odc_timeout``,
-``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``), ``--odc_reproducible``,
-``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``, ``--odc_memory_policy``,
-``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see `odc_accelerate.config.ODCConfig`).
-
-Without ``--model_name_or_path`` it trains the GRPO script's offline model (a small Qwen2 built from a config with
-Qwen's tokenizer: the ``demo`` extra), saved first to ``OUTPUT_DIR/initial_model`` since TRL builds RLOO's reference
-model (``beta`` 0.05 by default) and vLLM's engines from the policy's path; without ``--dataset_name`` /
-``--datasets`` on the GRPO script's offline prompts and rewards (`odc_accelerate.data.offline_grpo_dataset`). RLOOTrainer
-has no ``rollout_func``: TRL generates every completion itself (a random model rarely samples EOS, so most run to
-``max_completion_length``).
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
+``--model_name_or_path`` and ``--dataset_name`` it trains the GRPO script's offline default, no network, the model
+saved first to ``OUTPUT_DIR/initial_model`` (`odc_accelerate.demo`).
 
     odc-accelerate rloo --max_steps 3 --logging_steps 1 --output_dir OUT
 """
@@ -85,7 +78,7 @@ def main(
     from accelerate.logging import get_logger
     from trl import get_peft_config, get_quantization_config
 
-    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward
+    from odc_accelerate.demo import ascii_text_reward, continuation_overlap_reward
 
     logger = get_logger(__name__)
     reward_funcs = load_reward_funcs(script_args)
@@ -105,7 +98,7 @@ def main(
             _save_for_vllm(model, processing_class, training_args, logger)
 
     def offline():
-        from odc_accelerate.data import offline_grpo_dataset
+        from odc_accelerate.demo import offline_grpo_dataset
 
         logger.info("No --dataset_name: offline default (prompts from pydoc_data help topics).")
         return offline_grpo_dataset(tokenizer=processing_class)

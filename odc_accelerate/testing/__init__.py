@@ -1,9 +1,9 @@
 """Helpers to run real multi-process gloo jobs on CPU (tests and benchmarks).
 
 :func:`launch` starts ``world_size`` fresh processes (``forkserver`` where the platform has it, else ``spawn``),
-initialises a gloo process group on loopback in each, runs ``fn(rank, world_size, *args)`` and returns every rank's result. A rank
-that raises, dies or overruns the timeout makes :func:`launch` raise with that rank's traceback;
-no process is left behind.
+initialises a gloo process group on loopback in each, runs ``fn(rank, world_size, *args)`` and returns every rank's
+result. A rank that raises, dies or overruns the timeout makes :func:`launch` raise with that rank's traceback; no
+process is left behind.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging Face
-causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary."""
+"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging
+Face causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -139,15 +140,15 @@ TINY_MODEL_KINDS = ("untied", "tied", "moe")
 
 def tiny_causal_lm_config(kind: str = "untied", hidden_size: int = 64) -> Any:
     """A small `transformers` config of ``kind`` (one of `TINY_MODEL_KINDS`), random init, sized for CPU runs and
-    for the vocabulary of `odc_accelerate.data.load_offline_tokenizer` (``ODC_OFFLINE_BPE_RANKS`` shrinks it).
+    for the vocabulary of `odc_accelerate.demo.load_offline_tokenizer` (``ODC_OFFLINE_BPE_RANKS`` shrinks it).
 
-    * ``"untied"``: `odc_accelerate.data.tiny_qwen2_config` (the scripts' offline default).
+    * ``"untied"``: `odc_accelerate.demo.tiny_qwen2_config` (the scripts' offline default).
     * ``"tied"``: a `LlamaConfig` shaped as Llama 3.2 (grouped-query attention, no biases, ``llama3`` RoPE scaling,
       ``tie_word_embeddings=True``): ``lm_head.weight`` is ``model.embed_tokens.weight``.
     * ``"moe"``: a `Qwen3MoeConfig` with 4 experts, 2 per token, every layer sparse. The router's auxiliary loss keeps
       the architecture's coefficient (TRL's trainers turn it on from it unless ``router_aux_loss_coef=0``).
     """
-    from odc_accelerate.data import offline_bpe_ranks, offline_vocab_size, tiny_qwen2_config
+    from odc_accelerate.demo import offline_bpe_ranks, offline_vocab_size, tiny_qwen2_config
 
     if kind not in TINY_MODEL_KINDS:
         raise ValueError(f"Unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_MODEL_KINDS)}.")
@@ -205,7 +206,7 @@ def save_tiny_causal_lm(kind: str, path: str | os.PathLike, seed: int = 0, hidde
     folder."""
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     set_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, hidden_size), dtype=torch.float32)
@@ -222,7 +223,7 @@ def tiny_reward_model(kind: str = "untied", seed: int = 0, hidden_size: int = 64
     ``untied`` one is what ``odc-accelerate reward`` trains by default (same seed, same weights)."""
     from transformers import AutoModelForSequenceClassification, set_seed
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     config = tiny_causal_lm_config(kind, hidden_size)
     config.num_labels = 1
@@ -234,7 +235,7 @@ def tiny_reward_model(kind: str = "untied", seed: int = 0, hidden_size: int = 64
 def save_tiny_reward_model(kind: str, path: str | os.PathLike, seed: int = 0, hidden_size: int = 64) -> Path:
     """`tiny_reward_model` saved with the offline tokenizer to ``path``: a folder TRL's reward script loads with
     ``--model_name_or_path path`` (no network). Returns the folder."""
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     out = Path(path)
     tiny_reward_model(kind, seed, hidden_size).save_pretrained(out)

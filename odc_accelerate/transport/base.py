@@ -1,19 +1,8 @@
 """The transport interface: how one rank reads a peer's buffer and adds into an owner's buffer.
 
-ODC needs exactly four things from a transport, none of which may require the peer's training
-thread to take part:
-
-* ``register`` (collective, once): every rank exposes the same named buffers;
-* ``read(peer, name, out)``: copy the peer's buffer ``name`` into ``out`` (one-sided get);
-* ``accumulate(owner, name, src)``: ``owner.name += src``, safe against concurrent adds from other
-  ranks (one-sided accumulate);
-* ``barrier()``: every rank has arrived; the only synchronisation point of an optimizer step.
-
-For the ``dynamic`` plan a transport may also serve ``claim(round)``, an atomic fetch-and-add on a per-step counter
-(`odc_accelerate.transport.claims`); where it does not, the ``torch.distributed`` store serves it.
-
-Every wait honours the transport's ``timeout``; a peer that never arrives or died raises
-:class:`ODCTimeoutError` naming it.
+ODC needs ``register``, one-sided ``read`` and ``accumulate``, and ``barrier``, none of which may require the peer's
+training thread to take part; the ``dynamic`` plan may also use ``claim`` (`odc_accelerate.transport.claims`). Every
+wait honours ``timeout`` and names a dead or missing peer in :class:`ODCTimeoutError`. See docs/transports.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Claim counters for the ``dynamic`` plan: ranks take a step's microbatches one at a time, as they become free.
 
-Every rank knows the step's list of microbatches (the same list everywhere, costliest first). A rank that is free
-claims the next unclaimed one with an atomic fetch-and-add on the step's counter and runs it; when the counter has
-passed the end of the list the rank goes to the step's barrier. Each microbatch is run exactly once, by whichever rank
-was free first, so a cost model's error or a slower device is absorbed while the step runs. Claims make no
-``torch.distributed`` call: no rank waits for another to claim.
-
-Where the counter lives:
-
-=================  ==============================================================================================
-``shm``, ``cuda``  a word of rank 0's shared-memory header, read and bumped under a POSIX record lock
-``network``        rank 0's service thread, under one lock; ``hierarchical``: the same, over all hosts
-anything else      the ``torch.distributed`` store (``Store.add``), `StoreClaimCounter`
-=================  ==============================================================================================
-
-A rank that dies after claiming leaves its microbatch unrun: its peers' next barrier names it
-(`~odc_accelerate.transport.ODCTimeoutError`) and the step is lost, never silently short.
+A free rank claims the next unclaimed microbatch of the step's list (the same on every rank) with an atomic
+fetch-and-add and runs it; past the end of the list it goes to the barrier. Claims make no ``torch.distributed`` call.
+The counter lives in the transport (``shm``/``cuda``: rank 0's header; ``network``/``hierarchical``: rank 0's service),
+else in the ``torch.distributed`` store (`StoreClaimCounter`). A rank that dies after claiming is named at the next
+barrier: the step is lost, never silently short. See docs/planning.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Hierarchical transport: shared memory between ranks of one host, TCP between hosts.
 
-Ranks are grouped by host identity (:func:`host_id`). Within a host with more than one rank a
-:class:`~odc_accelerate.transport.shm.ShmTransport` over a sub-group holds every local rank's buffers; a
-:class:`~odc_accelerate.transport.network.NetworkTransport` over all ranks serves those same buffers to other hosts
-(`NetworkTransport.serve`, with this transport's add and its locking).
-
-* ``read`` / ``accumulate`` to a rank on this host go through shared memory; to other hosts through TCP;
-* an add into this rank's buffer can come from three places at once: this rank's training thread, a local peer
-  (shared memory, serialised by the shm transport's per-buffer record lock) and this rank's network service thread.
-  Record locks belong to a process, not a thread, so the training thread and the service thread first take a
-  per-buffer thread lock and then the record lock: every pair of adders is then mutually exclusive;
-* ``barrier`` is the network transport's, over all ranks: shared-memory adds are complete when ``accumulate``
-  returns, and each network add precedes its sender's arrival on the same connection, so one barrier covers both
-  paths. A dead rank (local or remote) closes its sockets, so it is named at once;
-* ``claim`` is the network transport's (rank 0 serves one counter for all hosts).
-
-Host identity is ``ODC_HOST_ID`` when set (tests use it to make ranks of one machine behave as separate hosts),
-otherwise the host name and the kernel boot id.
+Ranks are grouped by :func:`host_id` (``ODC_HOST_ID``, else host name and boot id). A ``ShmTransport`` over each host's
+ranks holds their buffers; a ``NetworkTransport`` over all ranks serves the same buffers to other hosts and gives the
+one barrier and ``claim``. Adds into a buffer take a per-buffer thread lock, then the shm record lock (record locks
+belong to a process, not a thread). See docs/transports.md, "Protocol details".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The transport side of the ordered gradient reduction (``odc_reduction: ordered``), on any transport.
 
-Under ``ordered`` no rank adds into another's memory. Per FSDP2 param group every rank registers one buffer per
-destination owner ``o``, ``"<group>/to<o>"``: the slice of its unsharded gradient that ``o`` owns (one shard of the
-reduce-scatter output, in the reduce dtype). A step then runs:
-
-1. every microbatch's reduce-scatter hook adds row ``o`` of its input into the rank's own ``"<group>/to<o>"``
-   (`add_contribution`): local, in the rank's microbatch order, no atomics;
-2. a barrier: every rank's contributions are complete and visible to ``read``;
-3. each owner reads ``"<group>/to<owner>"`` from every rank ``r = 0 .. W-1`` in that order and sums them,
-   ``acc = c_0; acc += c_1; ...`` (`sum_in_rank_order`): the same bits whatever order the ranks finished in;
-4. a barrier: every owner has read every contribution; only then does each rank zero its buffers
-   (`zero_contributions`) for the next step.
-
-Pull, not push: every transport already has a one-sided read (a copy out of a mapped segment on ``shm`` and ``cuda``,
-one request per peer on ``network``), so no transport needs remote atomics or a write into a peer's memory, and on
-``network`` a step costs one exchange per peer instead of one per microbatch. Memory: one unsharded gradient per rank
-(the ``W`` buffers) and a shard-sized temporary at the owner.
+No rank adds into another's memory: each rank adds its microbatches' contributions for owner ``o`` into its own buffer
+``"<group>/to<o>"`` (`add_contribution`); after a barrier each owner reads every rank's buffer in rank order and sums
+them (`sum_in_rank_order`: the same bits whatever order the ranks finished in); after a second barrier each rank zeroes
+its buffers (`zero_contributions`). Why pull, and the memory it takes: docs/reduction.md.
 """
 
 from __future__ import annotations

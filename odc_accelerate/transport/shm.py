@@ -1,35 +1,10 @@
 """Shared-memory transport for ranks on one host (CPU tensors).
 
-Each rank owns one segment file in ``/dev/shm`` holding a small control header (barrier counter,
-set-up flag, pid, process start time) followed by its registered buffers, 64-byte aligned, plus an
-empty lock file. Every rank maps every peer's segment, so:
-
-* ``read`` is a plain copy out of the peer's mapping;
-* ``accumulate`` takes a POSIX record lock on the byte of the owner's lock file that belongs to the
-  buffer (``fcntl.lockf``; released by the kernel if the holder dies) and adds in place;
-* ``claim`` (the ``dynamic`` plan's fetch-and-add) reads and bumps a word of rank 0's header under a record lock on
-  a byte of rank 0's lock file that no buffer uses;
-* ``barrier`` bumps this rank's counter and polls the peers' counters, checking that peers are
-  still alive (pid and start time exchanged at set-up; a killed rank is noticed at once, not
-  after the timeout).
-
-File lifetime. The files have names only during ``register``: each rank creates its two files
-(``0600``, ``O_EXCL``, named ``odc_<job>_r<rank>_p<pid>.{seg,lock}`` under a per-job random id and the
-owner's pid), maps every peer's segment and opens every peer's lock file, then raises its set-up flag
-and waits for every peer's. Once all flags are up every file is mapped or open wherever it is needed,
-so each rank unlinks the names of the whole job (whichever rank gets there first removes them). The
-mappings and descriptors stay valid after the unlink, record locks work on them unchanged, and the
-kernel frees the memory when the last rank holding it exits, however it exits (SIGKILL, SIGTERM, an
-exception): no file can outlive the job once ``register`` has returned on any rank.
-
-Before that point a rank that raises removes its own files at once, and a rank that finds a peer dead
-removes the peer's. A process killed during set-up (between creating its files and the unlink) can
-still leave them behind: :func:`cleanup_stale_segments`, run at every start on the host, removes the
-files of any owner pid that no longer runs.
-
-Ordering note: a rank writes its data and then its barrier counter; x86-64 keeps stores in order
-(TSO), which is what makes the counter a valid publication flag here. Weakly ordered CPUs would
-need an explicit fence.
+Each rank owns a segment file in ``/dev/shm`` (a control header, then its buffers) and a lock file; every rank maps
+every peer's segment. ``read`` copies out of the mapping, ``accumulate`` adds in place under a POSIX record lock,
+``barrier`` polls the peers' counters and checks they are alive. The file names exist only during ``register``
+(:func:`cleanup_stale_segments` removes those of a rank killed there). File lifetime, locking and store ordering:
+docs/transports.md, "Shared-memory files" and "Protocol details".
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def transport_paths_worker(rank: int, world_size: int, spec: dict[str, Any]) -> 
     from odc_accelerate.transport import BufferSpec
     from odc_accelerate.transport.cuda import kernels
 
-    from .gpu_check import CpuSegmentsCudaTransport
+    from .check_common import CpuSegmentsCudaTransport
 
     if rank == spec.get("broken_kernel_rank"):
 

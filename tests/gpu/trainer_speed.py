@@ -77,7 +77,7 @@ def build_model(device: str, path: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from benchmarks.calibration.configs import MODEL_CONFIGS
-    from odc_accelerate.data import load_offline_tokenizer, offline_bpe_ranks, offline_vocab_size
+    from odc_accelerate.demo import load_offline_tokenizer, offline_bpe_ranks, offline_vocab_size
 
     kwargs = dict(MODEL_CONFIGS["qwen2.5-0.5b"])
     if device == "cpu":

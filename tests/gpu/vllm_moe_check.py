@@ -71,7 +71,7 @@ def moe_sync_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM
 
-    from odc_accelerate.data import offline_texts
+    from odc_accelerate.demo import offline_texts
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.integrations.vllm import shutdown_vllm, sync_vllm_weights
     from odc_accelerate.testing.models import world_mesh

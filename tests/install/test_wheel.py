@@ -94,7 +94,7 @@ _LOCAL_MODEL_AND_DATA = r"""
 import json, os, sys
 os.environ["ODC_OFFLINE_BPE_RANKS"] = sys.argv[3]  # the vocabulary of the jobs other than the main one
 from transformers import AutoModelForCausalLM, set_seed
-from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
+from odc_accelerate.demo import load_offline_tokenizer, offline_texts, tiny_qwen2_config
 
 set_seed(0)
 AutoModelForCausalLM.from_config(tiny_qwen2_config()).save_pretrained(sys.argv[1])

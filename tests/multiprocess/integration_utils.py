@@ -259,7 +259,7 @@ def assert_same_logits(model, reference, out: Path, sentence: str) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)  # saved with the model
     batch = tokenizer(sentence, return_tensors="pt")

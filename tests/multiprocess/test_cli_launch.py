@@ -108,7 +108,7 @@ def _offline_initial_weights() -> dict:
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
 
     set_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
@@ -119,7 +119,7 @@ def _offline_initial_weights() -> dict:
 def runs(tmp_path_factory, sft_reference):
     import trl
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_sft_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_sft_dataset
 
     root = tmp_path_factory.mktemp("cli")
     durations: dict[str, float] = {}
@@ -133,7 +133,7 @@ def runs(tmp_path_factory, sft_reference):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(), dtype=torch.float32)
     model.load_state_dict(initial)

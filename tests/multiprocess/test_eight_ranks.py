@@ -1,4 +1,4 @@
-"""Eight ranks on the ``shm`` transport: the GPU procedure's eight-rank case (`gpu_check.case_ranks8`) on the CPU
+"""Eight ranks on the ``shm`` transport: the GPU procedure's eight-rank case (`check_parity.case_ranks8`) on the CPU
 transport, beside the dry run's, which runs it on the 'cuda' transport's protocol (`test_gpu_session_on_cpu.py`).
 
 * the toy LM with 0 to 3 microbatches per rank (two ranks with none in every step) against one process summing the
@@ -12,7 +12,7 @@ transport, beside the dry run's, which runs it on the 'cuda' transport's protoco
 
 from __future__ import annotations
 
-from tests.gpu.gpu_check import PLAN8, RANKS8, case_ranks8
+from tests.gpu.check_parity import PLAN8, RANKS8, case_ranks8
 
 
 def test_eight_ranks_on_shm_match_one_process_claim_exactly_once_and_add_exactly():

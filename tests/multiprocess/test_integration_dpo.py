@@ -287,7 +287,7 @@ def _base(tiny_model, kind: str):
     0), else the session's saved model."""
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
 
     if kind != "untied":
         return AutoModelForCausalLM.from_pretrained(tiny_model(kind), dtype=torch.float32)

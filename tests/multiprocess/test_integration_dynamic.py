@@ -66,7 +66,7 @@ GRPO = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, references):
     root = tmp_path_factory.mktemp("dynamic")
-    from odc_accelerate.data import offline_texts
+    from odc_accelerate.demo import offline_texts
 
     names = ("sft", "sft_single", "dpo", "dpo_single", "grpo", "grpo_single", "stream", "stream_plain")
     out = {name: root / name for name in names}

@@ -58,7 +58,7 @@ COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
 def runs(tmp_path_factory, references):
     import trl
 
-    from odc_accelerate.data import offline_dpo_dataset
+    from odc_accelerate.demo import offline_dpo_dataset
     from odc_accelerate.testing.models import save_tiny_reward_model
 
     root = tmp_path_factory.mktemp("reward")

@@ -52,7 +52,7 @@ PARITY = [
 def runs(tmp_path_factory):
     import trl
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_grpo_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_grpo_dataset
     from odc_accelerate.testing.models import save_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("rloo")
@@ -92,7 +92,7 @@ def runs(tmp_path_factory):
     script = Path(trl.__file__).parent / "scripts" / "rloo.py"
     args = [
         "--model_name_or_path", model_dir, "--dataset_name", data_dir,
-        "--reward_funcs", "odc_accelerate.data.ascii_text_reward",
+        "--reward_funcs", "odc_accelerate.demo.ascii_text_reward",
         "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "2",
         "--max_completion_length", "16", "--learning_rate", "1e-3", "--bf16", "false", "--dtype", "float32",
         "--report_to", "none", "--output_dir", out["trl_script"],

@@ -471,7 +471,7 @@ def test_bad_config_fails_before_training(bad_config_runs, name):
 def test_samples_over_budget_warn_once_and_train(tmp_path):
     # Truncation on, budget below max_length: training goes on (each longer sample alone in its microbatch), with one
     # warning naming how many samples exceed the budget, the longest, and the two settings that fix it.
-    from odc_accelerate.data import load_offline_tokenizer, offline_sft_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_sft_dataset
 
     proc = run(
         [

@@ -82,7 +82,7 @@ def _write_jsonl(folder, rows):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from odc_accelerate.data import offline_preference_pairs, offline_texts
+    from odc_accelerate.demo import offline_preference_pairs, offline_texts
 
     root = tmp_path_factory.mktemp("streaming")
     shm_before = shm_leftovers()
@@ -249,7 +249,7 @@ _ERRORS = r"""
 import json, sys
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
-from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
+from odc_accelerate.demo import load_offline_tokenizer, offline_texts, tiny_qwen2_config
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
 
 tokenizer = load_offline_tokenizer()

@@ -56,7 +56,7 @@ def test_adapters_the_sync_cannot_merge_are_refused_by_name(change, message):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
     from tests.helpers.workers.peft_workers import LORA
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32))

@@ -290,7 +290,7 @@ def test_the_rloo_arms_stop_completions_at_the_grpo_arms_target_lengths(tmp_path
     from transformers import AutoModelForCausalLM
 
     from benchmarks.grpo.rloo_train import TargetLengthRLOOTrainer
-    from odc_accelerate.data import ascii_text_reward, load_offline_tokenizer, offline_grpo_dataset, tiny_qwen2_config
+    from odc_accelerate.demo import ascii_text_reward, load_offline_tokenizer, offline_grpo_dataset, tiny_qwen2_config
     from odc_accelerate.integrations.trl import ODCRLOOConfig
 
     tokenizer = load_offline_tokenizer()

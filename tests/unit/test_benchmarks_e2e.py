@@ -184,7 +184,7 @@ def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cann
 def test_reward_pairs_carry_the_length_batch_rebalance_reads(tmp_path):
     """The reward workload's data: the offline pairs, each with the tokens of its longer side (+ TRL's EOS)."""
     from benchmarks.e2e.data import DATASETS
-    from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_dpo_dataset
 
     folder = DATASETS[WORKLOADS["reward"].data](tmp_path / "data")
     rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]

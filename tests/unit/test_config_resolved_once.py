@@ -101,7 +101,7 @@ def _sft_trainer(tmp_path, padding_free=True, **odc):
     from transformers import AutoModelForCausalLM
 
     from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.testing.models import tiny_causal_lm_config
 
     args = ODCSFTConfig(
@@ -153,7 +153,7 @@ def test_a_grpo_trainer_resolves_once_for_its_checks_and_its_set_up(tmp_path, re
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
     from odc_accelerate.integrations.trl import grpo as grpo_module
     from odc_accelerate.testing.models import tiny_causal_lm_config

@@ -1,11 +1,11 @@
-"""Offline GRPO assets (`odc_accelerate.data.grpo`): real continuation lengths, rule-based rewards, the rollout."""
+"""Offline GRPO assets (`odc_accelerate.demo`): real continuation lengths, rule-based rewards, the rollout."""
 
 import statistics
 
 import pytest
 import torch
 
-from odc_accelerate.data import (
+from odc_accelerate.demo import (
     TargetLengthRollout,
     ascii_text_reward,
     continuation_overlap_reward,
@@ -212,7 +212,7 @@ class _Engine:
 
 
 def test_vllm_limit_gives_each_prompt_its_target_as_max_tokens(dataset, tokenizer):
-    from odc_accelerate.data import limit_vllm_to_target_lengths
+    from odc_accelerate.demo import limit_vllm_to_target_lengths
 
     rows = dataset.select(range(6))
     targets = dict(zip(rows["prompt"], rows["target_length"], strict=True))

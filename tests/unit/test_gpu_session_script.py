@@ -98,7 +98,7 @@ def test_the_session_knows_every_checkers_cases():
 def test_the_ordered_case_runs_on_both_devices_before_the_cases_that_use_the_time_left():
     # check:ordered runs in the dry run (on the cuda transport's protocol over shared memory) and on a GPU, before
     # trainer:speed, which plans its repeats in whatever time is left of the session's budget
-    from tests.gpu import gpu_check, gpu_session
+    from tests.gpu import check_common, check_ordered, gpu_check, gpu_session
 
     assert "ordered" in gpu_check.CASES and "ordered" in gpu_check.CPU_CASES
     for cases in (gpu_session.GPU_CASES, gpu_session.CPU_CASES):
@@ -106,8 +106,8 @@ def test_the_ordered_case_runs_on_both_devices_before_the_cases_that_use_the_tim
     assert gpu_session.GPU_CASES.index("check:ordered") < gpu_session.GPU_CASES.index("check:speed")
     # every default case but the last fits the budget by its cap's share; the dry run keeps the CPU sizes tiny
     assert gpu_session.CAPS["check:ordered"] <= 90
-    cpu, cuda = gpu_check.ORDERED["cpu"], gpu_check.ORDERED["cuda"]
-    assert cpu["steps"] <= 3 and cpu["cfg"] == gpu_check.SMALL and cuda["steps"] >= 5
+    cpu, cuda = check_ordered.ORDERED["cpu"], check_ordered.ORDERED["cuda"]
+    assert cpu["steps"] <= 3 and cpu["cfg"] == check_common.SMALL and cuda["steps"] >= 5
     # unequal microbatch counts per rank: the owners' sums mix contributions of different lengths
     for sizes in (cpu, cuda):
         assert len(sizes["lengths"]) == 2 and len(sizes["lengths"][0]) != len(sizes["lengths"][1])
@@ -116,12 +116,12 @@ def test_the_ordered_case_runs_on_both_devices_before_the_cases_that_use_the_tim
 def test_parameter_hashes_see_a_one_ulp_change():
     import torch
 
-    from tests.gpu.gpu_check import _param_hashes
+    from tests.gpu.check_ordered import param_hashes
 
     model = torch.nn.Linear(4, 3)
-    before = _param_hashes(model)
-    assert before == _param_hashes(model) and set(before) == {"weight", "bias"}
+    before = param_hashes(model)
+    assert before == param_hashes(model) and set(before) == {"weight", "bias"}
     with torch.no_grad():
         model.weight[1, 2] = torch.nextafter(model.weight[1, 2], torch.tensor(float("inf")))
-    after = _param_hashes(model)
+    after = param_hashes(model)
     assert after["weight"] != before["weight"] and after["bias"] == before["bias"]

@@ -289,7 +289,7 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_vocab_size
+    from odc_accelerate.demo import load_offline_tokenizer, offline_vocab_size
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
 
     sizes = dict(

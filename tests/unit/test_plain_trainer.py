@@ -122,7 +122,7 @@ def test_collators_that_cannot_collate_planned_microbatches_are_refused_by_name(
         default_data_collator,
     )
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trainer.plain import check_collator
 
     tokenizer = load_offline_tokenizer()
@@ -145,7 +145,7 @@ def test_collators_that_cannot_collate_planned_microbatches_are_refused_by_name(
 def test_data_collator_with_padding_serves_one_label_per_sample_of_any_length():
     from transformers import DataCollatorWithPadding
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trainer.plain import check_collator
 
     padding = DataCollatorWithPadding(load_offline_tokenizer())

@@ -7,9 +7,11 @@ import types
 
 import pytest
 
-#: The package, its lazily loaded subpackages and the integrations: what users import names from.
+#: The package, its lazily loaded subpackages (the offline demo assets among them) and the integrations: what users
+#: import names from.
 PUBLIC_MODULES = [
     "odc_accelerate",
+    "odc_accelerate.demo",
     "odc_accelerate.engine",
     "odc_accelerate.integrations.accelerate",
     "odc_accelerate.integrations.peft",

@@ -42,7 +42,7 @@ def _dataset(trainer: str):
 def test_the_coefficient_is_the_one_trls_trainer_adds(tmp_path, kind, coef):
     from trl import SFTConfig, SFTTrainer
 
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
 
     model = _model(kind)
     args = SFTConfig(output_dir=str(tmp_path), router_aux_loss_coef=coef, report_to="none", bf16=False)
@@ -81,7 +81,7 @@ def test_odc_trainers_refuse_it_in_their_set_up_naming_model_and_fix(tmp_path, t
     """Refused before the accelerator exists: in one process the refusal of the launch (no FSDP) would come next, and
     with ``router_aux_loss_coef=0`` it does."""
     from odc_accelerate import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
-    from odc_accelerate.data import load_offline_tokenizer
+    from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
 
     config_class, trainer_class = {

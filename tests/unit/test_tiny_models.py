@@ -11,7 +11,7 @@ import torch
 def test_saved_tiny_model_loads_offline_as_built(tmp_path, kind):
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_vocab_size
+    from odc_accelerate.demo import load_offline_tokenizer, offline_vocab_size
     from odc_accelerate.testing.models import save_tiny_causal_lm, tiny_causal_lm_config
 
     out = save_tiny_causal_lm(kind, tmp_path / kind, seed=3, hidden_size=32)

@@ -39,7 +39,7 @@ def _model_bytes() -> int:
     """The offline GRPO model's fp32 size: what each sync hands to vLLM."""
     from transformers import AutoModelForCausalLM
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
     from odc_accelerate.scripts.grpo import OFFLINE_SHAPE
 
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(**OFFLINE_SHAPE), dtype=torch.float32)
@@ -159,7 +159,7 @@ def test_every_sync_and_generation_makes_no_collective(runs):
 def test_completions_stop_at_their_prompts_target_lengths(runs):
     # The example's offline rollout under --use_vllm: vLLM samples each completion and ends it at its prompt's real
     # continuation length (a per-prompt max_tokens), or earlier where it samples EOS.
-    from odc_accelerate.data import load_offline_tokenizer, offline_grpo_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_grpo_dataset
 
     tokenizer = load_offline_tokenizer()
     data = offline_grpo_dataset(tokenizer=tokenizer)

@@ -36,7 +36,7 @@ def trl_grpo(request, tmp_path_factory):
     import trl
     from safetensors import safe_open
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_grpo_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_grpo_dataset
     from odc_accelerate.testing.models import save_tiny_causal_lm
 
     kind = request.param
@@ -59,7 +59,7 @@ def trl_grpo(request, tmp_path_factory):
     # the script's own arguments only: ODC comes from the config file
     args = [
         "--model_name_or_path", model_dir, "--dataset_name", data_dir,
-        "--reward_funcs", "odc_accelerate.data.ascii_text_reward",
+        "--reward_funcs", "odc_accelerate.demo.ascii_text_reward",
         "--use_vllm", "true", "--vllm_mode", "colocate",
         "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "2",
         "--max_completion_length", "16", "--learning_rate", "1e-3", "--bf16", "false", "--dtype", "float32",

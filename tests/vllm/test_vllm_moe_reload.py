@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent(
     from vllm import LLM
 
     from odc_accelerate._compat import vllm as vllm_compat
-    from odc_accelerate.data import load_offline_tokenizer, offline_texts
+    from odc_accelerate.demo import load_offline_tokenizer, offline_texts
     from odc_accelerate.testing.models import save_tiny_causal_lm
     from tests.helpers.loops.vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
 
@@ -83,7 +83,7 @@ _SERVE = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     from vllm import LLM
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_texts
+    from odc_accelerate.demo import load_offline_tokenizer, offline_texts
     from tests.helpers.loops.vllm_trainer_check import hf_prompt_logprobs, max_logprob_difference, vllm_prompt_logprobs
 
     tokenizer = load_offline_tokenizer()

@@ -1,21 +1,10 @@
 """The torch side of the compat scaffold: the installed torch's release, what differs between the supported ones,
 and the lookups every torch compat module shares.
 
-One module per concern, each imported on its own, so that a caller loads only the torch internals it uses (the
-launcher, symmetric memory's switch alone, without FSDP2):
-
-* `fsdp`: FSDP2's state, param groups, comm hooks, layouts, all-gather input and the folding into gradients; its
-  private functions and their parameters are checked when it is imported;
-* `keep`: what a rank keeps unsharded through a step (the memory policy's switches, pending gradients);
-* `layout`: the reduce-scatter layout on torch 2.11 and 2.12, and HSDP's deferred all-reduce;
-* `c10d`: the default process group's store and the release of process groups at teardown;
-* `symm_mem`: symmetric memory, for the CUDA transport;
-* `dispatch`: dispatcher modes (the tests' communication counter).
-
-Where the supported releases differ, `PATHS` says which internal each one has; it is read once, from the installed
-torch's version, and every function of these modules that touches such an internal follows it. Each lookup raises
-:class:`~odc_accelerate._compat.CompatError` naming whatever is missing, so a torch upgrade fails loudly at start-up
-instead of training wrongly. The tested torch versions are ``TESTED["torch"]`` in :mod:`odc_accelerate._compat`.
+One module per concern (`fsdp`, `keep`, `layout`, `c10d`, `symm_mem`, `dispatch`), each imported on its own. `PATHS`
+says, from the installed version, which internal each supported release has; each lookup raises
+:class:`~odc_accelerate._compat.CompatError` naming what is missing. What each module holds: docs/versions.md, "What
+`_compat/` pins". The tested versions are ``TESTED["torch"]`` in :mod:`odc_accelerate._compat`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Every TRL internal that odc_accelerate reads or patches, one module per concern, checked against the installed TRL.
 
-* `sft`: the order and meaning of SFTTrainer's metric gathers per microbatch, and ``SFTTrainer._prepare_dataset``
-  (padding-free data with ``max_length``);
-* `dpo`: DPOTrainer's metric gathers, and the module-level ``prepare_fsdp`` name it prepares its reference model with;
-* `grpo`: GRPOTrainer's completions, loss normalisations and metric calls, and the hooks on its vLLM generation;
-* `lm_head`: the fused LM head of TRL 1.15 (``add_fused_lm_head``, ``_ChunkedLogProbFunction``), given a torch path
-  on CPU;
-* `classes`: the public class names that `odc_accelerate.cli.bootstrap` replaces with the ODC trainers.
-
-This package holds what they share: the metrics a TRL trainer records, and the swap of a trainer module's
-``prepare_fsdp``. Patches last for a ``with`` block only (the class swap, until it is undone).
-
-TRL's trainers call ``accelerator.gather_for_metrics`` several times per microbatch and fold the results into
-``self._metrics`` and ``self._total_train_tokens``. The ODC trainers answer those gathers locally during the
-microbatches and fix the recorded values at the step boundary; that needs the ORDER of the gathers and the names of
-the attributes they feed, which are private to TRL and pinned in these modules.
-
-The tested TRL versions are ``TESTED["trl"]`` in :mod:`odc_accelerate._compat`; the gather orders pinned here are
-theirs.
+`sft`, `dpo`, `grpo`, `reward`, `rloo` pin each trainer's metric gathers per microbatch (their order and the attributes
+they feed, which the ODC trainers answer locally and fix at the step boundary) and what else it needs; `lm_head` the
+fused LM head of TRL 1.15; `classes` the names the bootstrap replaces. This package holds what they share: the metrics
+a trainer records and the swap of a module's ``prepare_fsdp`` (for a ``with`` block only). Details: docs/versions.md,
+"What `_compat/` pins". The tested versions are ``TESTED["trl"]``; the gather orders pinned here are theirs.
 """
 
 from __future__ import annotations

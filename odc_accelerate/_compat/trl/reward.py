@@ -1,18 +1,9 @@
 """The TRL internals the reward-model trainer reads, checked against the installed version.
 
-TRL's ``RewardTrainer.compute_loss`` makes, per training microbatch and in this order (TRL 1.15 and 1.16):
-
-1. ``accelerator.gather_for_metrics(inputs["attention_mask"].sum())``: the microbatch's input tokens, added to
-   ``self._total_train_tokens`` (logged as ``num_tokens``);
-2. ``accelerator.gather(outputs.logits)``: every rank's rewards, ``(2B, 1)``, for ``min_reward`` / ``mean_reward`` /
-   ``max_reward``;
-3. ``accelerator.gather_for_metrics((chosen > rejected).float().mean())``: a rank's mean accuracy (``accuracy``);
-4. ``accelerator.gather_for_metrics((chosen - rejected).mean())``: a rank's mean margin (``margin``).
-
-Each result is appended to ``self._metrics["train"][name]`` and averaged at the next log. The ODC trainer answers
-those gathers locally during a step's microbatches and replaces the recorded values at the step boundary; that needs
-the order above and the attributes they feed, which are private to TRL and pinned here. The tested TRL versions are
-``TESTED["trl"]`` in :mod:`odc_accelerate._compat`.
+TRL's ``RewardTrainer.compute_loss`` gathers per microbatch, in this order (TRL 1.15 and 1.16): the input tokens
+(``num_tokens``), every rank's rewards (``min_reward`` / ``mean_reward`` / ``max_reward``), the mean accuracy and the
+mean margin, each appended to ``self._metrics["train"]``. The ODC trainer answers them locally and replaces the
+recorded values at the step boundary, which needs that order, pinned here. Tested: ``TESTED["trl"]``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """TRL's RLOOTrainer internals that odc_accelerate reads or patches, checked against the installed version.
 
-RLOOTrainer (TRL 1.16) generates and scores like GRPOTrainer: ``_generate_and_score_completions`` returns one
-generation batch per rank; its rewards, the per-sequence KL term (``beta x sum(old - ref log-probs)``) and the
-leave-one-out baseline are computed there over the gathered global batch, so the advantages are TRL's whatever the
-split of the batch over ranks. What differs, and is pinned here:
-
-* the batch keys: prompt and completion ids and masks, plus one ``old_logps`` and one ``advantages`` value per
-  completion (no per-token log-probs, no tool mask);
-* the loss (``_compute_loss``): a sequence-level PPO clip on ``exp(sum(logps x mask) - old_logps)``, then a mean over
-  the microbatch's sequences (`RLOO_LOSS_NORMALISATION`);
-* the metric calls the loss makes per microbatch, in order (`rloo_metric_calls`);
-* the module-level ``prepare_fsdp`` it prepares its reference model with (`rloo_reference_preparer`).
-
-The vLLM generation object (``trainer.vllm_generation``), its hook points and TRL's ``RepeatSampler`` are those of
-GRPOTrainer and are used through `odc_accelerate._compat.trl.grpo` (``grpo_vllm_hooks``, ``grpo_sample_each_step_once``).
+RLOOTrainer (TRL 1.16) generates and scores like GRPOTrainer, its advantages computed over the gathered global batch.
+Pinned here: its batch keys (one ``old_logps`` and one ``advantages`` per completion), its loss normalisation
+(`RLOO_LOSS_NORMALISATION`, a sequence-level PPO clip averaged over the microbatch's sequences), its per-microbatch
+metric calls (`rloo_metric_calls`) and its reference preparer (`rloo_reference_preparer`). Its vLLM generation and
+``RepeatSampler`` are GRPO's, used through `odc_accelerate._compat.trl.grpo`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The ``dynamic`` plan in the ODC Trainer: ranks claim the step's microbatches while the step runs.
 
-Every rank's dataloader item is the step's whole queue (`ClaimQueue`: index lists of a map-style dataset, or rows of a
-stream), costliest first, the same on every rank; nothing is fetched or collated yet. The step loop claims the next
-index from the step's counter (`ODCEngine.claim_microbatches`) when the rank is free, then loads and collates only that
-microbatch (`ClaimedStep`).
-
-* **Exact loss.** The step's global count of loss items is known before the first claim: counted from the queue alone
-  where it can be (DPO: one item per pair), else each rank collates a ``1/W`` share of the queue (microbatches
-  ``rank, rank + W, ...``) to count its label tokens, and one all-reduce adds the shares. A counted microbatch that
-  the same rank later claims is not collated again; one claimed by another rank was read twice (the only extra data
-  work of the plan).
-* **No claim ahead.** A rank claims its next microbatch only after the previous one's backward: a microbatch claimed
-  early is one an idle peer cannot take, and at the end of the step that is exactly the imbalance the plan removes.
-  Loading and collating on claim is on the rank's critical path instead; the Trainer's map-style datasets are tokenized
-  ahead, so this is an index lookup plus the collator (measured in benchmarks/README.md).
-* **Gradients.** A rank learns that a microbatch was its last only when its next claim finds none left, so the step
-  loop syncs after every microbatch and the engine's step memory policy decides what that means: a scatter-add per
-  microbatch (``neither``, ``params``), or gradients kept unsharded until ``pre_optimizer_step`` (``grads``,
-  ``both``). The queue has more microbatches than a static plan, so keeping them saves more here.
+Every rank's dataloader item is the step's whole queue (`ClaimQueue`), costliest first, nothing fetched yet; the step
+loop claims the next index (`ODCEngine.claim_microbatches`) when the rank is free, after the previous microbatch's
+backward, then loads and collates only that microbatch (`ClaimedStep`). The step's loss items are counted before the
+first claim (from the queue, or a ``1/W`` share collated per rank and one all-reduce). A rank learns that a microbatch
+was its last only at its next claim, so the engine's memory policy decides what syncing after each one means. See
+docs/planning.md ("dynamic").
 """
 
 from __future__ import annotations

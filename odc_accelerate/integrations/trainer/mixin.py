@@ -1,52 +1,9 @@
 """`ODCTrainerMixin`: runs a `transformers.Trainer` (or TRL trainer) with ODC.
 
-What the mixin changes, and why:
-
-* **Accelerator.** The Trainer has no argument for a plugin, so the mixin builds an `ODCPlugin` (FSDP2 + ODC engine)
-  from the resolved `ODCConfig` and the launch's FSDP settings, and refuses FSDP1, DDP or no FSDP with one error.
-* **One dataloader item = this rank's whole optimizer step.** A `LengthBalancedBatchSampler` plans every step over
-  all ranks (``samples_per_step = per_device_train_batch_size x gradient_accumulation_steps x world_size`` unless set),
-  and each rank gets its own list of microbatches, so ranks may run different numbers of microbatches. The
-  Trainer's gradient accumulation would count microbatches globally and deadlock, so it runs with
-  ``gradient_accumulation_steps=1`` and ``training_step`` loops the microbatches itself; the effective batch is
-  unchanged. accelerate's re-sharding of the dataloader is bypassed (the sampler is already rank-aware). With a
-  padded collator the plan is made on padded shapes. With ODC the engine's memory policy (``odc_memory_policy``)
-  decides whether gradients are scatter-added after every microbatch or once per step; without ODC every microbatch
-  but a rank's last runs under ``accelerator.no_sync``, as in the Trainer's own loop.
-* **Exact loss.** ``num_items_in_batch`` is the number of label tokens of the whole step over all ranks (one
-  all-reduce at the step start, before any microbatch); every microbatch's summed token loss is divided by it and
-  multiplied by the world size (the Trainer's ``average_tokens_across_devices`` scaling), which is
-  `odc_accelerate.loss_scale`: the loss equals one process's per-token mean over the global batch.
-* **No collective inside a step.** ``accelerator.gather_for_metrics`` calls made during the microbatches (TRL makes
-  several per microbatch) are answered locally and recorded; one all-reduce at the step boundary produces the global
-  values (see `metrics.reduce_step_metrics` and `ODCTrainerMixin._odc_finalize_metrics`).
-* **Step boundary.** ``engine.pre_optimizer_step()`` runs at the end of ``training_step``, so the Trainer's grad-norm
-  and clipping see the final gradients; `ODCCallback.on_optimizer_step` calls ``engine.post_optimizer_step()``.
-* **Metrics** (logged with the loss, so they land in ``trainer_state.json``'s ``log_history``; ``odc_metrics``):
-  ``odc/tokens_per_s`` (non-padding input tokens of all ranks per second of wall time), ``odc/step_s``,
-  ``odc/microbatches_min|max``, ``odc/bubble_pct``, and the minimum, maximum and mean over ranks of busy (a rank's own
-  forward and backward) and wait (the rest of the step: barriers, metric reductions, collectives, the optimizer);
-  each rank's own with ``odc_metrics=per_rank`` (see `timing.StepTimer`). Plain FSDP2 runs through this mixin log the
-  same keys when asked, measured the same way; ``odc_time_collectives`` makes FSDP2's waits inside its per-layer
-  collectives count as wait instead of busy.
-* **Dynamic plan** (``odc_plan: dynamic``). Every rank's item is the step's queue of microbatches; each rank claims
-  the next one when it is free and loads and collates only what it claims (see `dynamic`).
-* **Streams.** A training set without length or indexing (``--dataset_streaming true``) is planned one step at a
-  time: every rank reads the whole stream and keeps its own microbatches (`~odc_accelerate.planning.StreamingStepPlanner`).
-* **A plain Trainer's per-batch-mean loss** (a script's ``compute_loss`` the Trainer divides by the accumulation
-  steps) is weighted by ``rows x W / rows of the step``: the mean over the step's rows (`plain`, `step`).
-* **Refused under a plan:** the plain Trainer's own loss where it would be a mean per microbatch,
-  ``average_tokens_across_devices=False`` with a loss normalised by ``num_items_in_batch`` (the plain Trainer's and
-  SFT's), collators that cannot collate samples of different lengths together, and a ``get_train_dataloader`` that
-  does not return ODC's step loader (`plain`); a mixture-of-experts router's auxiliary loss
-  (TRL's ``router_aux_loss_coef``, on by default for such models), a function of which samples share a microbatch
-  (`setup.check_router_aux_loss`).
-* **Trainers served.** ``transformers.Trainer`` and TRL's SFT, DPO, GRPO, RLOO and reward trainers through the ODC
-  classes (and subclasses of them); the mixin on any other TRL trainer (KTO, ORPO, CPO, online DPO, ...) is refused by
-  name at construction (`odc_accelerate.integrations.trl.unsupported.check_mixin_trainer`).
-* **Checkpoints.** After the Trainer loads weights, ``engine.republish()`` makes peers read the loaded shards. The
-  sampler is deterministic (seed, epoch, step) and a stream is read in its own order, so skipping the trained steps
-  resumes the exact data order.
+The mixin builds the `ODCPlugin`, makes one dataloader item this rank's whole optimizer step (the Trainer runs with
+``gradient_accumulation_steps=1`` and ``training_step`` loops the microbatches), makes the loss exact over the global
+batch, answers metric gathers locally and reduces them once per step, logs the ``odc/*`` metrics, and refuses what a
+plan cannot serve. What it changes and why: docs/integrations.md, "The transformers `Trainer`: `ODCTrainerMixin`".
 """
 
 from __future__ import annotations

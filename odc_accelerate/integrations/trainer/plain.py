@@ -1,34 +1,11 @@
 """What a plan needs of the plain `transformers.Trainer`: a loss ODC can make exact, a collator that collates the
 microbatches a plan makes, and ODC's own training loader.
 
-A plan puts samples of different lengths in one microbatch and runs a step as one accumulation step (the ODC
-trainer loops the rank's microbatches itself), so:
-
-* **Loss.** transformers' contract decides what ``compute_loss`` returns (`tcompat.loss_is_scaled_for_ga`):
-
-  - normalised by ``num_items_in_batch`` (the model takes the loss keyword arguments, or a ``compute_loss_func``):
-    the count is the label tokens of the whole step over all ranks (the ODC step loop counts them as the Trainer
-    does) and the Trainer multiplies by the number of processes: exact under a plan with
-    ``average_tokens_across_devices=True`` (the default). With it off, plain FSDP2 normalises each rank's loss by that
-    rank's own label tokens: a function of which samples the plan puts on which rank, so `check_token_mean_loss`
-    refuses it. The Trainer's own loss for a model whose ``forward`` takes no loss keyword arguments would be a mean
-    per microbatch of its tokens, and is refused too.
-  - a mean per batch (the Trainer divides it by the accumulation steps: a script's ``compute_loss`` with
-    ``loss_is_scaled_for_ga = False``): plain FSDP2 averages the ``G`` microbatch means of every rank, and the step
-    loop weights each planned microbatch's mean by ``rows x W / rows of the step`` (`weights_batch_mean_loss`): the
-    mean over the step's rows of a per-row loss, what plain FSDP2 computes whatever the microbatches. A loss that is
-    a mean over the tokens of a microbatch is the same only for rows with equally many label tokens.
-
-* **Collators.** Those that pad (``DataCollatorForLanguageModeling(mlm=False)``: labels from ``input_ids``, padding
-  as -100) or pack (``DataCollatorWithFlattening``) collate any microbatch. ``default_data_collator`` (and
-  ``DefaultDataCollator``) stack samples without padding: they collate only samples of one length.
-  ``DataCollatorWithPadding`` pads ``input_ids`` and ``attention_mask``, renames ``label`` / ``label_ids`` to
-  ``labels`` and pads no labels: one label per sample (sequence classification) collates any microbatch, per-token
-  labels only samples of one length. `check_collator` refuses what cannot collate before training (run_clm's
-  ``group_texts`` blocks are of one length).
-* **The training loader.** Under a plan a loader item is a rank's whole step; a ``get_train_dataloader`` of the
-  script's own (or of a library's Trainer subclass) that does not return ODC's loader is refused by name before the
-  model is prepared (`check_step_loader`).
+`check_token_mean_loss` refuses a loss that a plan would change (``average_tokens_across_devices=False`` with a loss
+normalised by ``num_items_in_batch``, or the Trainer's own per-microbatch mean), `weights_batch_mean_loss` says when a
+per-batch mean is weighted by ``rows x W / rows of the step``, `check_collator` refuses collators that cannot collate
+samples of different lengths, and `check_step_loader` a ``get_train_dataloader`` that does not return ODC's loader.
+The rules, collator by collator: docs/integrations.md, "The plain `transformers.Trainer`: `ODCTrainer`".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The balanced step of the ODC Trainer: this rank's microbatches, exact loss, no collective inside the step.
 
-* ``num_items_in_batch`` is the number of loss items (label tokens; DPO: pairs) of the whole step over all ranks: one
-  all-reduce at the step start, before any microbatch. Every microbatch's summed loss is divided by it and multiplied
-  by the world size (the Trainer's ``average_tokens_across_devices`` scaling, `odc_accelerate.loss_scale`): the loss
-  equals one process's mean over the global batch.
-* ``accelerator.gather_for_metrics`` / ``gather`` / ``reduce`` calls made during the microbatches (TRL makes several
-  per microbatch) are answered locally and recorded; one all-reduce at the step boundary produces the global values
-  (`metrics.reduce_step_metrics`, `_odc_finalize_metrics`).
-* A loss that is a mean over its microbatch (a plain Trainer's ``compute_loss`` that the Trainer divides by the
-  accumulation steps, `plain.weights_batch_mean_loss`) is weighted by ``rows x W / rows of the step``
-  (`odc_accelerate.loss.batch_mean_weight`; the rows of the step are counted in the same all-reduce): the mean over
-  the step's rows, what plain FSDP2 gives for a per-row loss whatever the microbatches.
-* A `ZeroWeightMicrobatch` (an empty ``lockstep`` slot under plain FSDP2, see `data.StepCollator`) runs its forward
-  and backward with its loss scaled by 0, which keeps FSDP2's per-layer collectives paired across ranks; it adds
-  nothing to the gradient, the step's loss, its count of loss items, input tokens or metrics.
-* ``engine.pre_optimizer_step()`` runs at the end of ``training_step``, so the Trainer's grad-norm and clipping see
-  the final gradients; `ODCCallback.on_optimizer_step` calls `odc_after_optimizer_step`.
+One all-reduce at the step start counts the step's loss items (and rows) over all ranks; each microbatch's loss is
+scaled by `odc_accelerate.loss_scale` (or `odc_accelerate.loss.batch_mean_weight` for a per-batch mean). Metric
+gathers during the microbatches are answered locally and reduced at the step boundary. A `ZeroWeightMicrobatch` (an
+empty ``lockstep`` slot under plain FSDP2) runs with its loss scaled by 0 so FSDP2's collectives stay paired.
+``engine.pre_optimizer_step()`` runs at the end of ``training_step``, before the Trainer's clipping.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """ODC for TRL: the SFT, DPO, GRPO, reward-model and RLOO trainers and their training arguments (``--odc true`` and
 friends).
 
-```python
-from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
-
-args = ODCSFTConfig(output_dir="out", odc=True, odc_max_tokens_per_microbatch=4096)
-trainer = ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-trainer.train()
-trainer.end()  # closes the ODC engine and destroys the process group
-```
-
-The ODC fields parse from the command line (``--odc true --odc_plan lockstep``) and from a TRL ``--config
-recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_accelerate.config.ODCConfig`).
-
-One module per concern:
-
-* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
-  `ODCRLOOConfig`);
-* `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each;
-* `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
-* `grpo_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
-* `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
-* `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
-* `metrics`: TRL's per-microbatch metrics turned into one global value per step;
-* `rollouts`: generated completions re-batched per row and per planned microbatch;
-* `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
-
-TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`, one module per trainer as
-here. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
+One module per trainer (`sft`, `dpo`, `grpo`, `reward`, `rloo`) and per shared concern (`config`, `online`,
+`grpo_checks`, `unsupported`, `reference`, `metrics`, `rollouts`, `loss`); TRL's internals are in
+`odc_accelerate._compat.trl`. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
+Usage and what each trainer changes: docs/integrations.md.
 """
 
 from importlib import import_module

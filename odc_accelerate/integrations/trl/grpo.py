@@ -1,27 +1,9 @@
 """ODC for TRL's GRPO: `ODCGRPOConfig` / `ODCGRPOTrainer` (``--odc true`` and friends).
 
-A GRPO step generates completions for the step's prompts, scores them, and trains on them. ODC changes both halves:
-
-* **Generation.** Without vLLM, TRL generates with the FSDP2-sharded policy: every decode step runs the per-layer
-  all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
-  longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
-  last token: generation makes no collective and waits for no peer. With vLLM (``--use_vllm true --vllm_mode
-  colocate``) TRL's weight sync gathers the full model with a collective per parameter on every rank; under ODC
-  each rank refreshes its own engine from the published shards instead, with no collective, and generates its own
-  prompts.
-* **Training.** ODC always plans (``--odc_plan free`` unless ``lockstep`` or ``dynamic`` is asked for): the step's completions, from
-  every rank, are planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a
-  microbatch), so ranks run different numbers of microbatches of balanced cost. Each microbatch's loss is rescaled
-  for its loss type so that the step's gradient is that of one process over the whole global batch (see
-  `odc_accelerate.integrations.trl.loss.grpo_loss_weight`).
-
-```python
-from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
-
-args = ODCGRPOConfig(output_dir="out", odc=True, odc_plan="free")
-trainer = ODCGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts)
-trainer.train()
-```
+Generation makes no collective (`.online.ODCOnlineTrainerMixin`: each rank decodes its own prompts, or refreshes its
+own colocated vLLM engine from the published shards); the step's completions are planned over all ranks like SFT
+samples (``--odc_plan free`` unless ``lockstep`` or ``dynamic``), and each microbatch's loss is weighted for its loss
+type (`.loss.grpo_loss_weight`). See docs/integrations.md, "TRL GRPO".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """What ODC's online TRL trainers share (GRPO, RLOO): generate on each rank without a collective, then plan and train.
 
-An online step generates completions for the step's prompts, scores them, and trains on them:
-
-* **Generation.** Without vLLM, TRL generates with the FSDP2-sharded policy: every decode step runs the per-layer
-  all-gathers, so transformers keeps every rank decoding (``synced_gpus``, one all-reduce per decode step) until the
-  longest completion of any rank is done. Under ODC the gathers are one-sided reads, and each rank stops at its own
-  last token: ``generate`` makes no collective and waits for no peer. With vLLM (``--use_vllm true --vllm_mode
-  colocate``) TRL's weight sync gathers the full model with a collective per parameter on every rank; under ODC each
-  rank refreshes its own engine from the published shards instead, with no collective, and generates its own prompts.
-  Scoring is TRL's own, once per step (its reward and length gathers).
-* **Training.** One optimizer step is one generation batch (``per_device_train_batch_size x
-  gradient_accumulation_steps`` completions per rank, as in TRL). Its completions, from every rank, are gathered once
-  and planned like SFT samples (a prompt + its completion is one sample, padded as TRL pads a microbatch), so ranks
-  run different numbers of microbatches of balanced cost; each microbatch's loss is rescaled by the trainer
-  (`_odc_loss_weight`) so that the step's gradient is that of one process over the whole global batch.
-
-A trainer built on `ODCOnlineTrainerMixin` puts it first in its bases (before `ODCReferenceModelMixin`,
-`ODCTrainerMixin` and TRL's trainer) and says what differs: its batch keys (``odc_rollout_keys``), what TRL's
-``__init__`` runs inside (`_odc_init_context`), its compat check (`_odc_check_trainer`), the settings it refuses
-(`_odc_check_settings`, the ODC Trainer's hook), the loss weight (`_odc_loss_weight`) and the step's metrics
-(`_odc_finalize_metrics`).
+Generation: transformers' ``generate`` without ``synced_gpus`` over ODC's one-sided reads, or a colocated vLLM engine
+refreshed from the published shards; TRL scores once per step. Training: one optimizer step is one generation batch,
+its completions gathered once and planned like SFT samples, each microbatch's loss weighted by the trainer. A trainer
+puts `ODCOnlineTrainerMixin` first in its bases and supplies ``odc_rollout_keys``, `_odc_init_context`,
+`_odc_check_trainer`, `_odc_check_settings`, `_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
 """
 
 from __future__ import annotations

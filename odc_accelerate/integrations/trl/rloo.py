@@ -1,34 +1,9 @@
 """ODC for TRL's RLOO: `ODCRLOOTrainer` (``--odc true`` and friends; the arguments are `ODCRLOOConfig`).
 
-RLOO generates like GRPO, so the ODC trainer shares GRPO's machinery (`.online.ODCOnlineTrainerMixin`): each rank
-generates its own prompts with no collective (transformers' ``generate`` without ``synced_gpus``, or its own colocated
-vLLM engine refreshed from ODC's shards), TRL scores them, and the step's completions are planned over all ranks.
-
-What is RLOO's own, and exact under the plan:
-
-* **Advantages** are TRL's: at generation TRL gathers every rank's rewards and per-sequence KL terms (``rewards -=
-  beta x sum(old - ref log-probs)``), subtracts the NaN-aware leave-one-out baseline of each group of
-  ``num_generations`` and, with ``normalize_advantages``, normalises over the whole generation batch. Under ODC that
-  batch is the step's global batch, as in TRL (one generation batch per optimizer step), so the advantages are the
-  same whichever rank holds a group; each completion then carries its advantage and its ``old_logps`` through the
-  plan.
-* **Loss**: TRL's sequence-level PPO clip, a mean over a microbatch's sequences; each planned microbatch's loss is
-  multiplied by ``rows x W / completions of the step`` (`.loss.rloo_loss_weight`), so the step's gradient is one
-  process's over the global batch whatever the split over ranks and microbatches.
-* **Metrics**: the entropy and clip ratios TRL reduces per microbatch are answered locally and reduced once per step
-  (`.metrics.finalize_rloo_metrics`), plus the ODC step metrics.
-
-Refused at set-up under a plan, with what to change: several iterations per generation batch (``num_iterations``),
-``steps_per_generation`` other than the accumulation steps, a MoE router's auxiliary loss, streamed prompts; under ODC:
-``sync_ref_model`` and vLLM's server mode or tensor-parallel engines.
-
-```python
-from odc_accelerate.integrations.trl import ODCRLOOConfig, ODCRLOOTrainer
-
-args = ODCRLOOConfig(output_dir="out", odc=True, beta=0.05)
-trainer = ODCRLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts)
-trainer.train()
-```
+RLOO generates like GRPO (`.online.ODCOnlineTrainerMixin`). Its advantages are TRL's, computed over the step's global
+batch at generation; each planned microbatch's sequence-level loss is weighted by ``rows x W / completions of the
+step`` (`.loss.rloo_loss_weight`); entropy and clip ratios are reduced once per step
+(`.metrics.finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The TRL trainers ODC serves and refuses, and why: a run that asks for ODC stops before training with one of these
 reasons, and so does `odc_accelerate.ODCTrainerMixin` on a TRL trainer it does not serve, in any launch.
 
-ODC serves TRL's SFT, DPO, GRPO, RLOO and reward trainers through its own classes (`SERVED_TRAINERS`), which weight
-each planned microbatch's loss and answer TRL's per-microbatch collectives; any other TRL trainer has a loss and
-collectives ODC has not been made for. The refused ones whose reason is known (`UNSUPPORTED_TRAINERS`):
-
-* ``KTOTrainer``: the KL estimate in its loss is ``gather_for_metrics`` of every rank's mean KL at the same
-  accumulation index, then averaged (TRL's ``kto_trainer.py``), a value that depends on how the step's examples are
-  split over ranks and microbatches. Under ODC ranks run different numbers of microbatches, so the gather would pair
-  unrelated microbatches or wait forever, and a local answer would change the loss.
-* ``DistillationTrainer``: its loss calls ``full_tensor()`` on the student's sharded ``lm_head`` weight (an
-  all-gather) in every microbatch, and its teacher is a second model that FSDP2 does not shard (accelerate neither
-  wraps nor moves it), so ODC can serve neither.
-* ``ORPOTrainer``, ``CPOTrainer`` (TRL's experimental ones): the loss is a mean over the microbatch's pairs plus a
-  mean NLL over its chosen tokens, so under a plan the planned microbatches' means would be summed with no weight.
-* ``OnlineDPOTrainer`` (experimental): generates inside every training step with ``gather_object`` of the prompts (a
-  collective), and its loss is a mean over the microbatch's pairs.
-
-The check goes by the names of TRL's classes among the trainer's bases, so a trainer built on top of one of them
-(and one imported from where TRL defines it) is refused as well, and no TRL module is imported for it.
+`SERVED_TRAINERS` are served through ODC's own classes; `UNSUPPORTED_TRAINERS` holds the known reasons (KTO,
+distillation, ORPO, CPO, online DPO). The check goes by the names of TRL's classes among the trainer's bases, so a
+subclass is refused as well and no TRL module is imported for it. The reasons: docs/integrations.md, "TRL trainers
+ODC refuses".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Triton kernels of the CUDA transport: ``accumulate_(dst, src)``, one fused cast-and-atomic-add.
 
-``dst += src`` for 1-D tensors of equal length, where ``dst`` may be a peer's accumulator mapped through symmetric
-memory. Each program loads ``src`` in its own dtype (fp32, bf16 or fp16), converts in registers and adds into ``dst``
-(fp32, or bf16) with relaxed atomic reductions of system scope: adds arriving from other GPUs over NVLink are atomic
-with this GPU's own. It reads no index vector and stages nothing for the cast: on sm_90, with 16-byte aligned data
-(every accumulator view of the segment plan is), each thread issues 16-byte vector atomic adds
-(``red.global.sys.relaxed.add.v4.f32`` from Triton 3.9 on; Triton 3.6-3.8 write it as an ``atom`` whose result goes
-unused).
-
-Triton is imported on first use, so the package imports without it (torch's CPU wheels come without Triton).
-`kernel_available` says whether the kernel can run for a device and accumulator dtype, and why not, without compiling;
-`probe` then compiles and launches it once on a scratch area, so that a Triton toolchain problem (no C compiler for
-its launcher, no ptxas) shows at set-up. The transport falls back to ``index_add_`` where either says no. CPU tensors
-run the kernel under Triton's interpreter (``TRITON_INTERPRET=1``): slow, for checking its logic in tests.
-
-Launch parameters: `BLOCK` elements per program and loop iteration, `NUM_WARPS` warps per program, and a grid of at
-most ``sm_share`` x the GPU's SMs programs (default `default_sm_share` of the source dtype), each looping over the
-blocks: the adds run while the backward pass computes, and a capped grid leaves the other SMs to it.
+``dst += src`` (1-D, ``dst`` possibly a peer's accumulator mapped through symmetric memory), ``src`` read in its own
+dtype and added with system-scope atomics, staging nothing. Triton is imported on first use; `kernel_available` says
+without compiling whether the kernel can run, `probe` compiles and launches it once at set-up; the transport falls back
+to ``index_add_`` where either says no. CPU tensors run it under ``TRITON_INTERPRET=1`` (tests). Launch parameters
+(`BLOCK`, `NUM_WARPS`, the ``sm_share`` grid cap) and their measurements: docs/transports.md, "The accumulate kernel".
 """
 
 from __future__ import annotations

@@ -2,19 +2,8 @@
 
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
 device, so the unit tests exercise it on CPU; :mod:`.device` supplies the GPU facts, :mod:`.transport` the
-symmetric-memory segment and the streams.
-
-The design (see ``docs/transports.md``): every rank's segment holds its published shards and its gradient
-accumulators, and a sender adds its slice straight into the owner's accumulator with native atomic adds over the peer
-mapping. The adds take one of two paths:
-
-* the accumulate kernel (:mod:`.kernels`, Triton): reads the gradient in its own dtype, casts in registers and adds
-  with system-scope atomics; it needs no device memory of its own (``staged=False``: no pool);
-* the fallback where Triton cannot run, ``index_add_`` (its CUDA kernel uses ``atomicAdd``) through a staging pool of
-  a fixed, configurable size: the index vector ``index_add_`` needs and one chunk of the accumulator's dtype for
-  casting a low-precision gradient before the add, in chunks of at most ``chunk_numel`` elements.
-
-Either way the transport's memory is ``published + accumulator (+ pool)`` whatever the world size.
+symmetric-memory segment and the streams. The two add paths (the Triton kernel, or ``index_add_`` through a staging
+pool of fixed size) and the memory they take: docs/transports.md, "`cuda`".
 """
 
 from __future__ import annotations

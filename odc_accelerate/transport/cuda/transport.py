@@ -1,43 +1,11 @@
 """CUDA transport for the GPUs of one node: torch symmetric memory for data, shared memory for control.
 
-Ran on one H100, two ranks sharing it (``docs/gpu.md``): engine parity with one process, SFT, DPO and GRPO Trainer
-steps, and the accumulate kernel at its current launch parameters; not yet on several GPUs. Its host-side logic
-(:mod:`.plan`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
-``scripts/gpu_session.sh`` checks it on a GPU.
-
-Data plane. Every rank allocates one segment with torch's symmetric memory (through
-:mod:`odc_accelerate._compat.torch.symm_mem`, which holds the symmetric-memory internals the project uses) and maps
-every peer's segment after ``rendezvous``. A segment holds the rank's published shards and its gradient accumulators,
-nothing per peer:
-
-* ``read(peer, name, out)`` is ``out.copy_(peer_view)`` enqueued on the caller's current stream: the published shard
-  is already there, so nothing waits for the peer and the host does not block;
-* ``accumulate(owner, name, src)`` adds ``src`` straight into the owner's accumulator with atomic adds over the peer
-  mapping: the accumulate kernel (:mod:`.kernels`, Triton) reads ``src`` in its own dtype, casts in registers and
-  adds with system-scope vector atomics, staging nothing. Each rank compiles and launches it once at set-up on a
-  scratch area (`.kernels.probe`) and the ranks exchange the outcome with their device facts (:mod:`.device`): where
-  Triton cannot run on some rank (not installed, a GPU older than sm_80, a bf16 accumulator before sm_90, a failed
-  compile or launch) every rank takes the fallback, said once in the log and named by ``accumulate_path`` and
-  ``accumulate_reason``: ``index_add_`` (its CUDA kernel uses device-scope ``atomicAdd``) in chunks through a staging
-  pool of fixed size (the index vector, and the fp32 cast of a bf16 gradient). The owner takes no part, and its own
-  adds use the same atomic path, since peers add into the same memory at the same time.
-
-Memory per rank: published shards + accumulators (fp32 unless ``accumulate_dtype`` says less), + on the fallback the
-staging pool (``staging_mib``, default 64 MiB), whatever the world size. Before allocating, the ranks exchange their
-device facts and refuse together, naming what to change, when: a GPU is shared without
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, the
-symmetric-memory backend is not CUDA, or the memory does not fit; and, where something is accumulated (the ``atomic``
-reduction), peer-to-peer atomics are not native (PCIe) or deterministic algorithms are on. The ``ordered`` reduction
-accumulates nothing (`choose_reduction` picks it, where ``odc_reduction`` was not given, instead of that refusal). Multicast (NVLS) is never bound for
-the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
-
-Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
-dead-peer detection) and holds each rank's set-up phase, which a watchdog (:mod:`.watchdog`) reads while the
-symmetric-memory allocation and rendezvous run: they have no timeout, so a rank failing or stalling there ends its
-blocked peers with a message naming it. ``flush`` waits for this rank's own queued GPU work on the streams it used
-(its reads, adds and publishes land), not the whole device; ``barrier`` flushes, then meets the peers on the host,
-so only the second part is time spent waiting for peers. The ``dynamic``
-plan's claims are the control plane's too (host memory: the ranks share a host).
+Data plane: one symmetric-memory segment per rank (published shards and accumulators, nothing per peer); ``read`` is a
+copy on the caller's stream, ``accumulate`` an atomic add into the owner's accumulator (the :mod:`.kernels` kernel, or
+``index_add_`` through a staging pool where Triton cannot run on some rank). Control plane: a small ``ShmTransport``
+(barrier, dead-peer detection, ``claim``) and a :mod:`.watchdog` over the set-up steps that have no timeout. The ranks
+exchange device facts and refuse together before allocating. Design, memory, refusals and what ran on a GPU:
+docs/transports.md ("`cuda`") and docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The network transport's service: the side of a rank that serves its buffers to its peers.
 
-Ranks on different hosts share no memory, so every rank runs a service that owns its registered buffers and answers
-peers without the training thread taking part:
-
-* a listening socket and one handler thread per connected peer. A handler serves ``read`` requests straight from the
-  owner's buffer and applies ``accumulate`` payloads in chunks under a per-buffer lock (the owner's own ``accumulate``
-  into itself takes the same lock), so concurrent adds from many ranks lose nothing;
-* each handler processes its connection's messages in order, which is what lets a peer's barrier arrival stand for
-  every add it sent before (`.transport.NetworkTransport.barrier`);
-* what the peers say besides data (hellos, barrier arrivals, goodbyes, ranks they saw fail) goes into `PeerStatus`,
-  which the training thread's side waits on;
-* rank 0's service also answers ``claim`` (the ``dynamic`` plan's fetch-and-add) from the same counter as rank 0's
-  own training thread.
+A listening socket and one handler thread per peer: reads are served from the owner's buffer, adds applied in chunks
+under a per-buffer lock, each connection's messages in order (so a barrier arrival stands for every add sent before
+it). Peers' hellos, arrivals, goodbyes and reported failures go into `PeerStatus`; rank 0's service also answers
+``claim``. See docs/transports.md, "Protocol details".
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Network transport: one-sided reads and accumulates over TCP, served by a background thread on each owner.
 
-Ranks on different hosts share no memory, so every rank runs a service (`.service.NetworkService`) that owns its
-registered buffers and answers peers without the training thread taking part. This module is the training thread's
-side, `NetworkTransport`:
-
-* one persistent outgoing connection per peer (``TCP_NODELAY``) used by the training thread. Tensor bytes go to
-  and come from the kernel without extra copies (``memoryview`` of the tensor's storage);
-* accumulates are fire-and-forget: TCP keeps a connection's messages in order and each handler processes its
-  connection sequentially, so when rank ``r``'s barrier arrival reaches owner ``o``, every add ``r`` sent to ``o``
-  before it has already been applied. This is what makes one barrier per optimizer step enough, and it keeps the
-  round trip off the scatter path;
-* ``claim`` (the ``dynamic`` plan's fetch-and-add) is served by rank 0: its service thread (or its own training
-  thread) reads and bumps the round's counter under one lock and answers with the value before the add;
-* ``barrier`` sends an arrival (a counter) to every peer and waits until every peer's arrival has reached this
-  rank's service. A peer whose connection closes without a goodbye (a crash, ``SIGKILL``) is noticed by the
-  handler at once and named in :class:`~odc_accelerate.transport.ODCTimeoutError`; so is a peer that closed its
-  transport or a send/receive that fails. Every socket wait honours ``timeout``.
-
-``register`` (or `NetworkTransport.serve`, for buffers the caller owns) is the only place that uses
-``torch.distributed`` (one ``all_gather_object`` over ``group`` to swap addresses and agree on a job id); connections
-carry that job id so a stray client cannot join.
-
-Addresses: the service binds one IPv4 address, by default the local address of the interface that routes to
-``MASTER_ADDR`` (the one torch.distributed itself reaches the other ranks through), else the host name's address.
-Pass ``address=`` to choose.
+This is the training thread's side, `NetworkTransport`: one persistent ``TCP_NODELAY`` connection per peer, tensor
+bytes sent without copies, fire-and-forget adds (ordered per connection, so one barrier per step is enough), ``claim``
+served by rank 0, and a barrier that names a peer whose connection closed without a goodbye. ``register`` is its only
+``torch.distributed`` call (addresses and a job id). Protocol, address choice and wire format: docs/transports.md,
+"Protocol details".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """Wire format of the network transport: one fixed header per message, and the socket helpers both sides use.
 
-Every message starts with `HEADER`: the operation, a buffer index, and two 64-bit fields ``a`` and ``b``:
-
-============  ==========  =================  ===========  ========================================================
-operation     index       ``a``              ``b``        what follows
-============  ==========  =================  ===========  ========================================================
-`HELLO`       0           the sender's rank  0            the job id (`JOB_BYTES`); the service answers `HELLO_OK`
-`READ`        the buffer  0                  0            the service answers with the buffer's bytes
-`ACCUMULATE`  the buffer  bytes to add       byte offset  the bytes, added into the buffer from ``b`` on
-`CLAIM`       0           the round          0            the service answers with `CLAIM_REPLY`
-`ARRIVE`      0           barrier counter    0            nothing
-`ABORT`       0           a rank seen dead   0            nothing
-`BYE`         0           0                  0            nothing: the sender closed its transport
-============  ==========  =================  ===========  ========================================================
+Every message starts with `HEADER` (operation, buffer index, two 64-bit fields ``a`` and ``b``); the table of
+operations is in docs/transports.md, "Protocol details".
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
     from trl import GRPOConfig, GRPOTrainer, TrlParser
     from trl.trainer import grpo_trainer
 
-    from odc_accelerate.data import ascii_text_reward, continuation_overlap_reward, offline_grpo_dataset
+    from odc_accelerate.demo import ascii_text_reward, continuation_overlap_reward, offline_grpo_dataset
 
     replay_args, args = TrlParser((ReplayArguments, GRPOConfig)).parse_args_into_dataclasses(argv)
     ReplayVLLMGeneration.calls = _recorded(replay_args.odc_run)

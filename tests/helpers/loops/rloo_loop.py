@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, set_seed
     from trl import RLOOConfig, RLOOTrainer, TrlParser
 
-    from odc_accelerate.data import load_offline_tokenizer, offline_texts, tiny_qwen2_config
+    from odc_accelerate.demo import load_offline_tokenizer, offline_texts, tiny_qwen2_config
     from odc_accelerate.integrations.trl import ODCRLOOConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)

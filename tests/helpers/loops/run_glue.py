@@ -47,7 +47,7 @@ class MyLoaderTrainer(Trainer):
 
 
 def main() -> None:
-    from odc_accelerate.data import load_offline_tokenizer, offline_sft_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_sft_dataset
     from odc_accelerate.testing.models import tiny_causal_lm_config
 
     script_args, training_args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()

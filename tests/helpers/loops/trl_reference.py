@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, set_seed
 def _model(seed: int, path: str | None = None) -> AutoModelForCausalLM:
     if path is not None:  # as the scripts load --model_name_or_path (TRL's default dtype for a path is float32)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
 
     config = tiny_qwen2_config()
     set_seed(seed)  # as the examples: every model starts from the weights of this seed
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from odc_accelerate._compat.trl import lm_head as trl_lm_head
-    from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
+    from odc_accelerate.demo import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
     parser.add_argument("trainer", choices=["sft", "dpo", "reward"])

@@ -42,7 +42,7 @@ CHECK_PROMPT_WORDS = 24
 
 
 def _check_prompts(tokenizer: Any) -> list[list[int]]:
-    from odc_accelerate.data import offline_texts
+    from odc_accelerate.demo import offline_texts
 
     texts = [" ".join(t.split()[:CHECK_PROMPT_WORDS]) for t in offline_texts()[:CHECK_PROMPTS]]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

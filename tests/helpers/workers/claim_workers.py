@@ -23,7 +23,7 @@ BACKENDS = ("shm", "network", "hierarchical", "cuda-on-cpu", "store")
 def _transport(backend: str, rank: int, world_size: int, timeout: float) -> Any:
     """The transport whose barrier ends each round (the store fallback uses ``shm``'s barrier)."""
     if backend == "cuda-on-cpu":
-        from tests.gpu.gpu_check import CpuSegmentsCudaTransport
+        from tests.gpu.check_common import CpuSegmentsCudaTransport
 
         transport = CpuSegmentsCudaTransport(rank, world_size, timeout=timeout)
     else:

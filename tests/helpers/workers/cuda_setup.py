@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from odc_accelerate.transport import BufferSpec
-from tests.gpu.gpu_check import CpuSegmentsCudaTransport
+from tests.gpu.check_common import CpuSegmentsCudaTransport
 
 FOREVER = 3600.0  # longer than any test's limit: only the watchdog can end it
 

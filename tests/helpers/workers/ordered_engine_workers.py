@@ -25,7 +25,7 @@ from .engine_workers import full_params
 def _transport(kind: str, rank: int, world_size: int) -> Any:
     """The engine's ``transport`` argument for ``kind``: a name, or the 'cuda' transport's protocol on CPU."""
     if kind == "cuda-on-cpu":
-        from tests.gpu.gpu_check import CpuSegmentsCudaTransport
+        from tests.gpu.check_common import CpuSegmentsCudaTransport
 
         os.environ["ODC_HOST_ID"] = "one-host"
         return CpuSegmentsCudaTransport(rank, world_size, timeout=60.0)

@@ -30,7 +30,7 @@ def _transport(kind: str, rank: int, world_size: int):
     from odc_accelerate.transport import create_transport
 
     if kind == "cuda-on-cpu":
-        from tests.gpu.gpu_check import CpuSegmentsCudaTransport
+        from tests.gpu.check_common import CpuSegmentsCudaTransport
 
         os.environ["ODC_HOST_ID"] = "one-host"
         return CpuSegmentsCudaTransport(rank, world_size, timeout=60.0)

@@ -15,7 +15,7 @@ def tiny_lora_model(seed: int = 0) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.data import tiny_qwen2_config
+    from odc_accelerate.demo import tiny_qwen2_config
 
     set_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(hidden_size=32), dtype=torch.float32)

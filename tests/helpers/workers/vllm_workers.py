@@ -33,7 +33,7 @@ def tiny_model_and_tokenizer(seed: int = 0, tied: bool = False) -> tuple[Any, An
     LM head is the input embedding (``tie_word_embeddings``, as Qwen2.5 0.5B-3B)."""
     from transformers import AutoModelForCausalLM, set_seed
 
-    from odc_accelerate.data import load_offline_tokenizer, tiny_qwen2_config
+    from odc_accelerate.demo import load_offline_tokenizer, tiny_qwen2_config
 
     set_seed(seed)
     config = tiny_qwen2_config(**MODEL_SHAPE)
@@ -44,7 +44,7 @@ def tiny_model_and_tokenizer(seed: int = 0, tied: bool = False) -> tuple[Any, An
 
 def prompts_of(rank: int) -> list[str]:
     """Each rank's own prompts (a different number per rank): the openings of the offline texts."""
-    from odc_accelerate.data import offline_texts
+    from odc_accelerate.demo import offline_texts
 
     openings = [" ".join(text.split()[:8]) for text in offline_texts()[:5]]
     return openings[:2] if rank == 0 else openings[2:]
@@ -80,7 +80,7 @@ def train_sync_generate(rank: int, world_size: int, spec: dict[str, Any]) -> dic
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from odc_accelerate.data import offline_texts
+    from odc_accelerate.demo import offline_texts
     from odc_accelerate.engine import ODCEngine
     from odc_accelerate.integrations.vllm import iter_full_parameters, shutdown_vllm, sync_vllm_weights
     from odc_accelerate.testing.models import world_mesh

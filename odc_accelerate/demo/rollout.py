@@ -1,24 +1,10 @@
-"""Offline GRPO assets: prompts with real long-tailed completion lengths, rule-based rewards and a rollout.
-
-A small randomly initialised model almost never samples its EOS token, so with TRL's own generation every completion
-runs to ``max_completion_length`` and every rank gets the same amount of work. A trained policy stops: its completion
-lengths are long-tailed. The offline GRPO default emulates that stopping with real lengths:
-
-* `offline_grpo_dataset`: prompts are the openings of passages of Python's ``pydoc_data`` help topics; each row keeps
-  the passage's real ``continuation`` and its length in tokens, ``target_length``;
-* `TargetLengthRollout`: a ``rollout_func`` for `trl.GRPOTrainer` that samples every completion from the trained
-  model, in one ``generate`` call per generation batch, and stops each row once it has the length of its prompt's
-  real continuation; with vLLM generation (``use_vllm``), `TargetLengthRollout.limit_vllm` stops each of vLLM's
-  completions there instead (a per-prompt ``max_tokens``);
-* `continuation_overlap_reward` and `ascii_text_reward`: rewards computed from the text alone, no reward model.
-"""
+"""Completions that stop at their prompt's real continuation length, as a trained policy's would (TRL's
+``rollout_func``, or a per-prompt ``max_tokens`` for vLLM): a random model almost never samples EOS."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,165 +12,6 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "TargetLengthRollout",
-    "TargetLengthStoppingCriteria",
-    "ascii_text_reward",
-    "continuation_overlap_reward",
-    "generate_to_target_lengths",
-    "limit_vllm_to_target_lengths",
-    "offline_grpo_dataset",
-    "offline_grpo_rows",
-]
-
-# A cut only at a single space between two letters or digits: prompt and continuation then tokenize the same alone as
-# joined (BPE merges punctuation with the whitespace after it), so ``target_length`` counts exactly the tokens that
-# follow the prompt in the tokenized passage.
-_CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z0-9])")
-_WORD = re.compile(r"\w+")
-
-
-def offline_grpo_rows(
-    max_words: int = 150,
-    min_words: int = 10,
-    prompt_words: tuple[int, int] = (8, 32),
-    max_prompt_chars: int = 300,
-    tokenizer: Any = None,
-) -> list[dict[str, Any]]:
-    """GRPO prompts cut from real text, each with the real continuation and its length in tokens.
-
-    The passages are `odc_accelerate.data.offline_texts` (``max_words``, ``min_words``): whole paragraphs of the 79
-    help topics of Python's ``pydoc_data``, grouped into chunks of log-uniformly drawn sizes. Each passage is cut at
-    a space between two words: the prompt is its opening, about a quarter of its words (``prompt_words`` bounds the
-    count; a cut past ``max_prompt_chars`` characters moves back to the last space before it), and ``continuation``
-    is the rest of the passage, what the document really says next. ``target_length`` is the number of tokens of
-    ``continuation`` under ``tokenizer``. The lengths keep the shape of the help topics: with the defaults a median
-    near 60 tokens and a tail past 1,000. Passages with no such space, a prompt shorter than ``prompt_words[0]``
-    words or an empty rest are left out, and so is a passage whose prompt repeats an earlier one (a prompt must name
-    one target).
-
-    Args:
-        max_words (`int`, *optional*, defaults to 150):
-            Upper bound of the drawn passage sizes, in words (a single longer paragraph stays whole).
-        min_words (`int`, *optional*, defaults to 10):
-            Lower bound of the drawn passage sizes, in words.
-        prompt_words (`tuple[int, int]`, *optional*, defaults to `(8, 32)`):
-            Bounds of the number of words in a prompt.
-        max_prompt_chars (`int`, *optional*, defaults to 300):
-            Longest prompt in characters (code listings have few spaces between words).
-        tokenizer (`PreTrainedTokenizerBase`, *optional*):
-            Tokenizer counting ``target_length``; defaults to `odc_accelerate.data.load_offline_tokenizer`.
-
-    Returns:
-        `list[dict]` with keys ``prompt`` (`str`), ``continuation`` (`str`) and ``target_length`` (`int`).
-    """
-    from odc_accelerate.data import load_offline_tokenizer, offline_texts
-
-    lo, hi = prompt_words
-    if not 1 <= lo <= hi:
-        raise ValueError(f"prompt_words must be (low, high) with 1 <= low <= high, got {prompt_words}.")
-    tokenizer = tokenizer if tokenizer is not None else load_offline_tokenizer()
-    pairs: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    for text in offline_texts(max_words=max_words, min_words=min_words):
-        spaces = [m.start() for m in _CUT.finditer(text)]
-        if not spaces:
-            continue
-        n = min(hi, max(lo, len(text.split()) // 4))
-        cut = spaces[min(n, len(spaces) - 1)]
-        if cut > max_prompt_chars:
-            cut = max([s for s in spaces if s <= max_prompt_chars], default=spaces[0])
-        prompt, continuation = text[:cut], text[cut:]
-        if len(prompt.split()) < lo or not continuation.strip() or prompt in seen:
-            continue
-        seen.add(prompt)
-        pairs.append((prompt, continuation))
-    lengths = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    return [
-        {"prompt": prompt, "continuation": continuation, "target_length": len(ids)}
-        for (prompt, continuation), ids in zip(pairs, lengths, strict=True)
-    ]
-
-
-def offline_grpo_dataset(max_words: int = 150, min_words: int = 10, tokenizer: Any = None) -> Any:
-    """`datasets.Dataset` of GRPO prompts with their real continuations (`offline_grpo_rows`).
-
-    Columns: ``prompt`` (the opening of a help-topic passage, plain text), ``continuation`` (the rest of the passage,
-    which `continuation_overlap_reward` compares completions with) and ``target_length`` (the continuation's length
-    in tokens, which `TargetLengthRollout` gives the completions of this prompt). TRL passes the extra columns to the
-    reward functions as keyword arguments.
-
-    Args:
-        max_words (`int`, *optional*, defaults to 150):
-            Upper bound of the drawn passage sizes, in words.
-        min_words (`int`, *optional*, defaults to 10):
-            Lower bound of the drawn passage sizes, in words.
-        tokenizer (`PreTrainedTokenizerBase`, *optional*):
-            Tokenizer counting ``target_length``; defaults to `odc_accelerate.data.load_offline_tokenizer`.
-    """
-    from datasets import Dataset
-
-    rows = offline_grpo_rows(max_words=max_words, min_words=min_words, tokenizer=tokenizer)
-    return Dataset.from_dict({key: [row[key] for row in rows] for key in ("prompt", "continuation", "target_length")})
-
-
-def _text(completion: Any) -> str:
-    # TRL passes strings for plain-text prompts and [{"role": "assistant", "content": ...}] for conversational ones.
-    if isinstance(completion, str):
-        return completion
-    return "".join(message["content"] for message in completion if isinstance(message.get("content"), str))
-
-
-def continuation_overlap_reward(completions: Sequence[Any], continuation: Sequence[str], **kwargs: Any) -> list[float]:
-    """Clipped unigram precision of each completion against the passage's real continuation (BLEU-1 precision).
-
-    Words are the lower-cased ``\\w+`` runs of the text. Each word of the completion counts as a hit as many times as
-    it occurs in the continuation at most; the reward is hits / number of words of the completion, in ``[0, 1]``, and
-    0 for a completion without words. A policy that writes what the document says next scores high; a random model's
-    completions score near 0.
-
-    Args:
-        completions (`list[str]` or `list[list[dict]]`):
-            The decoded completions (TRL's ``completions`` argument).
-        continuation (`list[str]`):
-            The dataset's ``continuation`` column for the same rows.
-
-    Returns:
-        `list[float]`: one reward per completion.
-    """
-    rewards = []
-    for completion, reference in zip(completions, continuation, strict=True):
-        words = _WORD.findall(_text(completion).lower())
-        if not words:
-            rewards.append(0.0)
-            continue
-        available = Counter(_WORD.findall(reference.lower()))
-        hits = sum(min(count, available[word]) for word, count in Counter(words).items())
-        rewards.append(hits / len(words))
-    return rewards
-
-
-def ascii_text_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
-    """Fraction of a completion's characters that are printable ASCII or whitespace, in ``[0, 1]``.
-
-    The help topics are plain English and code, so this rewards completions that look like them: a dense signal even
-    for a random model, whose samples from Qwen's 152k-token vocabulary mix scripts and symbols, so the completions of
-    one prompt differ and GRPO's advantages are not all zero. An empty completion scores 0.
-
-    Args:
-        completions (`list[str]` or `list[list[dict]]`):
-            The decoded completions (TRL's ``completions`` argument).
-
-    Returns:
-        `list[float]`: one reward per completion.
-    """
-    rewards = []
-    for completion in completions:
-        text = _text(completion)
-        ok = sum(1 for c in text if c.isascii() and (c.isprintable() or c.isspace()))
-        rewards.append(ok / len(text) if text else 0.0)
-    return rewards
 
 
 class TargetLengthStoppingCriteria(StoppingCriteria):
@@ -256,7 +83,7 @@ class TargetLengthRollout:
         if missing:
             raise ValueError(
                 f"TargetLengthRollout needs the dataset columns {missing}; build the dataset with "
-                "odc_accelerate.data.offline_grpo_dataset() or add them."
+                "odc_accelerate.demo.offline_grpo_dataset() or add them."
             )
         return cls(dataset[prompt_column], dataset[target_column])
 
