@@ -177,3 +177,33 @@ def test_the_odc_trainers_refuse_a_model_transformers_distributed_before_the_acc
             ODCSFTTrainer(
                 model=model, args=args, train_dataset=_dataset("sft"), processing_class=load_offline_tokenizer()
             )
+
+
+def test_the_coefficient_is_scaled_by_the_microbatch_share_only_inside_its_loss():
+    from odc_accelerate.integrations.trainer.step import ODCStepLoop
+
+    trainer = ODCStepLoop()
+    trainer.router_aux_loss_coef, trainer._odc_aux_share = 0.5, None
+    with trainer._odc_router_coef(2.0):  # outside a planned microbatch: TRL's own coefficient
+        assert trainer.router_aux_loss_coef == 0.5
+    trainer._odc_aux_share = 0.25
+    with pytest.raises(RuntimeError), trainer._odc_router_coef(2.0):
+        assert trainer.router_aux_loss_coef == 0.5 * 0.25 * 2.0
+        raise RuntimeError
+    assert trainer.router_aux_loss_coef == 0.5  # restored, also after an error
+
+
+def test_the_logged_aux_loss_is_the_share_weighted_sum_over_the_step():
+    """Each microbatch's recorded aux_loss times its share of the step's routed tokens: the step's value is the sum
+    (one process here; the sums of every rank in the step's one exchange)."""
+    from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics
+
+    deferred = DeferredGather()
+    for aux, other, share in ((2.0, 7.0, 0.75), (3.0, 1.0, 0.25)):
+        deferred.start_microbatch()
+        deferred(torch.tensor(aux))
+        deferred(torch.tensor(other))
+        deferred.scale_call(0, share)
+    metrics = reduce_step_metrics(deferred, None, "cpu")
+    assert metrics.global_sums[0] == pytest.approx(2.0 * 0.75 + 3.0 * 0.25)
+    assert metrics.global_sums[1] == 8.0  # the other gathers as they were
