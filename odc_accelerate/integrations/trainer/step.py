@@ -122,6 +122,10 @@ class ODCStepLoop:
     _odc_serves_router_aux_loss = False
     #: The position of TRL's ``aux_loss`` gather among a microbatch's metric gathers (its logged value is weighted).
     _odc_aux_gather_position: int | None = None
+    #: The current microbatch's share of the step's routed tokens while its loss is computed (`None` otherwise), and
+    #: the step's routed tokens over all ranks.
+    _odc_aux_share: float | None = None
+    _odc_step_routed = 0
 
     def _odc_weights_router_aux(self) -> bool:
         return bool(
