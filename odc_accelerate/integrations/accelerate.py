@@ -182,7 +182,9 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         )
         return
     from ..engine import ODCEngine
+    from .trainer.moe import check_transformers_distributed
 
+    check_transformers_distributed(model)  # a plain accelerate loop's model, before the engine serves any group
     config = plugin.odc_config
     engine = ODCEngine(
         model,

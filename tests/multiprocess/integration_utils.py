@@ -197,14 +197,19 @@ def assert_dpo_metrics_match(a: dict, b: dict, keys: tuple[str, ...] = DPO_METRI
 MODEL_KINDS = ("untied", "tied", "moe")
 
 
-def model_args(tiny_model: Callable[..., Path], kind: str, hidden_size: int = 64) -> list[str]:
+# The router's auxiliary-loss coefficient of the MoE runs that train with it: far above TRL's default (0.001 for
+# Qwen3-MoE), so that its term is a visible part of the update and a wrong weighting of it shows.
+MOE_AUX_COEF = 1.0
+
+
+def model_args(tiny_model: Callable[..., Path], kind: str, hidden_size: int = 64, aux: float = 0.0) -> list[str]:
     """The script arguments that train the ``kind`` model (one of `MODEL_KINDS`; none for the offline default). The
-    MoE model trains without its router's auxiliary loss, which ODC refuses under a plan (its value depends on which
-    samples share a microbatch: `odc_accelerate.integrations.trainer.setup.check_router_aux_loss`)."""
+    MoE model trains with its router's auxiliary loss at coefficient ``aux`` (0: without it, whose weighting under a
+    plan other runs check: `odc_accelerate.integrations.trainer.moe`)."""
     if kind == "untied":
         return []
     args = ["--model_name_or_path", str(tiny_model(kind, hidden_size))]
-    return [*args, "--router_aux_loss_coef", "0"] if kind == "moe" else args
+    return [*args, "--router_aux_loss_coef", f"{aux:g}"] if kind == "moe" else args
 
 
 def accelerate_launch(config: str | Path, script: Path, *args: str, launcher: str = "accelerate", **env: str):

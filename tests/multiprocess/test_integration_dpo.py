@@ -15,7 +15,10 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
 * ``odc_tied`` / ``odc_moe``: ``odc`` on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the
   session's `tiny_model`, ``--model_name_or_path``), each against TRL's trainer in one process on that model;
   ``odc_peft_tied`` / ``odc_peft_moe``: ``odc_peft`` on them, the MoE's LoRA on its attention, router and fused experts
-  (``--lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj``).
+  (``--lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj``). ``odc_moe`` trains with the router's
+  auxiliary loss (``MOE_AUX_COEF``), its reference weighting it as ODC defines it.
+* ``plain_lockstep_moe`` / ``odc_lockstep_moe``: plain FSDP2 vs ODC on the MoE with its auxiliary loss, one step of
+  two pairs per rank (lockstep plan).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from integration_utils import (
     DPO_METRICS,
     MODEL_KINDS,
+    MOE_AUX_COEF,
     ROOT,
     accelerate_launch,
     assert_dpo_metrics_match,
@@ -88,7 +92,7 @@ def runs(tmp_path_factory, references, tiny_model):
     root = tmp_path_factory.mktemp("dpo")
     shm_before = shm_leftovers()
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
-    names += ("odc_ordered", "odc_ordered_slowed")
+    names += ("odc_ordered", "odc_ordered_slowed", "plain_lockstep_moe", "odc_lockstep_moe")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "odc_peft"))
     out = {name: root / name for name in names}
     procs = {}
@@ -97,8 +101,18 @@ def runs(tmp_path_factory, references, tiny_model):
     for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
         model = model_args(tiny_model, kind)
         name, single, peft = _name("odc", kind), _name("single", kind), _name("odc_peft", kind)
-        procs[name] = background(accelerate_launch, *odc, *COMMON, *UNEQUAL, *model, "--output_dir", out[name], **DUMP)
-        procs[single], out[single] = references.start("dpo", 5, *COMMON, *model)
+        if kind == "moe":  # with the router's auxiliary loss, the reference weighting it as ODC defines it
+            aux = model_args(tiny_model, kind, aux=MOE_AUX_COEF)
+            trace = {"ODC_TRACE_DIR": str(out[name] / "trace")}
+            procs[name] = background(
+                accelerate_launch, *odc, *COMMON, *UNEQUAL, *aux, "--output_dir", out[name], **trace, **DUMP
+            )
+            procs[single], out[single] = references.start("dpo", 5, *COMMON, *aux, "--aux_token_share")
+        else:
+            procs[name] = background(
+                accelerate_launch, *odc, *COMMON, *UNEQUAL, *model, "--output_dir", out[name], **DUMP
+            )
+            procs[single], out[single] = references.start("dpo", 5, *COMMON, *model)
         lora = [*PEFT, *(MOE_LORA if kind == "moe" else [])]
         procs[peft] = background(
             accelerate_launch, *odc, *COMMON, *UNEQUAL, *model, *lora, "--output_dir", out[peft], **COUNT, **DUMP
@@ -130,6 +144,10 @@ def runs(tmp_path_factory, references, tiny_model):
     fp32 = [*COMMON, "--per_device_train_batch_size", "2", "--odc_plan", "lockstep"]
     procs["plain_fp32"] = background(accelerate_launch, *plain, *fp32, *pre, "--output_dir", out["plain_fp32"], **DUMP)
     procs["odc_fp32"] = background(accelerate_launch, *odc, *fp32, "--output_dir", out["odc_fp32"], **DUMP)
+    # The MoE with its router's auxiliary loss: plain FSDP2 vs ODC on the same lockstep microbatches, one step
+    moe_fp32 = [*fp32, *model_args(tiny_model, "moe", aux=MOE_AUX_COEF), "--max_steps", "1"]
+    for name, launch in (("plain_lockstep_moe", plain), ("odc_lockstep_moe", odc)):
+        procs[name] = background(accelerate_launch, *launch, *moe_fp32, "--output_dir", out[name], **DUMP)
     procs["odc_peft"] = background(
         accelerate_launch, *odc, *COMMON, *UNEQUAL, *PEFT, "--output_dir", out["odc_peft"], **COUNT, **DUMP
     )
@@ -199,6 +217,28 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = _update(single)
     assert update > 0 and diff / update <= 1e-4, (diff, update)
+    if kind == "moe":
+        # The router term on, weighted by each microbatch's share of the step's tokens on both sides; one pair per
+        # microbatch (5 microbatches per step over the ranks), as in the reference
+        assert all(h["aux_loss"] > 1.0 for h in logged_steps(odc))
+        traced = [(odc / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines() for r in (0, 1)]
+        assert all(sum(len(json.loads(t[i])["microbatches"]) for t in traced) == 5 for i in range(len(traced[0])))
+
+
+def test_moe_router_aux_loss_odc_matches_plain_fsdp2_on_lockstep(runs):
+    """A MoE's router auxiliary loss under the lockstep plan: ODC's update equals plain FSDP2's on the same
+    microbatches, and both log the step's weighted ``aux_loss``."""
+    check_ok(runs["procs"]["plain_lockstep_moe"])
+    check_ok(runs["procs"]["odc_lockstep_moe"])
+    plain, odc = runs["out"]["plain_lockstep_moe"], runs["out"]["odc_lockstep_moe"]
+    a, b = final_params(odc), final_params(plain)
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = _update(plain)
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    (h_odc,), (h_plain,) = logged_steps(odc), logged_steps(plain)
+    assert h_odc["aux_loss"] == pytest.approx(h_plain["aux_loss"], rel=1e-5)
+    assert h_odc["aux_loss"] > 1.0  # E x sum_e f_e P_e: 2 (top-2) for a balanced router
+    assert h_odc["loss"] == pytest.approx(h_plain["loss"], rel=1e-5)
 
 
 def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):

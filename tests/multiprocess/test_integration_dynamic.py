@@ -6,6 +6,8 @@ against TRL's own trainer in one process on the same samples per optimizer step.
   `test_claims.py` with fixed delays; here the split depends on the machine's load.
 * ``dpo``: ``--odc_plan dynamic``, 5 pairs per step (the pair count is read from the queue, nothing collated ahead).
 * ``sft_single`` / ``dpo_single``: the references (`tests/helpers/loops/trl_reference.py`).
+* ``dpo_moe`` / ``dpo_moe_single``: ``dpo`` on the tiny Qwen3-MoE with its router's auxiliary loss, against the
+  reference weighting each microbatch's term by its share of the step's tokens, as ODC does.
 * ``stream`` / ``stream_plain``: SFT on a streamed training set (``--dataset_streaming true``, 10 samples in
   2 steps of 5) under ``--odc_plan dynamic``, against one plain process reading the same stream in batches of 5.
 * ``grpo`` / ``grpo_single``: fixed completions (`tests/helpers/loops/grpo_loop.py`) trained under ``--odc_plan dynamic``
@@ -23,6 +25,7 @@ from integration_utils import (
     CONFIGS,
     DPO_METRICS,
     GRPO_GRAD_NORM_REL,
+    MOE_AUX_COEF,
     ROOT,
     RUN_EXAMPLE,
     TRAIN,
@@ -34,6 +37,7 @@ from integration_utils import (
     final_params,
     logged_steps,
     max_rel,
+    model_args,
     reports,
     results,
     run,
@@ -64,11 +68,12 @@ GRPO = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
+def runs(tmp_path_factory, references, tiny_model):
     root = tmp_path_factory.mktemp("dynamic")
     from odc_accelerate.demo import offline_texts
 
     names = ("sft", "sft_single", "dpo", "dpo_single", "grpo", "grpo_single", "stream", "stream_plain")
+    names += ("dpo_moe", "dpo_moe_single")
     out = {name: root / name for name in names}
     stream_data = root / "stream_data"
     stream_data.mkdir()
@@ -140,6 +145,21 @@ def runs(tmp_path_factory, references):
     }
     procs["sft_single"], out["sft_single"] = references.start("sft", 5, *SFT_COMMON)
     procs["dpo_single"], out["dpo_single"] = references.start("dpo", 5, *DPO_COMMON)
+    # The MoE with its router's auxiliary loss; the reference weights it as ODC does (the DPO module's, when both run)
+    moe = model_args(tiny_model, "moe", aux=MOE_AUX_COEF)
+    procs["dpo_moe"] = background(
+        accelerate_launch,
+        ROOT / "examples" / "dpo" / "configs" / "odc_cpu.yaml",
+        ROOT / "examples" / "dpo" / "train.py",
+        *DYNAMIC,
+        *DPO_COMMON,
+        *moe,
+        "--output_dir",
+        out["dpo_moe"],
+        ODC_TRACE_DIR=str(out["dpo_moe"] / "trace"),
+        **DUMP,
+    )
+    procs["dpo_moe_single"], out["dpo_moe_single"] = references.start("dpo", 5, *DPO_COMMON, *moe, "--aux_token_share")
     return {"out": out, "procs": results(procs)}
 
 
@@ -205,6 +225,18 @@ def test_dpo_dynamic_matches_one_process(runs):
     for r in reports(runs["out"]["dpo"], "odc_run_rank"):
         assert r["odc_config"]["plan"] == "dynamic"
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
+
+
+def test_dpo_dynamic_with_a_moe_router_aux_loss_matches_one_process(runs):
+    """Each claimed microbatch's router term weighted by its share of the step's routed tokens, counted from the queue
+    before the first claim: one process weighting it the same way on the same one-pair microbatches."""
+    for name in ("dpo_moe", "dpo_moe_single"):
+        check_ok(runs["procs"][name])
+    out = runs["out"]["dpo_moe"]
+    _same_training(out, runs["out"]["dpo_moe_single"], DPO_METRICS)
+    assert all(h["aux_loss"] > 1.0 for h in logged_steps(out))
+    traces = [(out / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines() for r in (0, 1)]
+    assert [sum(len(json.loads(t[s])["microbatches"]) for t in traces) for s in range(2)] == [5, 5]
 
 
 def test_grpo_dynamic_matches_one_process(runs):

@@ -18,7 +18,10 @@ One module-scoped set of runs serves several assertions:
 * ``odc_tied`` / ``odc_moe``: ``odc``'s unequal counts (default memory policy) on a Llama 3.2-shaped model with tied
   embeddings and on a Qwen3-MoE (the session's `tiny_model`, ``--model_name_or_path``), each against TRL's trainer
   in one process on that model (``single_tied`` / ``single_moe``), saving a checkpoint each step;
-  ``resumed_tied`` / ``resumed_moe`` resume from their first checkpoint as ``resumed`` does.
+  ``resumed_tied`` / ``resumed_moe`` resume from their first checkpoint as ``resumed`` does. The MoE runs train
+  with the router's auxiliary loss (``MOE_AUX_COEF``), its reference weighting it as ODC defines it.
+* ``plain_lockstep_moe`` / ``odc_lockstep_moe``: plain FSDP2 vs ODC on the MoE with its auxiliary loss, one step of
+  the same lockstep microbatches.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from integration_utils import (
     CONFIGS,
     MODEL_KINDS,
+    MOE_AUX_COEF,
     RUN_EXAMPLE,
     SFT_PARITY,
     SFT_SAMPLES_PER_STEP,
@@ -60,6 +64,11 @@ DUMP = {"ODC_DUMP_PARAMS": "1"}
 AUTO_FREE_MEMORY = "1TiB,2MiB"
 
 
+def _aux(kind: str) -> float:
+    """The router's auxiliary-loss coefficient a kind's unequal-count runs train with: on for the MoE."""
+    return MOE_AUX_COEF if kind == "moe" else 0.0
+
+
 # The run names of each model kind: the offline default's ("odc", "single", "resumed"), else "<name>_<kind>".
 def _name(name: str, kind: str) -> str:
     return name if kind == "untied" else f"{name}_{kind}"
@@ -70,12 +79,13 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
     root = tmp_path_factory.mktemp("sft")
     shm_before = shm_leftovers()
     names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free", "odc_auto")
-    names += ("odc_ordered", "odc_ordered_slowed")
+    names += ("odc_ordered", "odc_ordered_slowed", "plain_lockstep_moe", "odc_lockstep_moe")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "resumed"))
     out = {name: root / name for name in names}
     procs = {}
     for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
-        model = model_args(tiny_model, kind)
+        model = model_args(tiny_model, kind, aux=_aux(kind))
+        trace = {"ODC_TRACE_DIR": str(out[_name("odc", kind)] / "trace")} if kind == "moe" else {}
         procs[_name("odc", kind)] = background(
             accelerate_launch,
             CONFIGS / "odc_cpu.yaml",
@@ -91,11 +101,14 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
             "1",
             "--output_dir",
             out[_name("odc", kind)],
+            **trace,
             **DUMP,
         )
         single = _name("single", kind)
+        # The MoE's router term weighted by each microbatch's share of the step's tokens, as ODC weights it
+        share = ["--aux_token_share"] if kind == "moe" else []
         procs[single], out[single] = references.start(
-            "sft", SFT_SAMPLES_PER_STEP, *COMMON, *model, "--save_strategy", "no"
+            "sft", SFT_SAMPLES_PER_STEP, *COMMON, *model, *share, "--save_strategy", "no"
         )
     procs["odc"] = background(
         accelerate_launch,
@@ -199,6 +212,29 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
         launcher="odc",
         **DUMP,
     )
+    # The MoE with its router's auxiliary loss: plain FSDP2 vs ODC on the same lockstep microbatches, one step
+    moe_lockstep = [*lockstep, *model_args(tiny_model, "moe", aux=MOE_AUX_COEF), "--max_steps", "1"]
+    procs["plain_lockstep_moe"] = background(
+        accelerate_launch,
+        CONFIGS / "fsdp2_cpu.yaml",
+        TRAIN,
+        "--odc_plan",
+        "lockstep",
+        *moe_lockstep,
+        "--output_dir",
+        out["plain_lockstep_moe"],
+        **DUMP,
+    )
+    procs["odc_lockstep_moe"] = background(
+        accelerate_launch,
+        odc_lockstep_cfg,
+        TRAIN,
+        *moe_lockstep,
+        "--output_dir",
+        out["odc_lockstep_moe"],
+        launcher="odc",
+        **DUMP,
+    )
     fsdp_json = root / "odc_fsdp.json"
     fsdp_json.write_text(json.dumps({"odc": {"enable": True, "transport": "shm"}}))
     for kind in MODEL_KINDS:
@@ -212,7 +248,7 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
                 fsdp_json,
                 *COMMON,
                 *UNEQUAL,
-                *model_args(tiny_model, kind),
+                *model_args(tiny_model, kind, aux=_aux(kind)),
                 "--save_strategy",
                 "no",
                 "--resume_from_checkpoint",
@@ -307,6 +343,13 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
     update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
     assert update > 0 and diff / update <= 1e-4, (diff, update)
     assert max_rel(a, b) <= 1e-4
+    if kind == "moe":
+        # The router term on (its weighting: each microbatch's share of the step's tokens); one sample per
+        # microbatch on both sides (5 microbatches per step over the ranks), as in the reference
+        assert all(h["aux_loss"] > 1.0 for h in h_odc)
+        assert sum(_last_step_microbatches(odc)) == SFT_SAMPLES_PER_STEP
+        for h, ref in zip(h_odc, h_single, strict=True):  # every sample fills max_length: shares equal TRL's 1/G
+            assert h["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
 
 
 def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):
@@ -379,6 +422,23 @@ def test_odc_matches_plain_fsdp2_on_equal_counts(runs):
     assert max_rel(final_params(odc), final_params(plain)) <= 1e-6
 
 
+def test_moe_router_aux_loss_odc_matches_plain_fsdp2_on_lockstep(runs):
+    """A MoE's router auxiliary loss under the lockstep plan: ODC's update equals plain FSDP2's on the same
+    microbatches, and both log the step's weighted ``aux_loss``."""
+    check_ok(runs["procs"]["plain_lockstep_moe"])
+    check_ok(runs["procs"]["odc_lockstep_moe"])
+    plain, odc = runs["out"]["plain_lockstep_moe"], runs["out"]["odc_lockstep_moe"]
+    init = torch.load(plain / "initial_params.pt")
+    a, b = final_params(odc), final_params(plain)
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    (h_odc,), (h_plain,) = logged_steps(odc), logged_steps(plain)
+    assert h_odc["aux_loss"] == pytest.approx(h_plain["aux_loss"], rel=1e-5)
+    assert h_odc["aux_loss"] > 1.0  # E x sum_e f_e P_e: 2 (top-2) for a balanced router
+    assert h_odc["loss"] == pytest.approx(h_plain["loss"], rel=1e-5)
+
+
 def test_padding_free_packs_truncated_samples_and_matches_single_process(runs):
     check_ok(runs["procs"]["odc_padding_free"])
     check_ok(runs["procs"]["single"])
@@ -434,14 +494,6 @@ BAD_CONFIGS = {  # id: (arguments, environment, what the error says)
         {},
         "is smaller than the longest sample",
     ),
-    # TRL turns a MoE router's load-balancing loss on by default (the config's coefficient, 0.001 for Qwen3-MoE):
-    # refused before the accelerator exists (so before the single-process refusal above), naming model and fix
-    "moe-aux-loss": (
-        ["--odc", "true", "--model_name_or_path", "{moe}"],
-        {},
-        "Qwen3MoeForCausalLM (qwen3_moe) adds its router's auxiliary load-balancing loss (router_aux_loss_coef=0.001) "
-        "once per microbatch",
-    ),
 }
 
 
@@ -463,8 +515,6 @@ def test_bad_config_fails_before_training(bad_config_runs, name):
     proc = future.result()
     assert proc.returncode != 0
     assert BAD_CONFIGS[name][2] in proc.stderr, proc.stderr[-3000:]
-    if name == "moe-aux-loss":  # says what to change
-        assert "Pass --router_aux_loss_coef 0 to train without it" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "trainer_state.json").exists()
 
 

@@ -1,9 +1,10 @@
-"""A mixture-of-experts router's auxiliary loss under ODC's plans: when a trainer adds it, and its refusal.
+"""A mixture-of-experts router's auxiliary loss under ODC's plans: when a trainer adds it, which tokens weight it,
+and where it is refused; transformers' own expert parallelism, refused.
 
-The load-balancing loss is a function of a whole microbatch, so no plan can make it exact: the ODC trainers refuse it
-in their set-up, naming the model and the setting to change
-(`odc_accelerate.integrations.trainer.setup.check_router_aux_loss`). Whether the loss is on is TRL's decision (and,
-for `transformers.Trainer`, the model's own forward's): the tests compare with those.
+Under a plan the ODC SFT and DPO trainers weight each microbatch's load-balancing term by its share of the step's
+routed tokens (`odc_accelerate.integrations.trainer.moe`; the multiprocess SFT and DPO tests check the updates); the
+other trainers refuse it in their set-up, naming the model and the setting to change. Whether the loss is on is TRL's
+decision (and, for `transformers.Trainer`, the model's own forward's): the tests compare with those.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def test_a_dense_model_or_no_model_has_none():
 
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
-def test_odc_trainers_refuse_it_in_their_set_up_naming_model_and_fix(tmp_path, trainer):
-    """Refused before the accelerator exists: in one process the refusal of the launch (no FSDP) would come next, and
-    with ``router_aux_loss_coef=0`` it does."""
+def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
+    """SFT and DPO weight the loss under a plan: their set-up goes on to the launch's refusal (one process, no FSDP).
+    GRPO does not weight it yet: refused before the accelerator exists, naming the model, the trainer and the fix;
+    with ``router_aux_loss_coef=0`` it goes on to the launch's refusal too."""
     from odc_accelerate import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
     from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
@@ -91,7 +93,9 @@ def test_odc_trainers_refuse_it_in_their_set_up_naming_model_and_fix(tmp_path, t
     }[trainer]
     sizes = {"num_generations": 4, "per_device_train_batch_size": 4} if trainer == "grpo" else {}
     rewards = {"reward_funcs": lambda completions, **kwargs: [0.0] * len(completions)} if trainer == "grpo" else {}
-    for coef, match in ((None, MOE_AUX), (0.0, "ODC needs FSDP2, but this run does not use FSDP")):
+    no_fsdp = "ODC needs FSDP2, but this run does not use FSDP"
+    for coef in (None, 0.0):
+        match = MOE_AUX if trainer == "grpo" and coef is None else no_fsdp
         args = config_class(
             output_dir=str(tmp_path), odc=True, router_aux_loss_coef=coef, report_to="none", bf16=False, **sizes
         )
@@ -103,6 +107,103 @@ def test_odc_trainers_refuse_it_in_their_set_up_naming_model_and_fix(tmp_path, t
                 processing_class=load_offline_tokenizer(),
                 **rewards,
             )
-        if coef is None:  # the coefficient TRL would use, and what to change
-            assert "(router_aux_loss_coef=0.001) once per microbatch" in str(refused.value)
+        if match == MOE_AUX:  # the coefficient TRL would use, the trainer, and what to change
+            assert "(router_aux_loss_coef=0.001) once per microbatch, and ODCGRPOTrainer does not" in str(
+                refused.value
+            )
             assert "Pass --router_aux_loss_coef 0 to train without it" in str(refused.value)
+
+
+def test_routed_tokens_are_the_ones_the_router_statistics_average_over():
+    """transformers' load-balancing loss leaves padding out with an attention mask, and counts every token of a packed
+    row (no attention mask): the microbatch weights count the same tokens."""
+    from odc_accelerate.integrations.trainer.moe import routed_tokens
+
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert routed_tokens({"input_ids": ids, "attention_mask": mask}) == 8
+    assert routed_tokens({"input_ids": ids.reshape(1, -1), "position_ids": torch.arange(10)[None]}) == 10
+    model = _model("moe")
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        # the same tokens without their padding: the statistics of the 8 routed tokens alone
+        alone = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    routed = torch.cat([logits.reshape(2, 5, -1)[mask.bool()] for logits in alone])
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    cfg = model.config
+    expected = load_balancing_loss_func((routed,), cfg.num_experts, cfg.num_experts_per_tok)
+    torch.testing.assert_close(padded, expected)
+
+
+def test_a_model_transformers_distributed_itself_is_refused_by_name():
+    """``from_pretrained(..., distributed_config=DistributedConfig(...))`` with expert (or tensor / FSDP) parallelism
+    makes transformers shard the model itself: refused, naming the settings and what to change."""
+    from transformers.distributed import DistributedConfig
+
+    from odc_accelerate.integrations.trainer.moe import check_transformers_distributed
+
+    model = _model("moe")
+    check_transformers_distributed(model)  # loaded without one: nothing to refuse
+    model.config.distributed_config = DistributedConfig(tp_size=1)
+    check_transformers_distributed(model)  # one that distributes nothing
+    for config, named in (
+        (DistributedConfig(ep_size=2, fsdp_size=2, tp_size=1), "ep_size=2, fsdp_size=2"),
+        (DistributedConfig(enable_expert_parallel=True, tp_size=2), "ep_size=2, tp_size=2"),  # the deprecated flag
+    ):
+        model.config.distributed_config = config
+        with pytest.raises(ValueError, match=re.escape(f"distributed_config=DistributedConfig({named})")) as refused:
+            check_transformers_distributed(model)
+        assert "Qwen3MoeForCausalLM (qwen3_moe)" in str(refused.value)
+        assert "Load the model without distributed_config" in str(refused.value)
+
+
+def test_the_odc_trainers_refuse_a_model_transformers_distributed_before_the_accelerator(tmp_path):
+    """The trainer's set-up refuses it with ODC on before anything is prepared (in one process the launch's refusal
+    would come next, and does without the distributed config)."""
+    from transformers.distributed import DistributedConfig
+
+    from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
+    from odc_accelerate.demo import load_offline_tokenizer
+
+    for distributed, match in (
+        (DistributedConfig(ep_size=2, fsdp_size=2, tp_size=1), "distributed_config=DistributedConfig(ep_size=2"),
+        (None, "ODC needs FSDP2, but this run does not use FSDP"),
+    ):
+        model = _model("moe")
+        model.config.distributed_config = distributed
+        args = ODCSFTConfig(output_dir=str(tmp_path), odc=True, report_to="none", bf16=False)
+        with pytest.raises(ValueError, match=re.escape(match)):
+            ODCSFTTrainer(
+                model=model, args=args, train_dataset=_dataset("sft"), processing_class=load_offline_tokenizer()
+            )
+
+
+def test_the_coefficient_is_scaled_by_the_microbatch_share_only_inside_its_loss():
+    from odc_accelerate.integrations.trainer.step import ODCStepLoop
+
+    trainer = ODCStepLoop()
+    trainer.router_aux_loss_coef, trainer._odc_aux_share = 0.5, None
+    with trainer._odc_router_coef(2.0):  # outside a planned microbatch: TRL's own coefficient
+        assert trainer.router_aux_loss_coef == 0.5
+    trainer._odc_aux_share = 0.25
+    with pytest.raises(RuntimeError), trainer._odc_router_coef(2.0):
+        assert trainer.router_aux_loss_coef == 0.5 * 0.25 * 2.0
+        raise RuntimeError
+    assert trainer.router_aux_loss_coef == 0.5  # restored, also after an error
+
+
+def test_the_logged_aux_loss_is_the_share_weighted_sum_over_the_step():
+    """Each microbatch's recorded aux_loss times its share of the step's routed tokens: the step's value is the sum
+    (one process here; the sums of every rank in the step's one exchange)."""
+    from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics
+
+    deferred = DeferredGather()
+    for aux, other, share in ((2.0, 7.0, 0.75), (3.0, 1.0, 0.25)):
+        deferred.start_microbatch()
+        deferred(torch.tensor(aux))
+        deferred(torch.tensor(other))
+        deferred.scale_call(0, share)
+    metrics = reduce_step_metrics(deferred, None, "cpu")
+    assert metrics.global_sums[0] == pytest.approx(2.0 * 0.75 + 3.0 * 0.25)
+    assert metrics.global_sums[1] == 8.0  # the other gathers as they were

@@ -56,6 +56,13 @@ class DeferredGather:
         low, high = (float(finite.min()), float(finite.max())) if finite.numel() else (float("nan"), float("nan"))
         self.current.append((float(values.sum()), float(values.numel()), low, high))
 
+    def scale_call(self, position: int, factor: float) -> None:
+        """Multiply the sum recorded by the current microbatch's ``position``-th call by ``factor`` (a weighted
+        metric: the step's value is then the global sum)."""
+        if self.current is not None and position < len(self.current):
+            total, count, low, high = self.current[position]
+            self.current[position] = (total * factor, count, low, high)
+
     def __call__(self, input_data: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(input_data, torch.Tensor):
             self._record(input_data)

@@ -16,9 +16,10 @@ from ..accelerate import enable
 from ..trl.unsupported import check_mixin_trainer
 from .callback import ODCCallback
 from .loaders import ODCStepLoaders
+from .moe import check_router_aux_loss
 from .plain import check_token_mean_loss
 from .resume import ODCResume
-from .setup import ODCAcceleratorSetup, check_router_aux_loss
+from .setup import ODCAcceleratorSetup
 from .step import ODCStepLoop
 from .streaming import ODCStreamLoaders
 
@@ -51,15 +52,22 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         self._odc_sampler = None
         self._odc_looping = False  # inside the balanced step's microbatch loop (loss scaling of subclasses)
         self._odc_step_rows = 0  # rows (samples) of the current step over all ranks (per-batch-mean loss weights)
+        self._odc_step_routed = 0  # routed tokens of the current step over all ranks (a router's auxiliary loss)
+        self._odc_aux_share = None  # the current microbatch's share of them, while its loss is computed
         self._odc_budget_warned = False  # the over-budget warning is given once per trainer
         self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
         self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
         super().__init__(*args, **kwargs)
         if self.odc_config.balanced and getattr(self, "aux_loss_enabled", False):
-            # TRL's own decision, should it differ from the one `create_accelerator_and_postprocess` refused from
+            # TRL's own decision, should it differ from the one `create_accelerator_and_postprocess` checked from
             # the model's config and the arguments (then nothing has trained yet either).
             check_router_aux_loss(
-                self.model, self.args, self.odc_config, coef=getattr(self, "router_aux_loss_coef", None)
+                self.model,
+                self.args,
+                self.odc_config,
+                type(self),
+                coef=getattr(self, "router_aux_loss_coef", None),
+                served=self._odc_serves_router_aux_loss,
             )
         if self.odc_config.balanced and self.odc_plans_from_dataset:
             check_token_mean_loss(self)  # a plain Trainer's loss that no microbatch weight makes exact

@@ -15,6 +15,7 @@ from ...config import ODCConfig
 from ...planning import PlanName
 from ...validation import str_to_bool
 from ..accelerate import ODCPlugin, drive_steps, get_engine, resolved_options
+from .moe import check_router_aux_loss, check_transformers_distributed, router_aux_loss_coef
 from .run import ODCRun
 from .timing import StepTimer
 
@@ -54,9 +55,12 @@ class ODCAcceleratorSetup:
             self.args.gradient_accumulation_steps = 1
         if not config.enable and self.args.process_index == 0:
             self._odc_warn_if_off(config)
+        model = getattr(self, "model", None)
         if config.balanced:
             # Before the accelerator exists: nothing is sharded, no log-prob precomputed, no completion generated.
-            check_router_aux_loss(getattr(self, "model", None), self.args, config)
+            check_router_aux_loss(model, self.args, config, type(self), served=self._odc_serves_router_aux_loss)
+        if config.enable and model is not None:
+            check_transformers_distributed(model)  # every rank loaded the same model: every rank refuses
         with resolved_options(config):
             super().create_accelerator_and_postprocess()
         if config.enable:
@@ -217,73 +221,6 @@ def check_plan_without_odc(config: ODCConfig, world_size: int) -> None:
         "odc_plan 'free' needs ODC when several ranks train: it gives ranks different numbers of microbatches, which "
         "plain FSDP2's collectives cannot pair. Turn ODC on (--odc true / odc: true), or, to train plain FSDP2 on "
         "planned microbatches, choose --odc_plan lockstep (or leave odc_plan unset for the Trainer's own batches)."
-    )
-
-
-def router_aux_loss_coef(model: Any, args: Any) -> float:
-    """The weight of the router's auxiliary (load-balancing) loss a trainer adds to ``model``'s loss, 0.0 when none.
-
-    A mixture-of-experts config that can return its router logits has ``output_router_logits``. TRL's trainers (whose
-    arguments have ``router_aux_loss_coef``) add the loss for such a model unless the coefficient is 0, taking the
-    config's own coefficient when the argument is unset; `transformers.Trainer` gets it from the model's forward,
-    which adds it when the config has ``output_router_logits=True``.
-
-    Args:
-        model (`transformers.PreTrainedModel` or `peft.PeftModel`, *optional*):
-            The model being trained (a PEFT model reads its base model's config).
-        args (`transformers.TrainingArguments`):
-            The training arguments (TRL's configs have ``router_aux_loss_coef``).
-    """
-    config = getattr(model, "config", None)
-    if config is None:
-        return 0.0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not hasattr(text, "output_router_logits"):
-        return 0.0  # no router returning logits: not a mixture of experts with a load-balancing loss
-    if hasattr(args, "router_aux_loss_coef"):
-        coef = args.router_aux_loss_coef
-        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
-    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if text.output_router_logits else 0.0
-
-
-def check_router_aux_loss(model: Any, args: Any, config: ODCConfig, coef: float | None = None) -> None:
-    """Refuse a router auxiliary loss (`router_aux_loss_coef`) under a plan, naming the model and what to change.
-
-    The load-balancing loss of a mixture-of-experts router is a function of the whole microbatch (the fraction of its
-    tokens routed to each expert times their mean router probability), added once per microbatch. It is not a sum over
-    samples, so no per-microbatch weight makes it independent of which samples share a microbatch; a plan chooses
-    the microbatches (several samples per microbatch, different numbers per rank), and the Trainer's loop, folded to
-    one accumulation step, would add it once per microbatch of the step instead of averaging it.
-
-    Args:
-        model (`transformers.PreTrainedModel` or `peft.PeftModel`, *optional*):
-            The model being trained.
-        args (`transformers.TrainingArguments`):
-            The training arguments.
-        config (`ODCConfig`):
-            The resolved ODC settings (their plan is named).
-        coef (`float`, *optional*):
-            The coefficient the trainer decided on (TRL's ``router_aux_loss_coef`` once its loss is on); default:
-            `router_aux_loss_coef` of ``model`` and ``args``.
-
-    Raises:
-        `ValueError`: the loss is on; the message names the model and the setting that turns it off.
-    """
-    coef = router_aux_loss_coef(model, args) if coef is None else coef
-    if coef == 0.0:
-        return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = f"{type(base).__name__} ({getattr(base.config, 'model_type', 'unknown model type')})"
-    fix = (
-        "Pass --router_aux_loss_coef 0 to train without it (TRL's trainers turn it on for mixture-of-experts models "
-        "unless it is 0)"
-        if hasattr(args, "router_aux_loss_coef")
-        else "Load the model with output_router_logits=False to train without it"
-    )
-    raise ValueError(
-        f"{name} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) once per "
-        f"microbatch: a function of which samples share the microbatch, which the {config.plan!r} plan chooses, so "
-        f"it cannot be made exact. {fix}, or run without --odc / --odc_plan to keep it."
     )
 
 

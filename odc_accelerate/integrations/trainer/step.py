@@ -22,6 +22,7 @@ from ...loss import batch_mean_weight
 from .data import ZeroWeightMicrobatch, merge_for_counting, microbatch_rows
 from .dynamic import ClaimedStep, ClaimQueue
 from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
+from .moe import routed_tokens
 from .plain import step_items, weights_batch_mean_loss
 
 __all__ = ["ODCStepLoop"]
@@ -51,11 +52,14 @@ class ODCStepLoop:
         microbatches = [mb for item in batch_samples for mb in item]
         real = _weighted(microbatches)
         rows = sum(microbatch_rows(mb) for mb in real)
-        counts = torch.tensor([self._odc_num_items(real), rows], dtype=torch.float64, device=device)
+        routed = sum(routed_tokens(mb) for mb in real) if self._odc_weights_router_aux() else 0
+        counts = torch.tensor([self._odc_num_items(real), rows, routed], dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
-            # The one collective of the step before its microbatches: the global counts of loss items and rows.
+            # The one collective of the step before its microbatches: the global counts of loss items, rows and
+            # routed tokens.
             counts = self.accelerator.reduce(counts, reduction="sum")
         self._odc_step_rows = int(counts[1])
+        self._odc_step_routed = int(counts[2])
         self.odc_step_timer.start(self.model, self.odc_engine, real, start)
         self.odc_step_timer.add_work(len(microbatches) - len(real), 0)  # zero-weight microbatches: compute only
         num_items = torch.tensor(int(counts[0]), device=device)
@@ -66,15 +70,18 @@ class ODCStepLoop:
         queue = ClaimQueue([mb for item in items for mb in item.microbatches], rows=items[0].rows)
         step = ClaimedStep(queue, self._odc_load_microbatch)
         self._odc_step_rows = sum(len(mb) for mb in queue.microbatches)  # the step's samples, known to every rank
-        count = self._odc_queue_items(step)
+        # The routed tokens of a router's auxiliary loss need the microbatches collated, as label tokens do.
+        count = None if self._odc_weights_router_aux() else self._odc_queue_items(step)
         if count is None:
             # Each rank counts a 1/W share of the queue (collated now, kept for its own later claims); one all-reduce.
             rank, world = int(self.args.process_index), self.accelerator.num_processes
             share = [step.peek(i) for i in range(rank, len(queue), world)]
-            counts = torch.tensor([self._odc_num_items(share)], dtype=torch.float64, device=device)
+            routed = sum(routed_tokens(mb) for mb in share) if self._odc_weights_router_aux() else 0
+            counts = torch.tensor([self._odc_num_items(share), routed], dtype=torch.float64, device=device)
             if world > 1:
                 counts = self.accelerator.reduce(counts, reduction="sum")
             count = int(counts[0])
+            self._odc_step_routed = int(counts[1])
         self.odc_step_timer.start(self.model, self.odc_engine, [], start)
         return [step], torch.tensor(int(count), device=device)
 
@@ -98,6 +105,38 @@ class ODCStepLoop:
         self.odc_dynamic_loads[0] += 1
         self.odc_dynamic_loads[1] += time.perf_counter() - start
         return batch
+
+    #: Whether the trainer weights a router's auxiliary loss per microbatch (`_odc_router_coef`, `moe`); the others
+    #: refuse it under a plan.
+    _odc_serves_router_aux_loss = False
+    #: The position of TRL's ``aux_loss`` gather among a microbatch's metric gathers (its logged value is weighted).
+    _odc_aux_gather_position: int | None = None
+    #: The current microbatch's share of the step's routed tokens while its loss is computed (`None` otherwise), and
+    #: the step's routed tokens over all ranks.
+    _odc_aux_share: float | None = None
+    _odc_step_routed = 0
+
+    def _odc_weights_router_aux(self) -> bool:
+        return bool(
+            self._odc_serves_router_aux_loss and self.odc_config.balanced and getattr(self, "aux_loss_enabled", False)
+        )
+
+    @contextlib.contextmanager
+    def _odc_router_coef(self, scale: float) -> Iterator[None]:
+        """Within the block (a planned microbatch's loss), TRL's ``router_aux_loss_coef`` is multiplied by that
+        microbatch's share of the step's routed tokens times ``scale``: what turns TRL's per-microbatch term into its
+        weighted share of the step (``scale`` undoes what the trainer multiplies the term by besides the
+        coefficient: the world size FSDP2 averages over, over any loss weight)."""
+        share = self._odc_aux_share
+        if share is None:
+            yield
+            return
+        coef = self.router_aux_loss_coef
+        self.router_aux_loss_coef = coef * share * scale
+        try:
+            yield
+        finally:
+            self.router_aux_loss_coef = coef
 
     def _odc_num_items(self, microbatches: list[Any]) -> int:
         """What this rank's loss of the step is normalised over: label tokens (a token-mean loss). The DPO trainer
@@ -143,6 +182,9 @@ class ODCStepLoop:
                 sync = dynamic or sync_each_batch or i == len(inputs) - 1
                 items = step_items(self, mb, num_items_in_batch)
                 weight = 0.0 if zero_weight else 1.0
+                if self._odc_weights_router_aux():
+                    # The microbatch's share of the step's routed tokens over all ranks (0 for a zero-weight one)
+                    self._odc_aux_share = 0.0 if zero_weight else routed_tokens(mb) / max(self._odc_step_routed, 1)
                 if not zero_weight and weights_batch_mean_loss(self, items):
                     weight = batch_mean_weight(
                         microbatch_rows(mb), self._odc_step_rows, self.accelerator.num_processes
@@ -155,8 +197,12 @@ class ODCStepLoop:
                     loss = super().training_step(model, mb, items)
                 if not zero_weight:
                     total += loss * weight
+                if self._odc_aux_share is not None and self._odc_aux_gather_position is not None:
+                    # The logged aux_loss: the microbatch's term times its share, summed over the step's microbatches
+                    deferred.scale_call(self._odc_aux_gather_position, self._odc_aux_share)
         finally:
             self._odc_looping = False
+            self._odc_aux_share = None
             (  # type: ignore[method-assign]
                 self.accelerator.gather_for_metrics,
                 self.accelerator.gather,

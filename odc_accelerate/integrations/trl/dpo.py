@@ -118,6 +118,11 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
             remedy="lower --max_length",
         )
 
+    # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`);
+    # TRL gathers it first.
+    _odc_serves_router_aux_loss = True
+    _odc_aux_gather_position = 0
+
     def _odc_num_items(self, microbatches: list[Any]) -> int:
         return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
 
@@ -127,11 +132,14 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
 
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if not (self._odc_looping and num_items_in_batch is not None):
-            return out
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         pairs = int(inputs["input_ids"].shape[0]) // 2
         weight = dpo_loss_weight(pairs, float(num_items_in_batch), self.accelerator.num_processes)
+        # TRL adds coef x aux to the pairs' mean, which the weight then multiplies: the router term's weighted share of
+        # the step needs coef x share x W / weight (`moe`).
+        with self._odc_router_coef(self.accelerator.num_processes / weight):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return (out[0] * weight, *out[1:])
         return out * weight

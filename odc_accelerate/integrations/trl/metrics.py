@@ -56,6 +56,10 @@ def finalize_sft_metrics(trainer: Any, metrics: StepMetrics) -> None:
     recorded["entropy"].append(_ratio(total["entropy_sum"], total["num_valid"]))
     recorded["mean_token_accuracy"].append(_ratio(total["num_correct"], total["num_valid"]))
     trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
+    if getattr(trainer, "aux_loss_enabled", False) and len(metrics.global_sums) > len(names):
+        # Each microbatch's value was weighted by its share of the step's routed tokens: the step's is their sum.
+        _drop_microbatch_values(recorded, ("aux_loss",), metrics.local_microbatches)
+        recorded["aux_loss"].append(float(metrics.global_sums[len(names)]))
 
 
 def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
@@ -75,9 +79,11 @@ def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
         "mean_token_accuracy": _ratio(total["correct_tokens"], total["accuracy_tokens"]),
     }
     per_pair = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
-    per_pair += ["logps/chosen", "logps/rejected"] + (["aux_loss"] if "aux_loss" in names else [])
+    per_pair += ["logps/chosen", "logps/rejected"]
     for key in per_pair:
         values[key] = _ratio(total[key], count[key])
+    if "aux_loss" in names:  # weighted by each microbatch's share of the step's routed tokens: their sum
+        values["aux_loss"] = total["aux_loss"]
     for key, value in values.items():
         recorded[key].append(value)
     trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])

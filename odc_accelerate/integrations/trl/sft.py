@@ -38,6 +38,18 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
             super().__init__(*args, **kwargs)
         trl_sft.check_sft(self)
 
+    # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`);
+    # TRL gathers it after its four token metrics.
+    _odc_serves_router_aux_loss = True
+    _odc_aux_gather_position = len(trl_sft.SFT_TRAIN_GATHERS)
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        # TRL adds coef x aux / current_gradient_accumulation_steps after multiplying its token loss by the world
+        # size: the weighted share then needs coef x share x W x those steps (one under a plan).
+        scale = self.accelerator.num_processes * self.current_gradient_accumulation_steps
+        with self._odc_router_coef(scale):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     def _odc_check_settings(self, config: Any) -> None:
         super()._odc_check_settings(config)
         if config.balanced:

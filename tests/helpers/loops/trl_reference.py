@@ -14,6 +14,8 @@ those of the whole step. Its data order is the one ODC's sampler draws steps fro
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
 (`odc_accelerate._compat.trl.lm_head.fused_lm_head_torch_path`; TRL 1.15's is a Triton kernel whatever the device).
+``--aux_token_share``: a MoE router's auxiliary loss of each microbatch weighted by its share of the step's
+non-padding tokens (the definition the ODC trainers train it with) instead of TRL's ``1 / gradient_accumulation_steps``.
 ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
 ``ODC_DUMP_PARAMS=1``): ``initial_params.pt``, ``final_params.pt`` and ``trainer_state.json``.
 """
@@ -75,6 +77,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("trainer", choices=["sft", "dpo", "reward"])
     parser.add_argument("--samples_per_step", type=int, required=True)
     parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
+    parser.add_argument(
+        "--aux_token_share",
+        action="store_true",
+        help="weight each microbatch's router auxiliary loss by its share of the step's non-padding tokens",
+    )
     own, rest = parser.parse_known_args(argv)
     config_class, trainer_class = {
         "sft": (SFTConfig, SFTTrainer),
@@ -93,6 +100,24 @@ def main(argv: list[str]) -> None:
     class InStepOrder(trainer_class):  # TRL's trainer; only the order in which it reads the training set is fixed
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+        if own.aux_token_share:
+            # The definition ODC trains a router's auxiliary loss with, in one process: each microbatch's term weighted
+            # by its share of the step's non-padding tokens instead of 1 / gradient_accumulation_steps.
+            def get_batch_samples(self, epoch_iterator, num_batches, device):
+                batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+                self.step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+                return batches, count
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                coef = self.router_aux_loss_coef
+                if model.training:  # TRL divides the term by the accumulation steps (SFT), or the Trainer does (DPO)
+                    share = int(inputs["attention_mask"].sum()) / self.step_tokens
+                    self.router_aux_loss_coef = coef * share * self.args.gradient_accumulation_steps
+                try:
+                    return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                finally:
+                    self.router_aux_loss_coef = coef
 
     tokenizer = load_offline_tokenizer()  # as saved beside a --model_name_or_path model (`save_tiny_causal_lm`)
     # TRL 1.15's fused LM head is a Triton kernel whatever the device: on CPU it takes the torch path TRL 1.16 has
