@@ -236,7 +236,7 @@ def sum_dtype(reduce_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     same transport (16-bit floats widened to fp32 on CUDA, as the ``cuda`` transport's accumulators; the reduce dtype
     on CPU transports)."""
     if device.type == "cuda":
-        from ..transport.cuda.plan import accumulator_dtype
+        from ..transport.cuda.segments import accumulator_dtype
 
         return accumulator_dtype(reduce_dtype)
     return reduce_dtype

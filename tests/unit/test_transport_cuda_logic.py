@@ -13,7 +13,7 @@ import torch.distributed as dist
 from odc_accelerate.reduction import ReductionName
 from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
 from odc_accelerate.transport.cuda import cuda_unavailable_reason, local_device_facts
-from odc_accelerate.transport.cuda.plan import (
+from odc_accelerate.transport.cuda.segments import (
     ALIGN,
     DEFAULT_STAGING_MIB,
     MAX_DEFAULT_STAGING_MIB,

@@ -2,7 +2,7 @@
 
 Ran on one H100, two ranks sharing it (``docs/gpu.md``): engine parity with one process, SFT, DPO and GRPO Trainer
 steps, and the accumulate kernel at its current launch parameters; not yet on several GPUs. Its host-side logic
-(:mod:`.plan`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
+(:mod:`.segments`) is unit-tested on CPU, its protocol runs the engine on CPU over shared memory, and
 ``scripts/gpu_session.sh`` checks it on a GPU.
 
 Data plane. Every rank allocates one segment with torch's symmetric memory (through
@@ -63,7 +63,7 @@ from .device import (
     local_device_facts,
 )
 from .kernels import accumulate_, max_programs
-from .plan import (
+from .segments import (
     SETUP_MARGIN_BYTES,
     DeviceFacts,
     SegmentPlan,
@@ -229,7 +229,7 @@ class CudaTransport(Transport):
         return dict(self._views[self.rank])
 
     def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
-        """Collective: the gradient reduction to run over these GPUs, and why (`.plan.choose_reduction`).
+        """Collective: the gradient reduction to run over these GPUs, and why (`.segments.choose_reduction`).
 
         ``requested`` (``odc_reduction`` where it was given explicitly) is kept. Left unset (None), the reduction is
         ``atomic`` unless some pair of GPUs cannot add into each other's memory natively (PCIe rather than NVLink) or

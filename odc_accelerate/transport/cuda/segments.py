@@ -1,4 +1,4 @@
-"""Host-side plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
+"""Host-side segment plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
 
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
 device, so the unit tests exercise it on CPU; :mod:`.device` supplies the GPU facts, :mod:`.transport` the
