@@ -28,7 +28,7 @@ device facts and refuse together, naming what to change, when: a GPU is shared w
 ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, a peer's GPU is not visible or not peer-accessible, the
 symmetric-memory backend is not CUDA, or the memory does not fit; and, where something is accumulated (the ``atomic``
 reduction), peer-to-peer atomics are not native (PCIe) or deterministic algorithms are on. The ``ordered`` reduction
-accumulates nothing (`choose_reduction` picks it, where ``odc_reduction`` was not given, instead of that refusal). Multicast (NVLS) is never bound for
+accumulates nothing (`choose_reduction` picks it under ``odc_reduction: auto``, instead of that refusal). Multicast (NVLS) is never bound for
 the segment, and ``close`` frees it (the segment bypasses torch's symmetric-memory pool, which would keep it cached).
 
 Control plane. A small :class:`~odc_accelerate.transport.shm.ShmTransport` gives the barrier (with its timeout and
@@ -110,6 +110,29 @@ class CudaTransport(Transport):
     """
 
     name = "cuda"
+    devices = ("cuda",)
+    # Native peer-to-peer atomics over NVLink, none over PCIe: `choose_reduction` asks every rank's GPU.
+    adds_atomically = False
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> CudaTransport:
+        return cls(rank, world_size, timeout=timeout, group=group, device=device)
+
+    @classmethod
+    def auto_refusal(
+        cls, *, group: dist.ProcessGroup | None, world_size: int, device: torch.device, atomics: bool
+    ) -> str | None:
+        """Collective: the device checks (`.segments.device_refusal`) on every rank's gathered facts, so that all ranks
+        choose or refuse together. ``atomics=False`` accepts GPUs that can read but not add into each other's memory."""
+        return device_refusal(gather_device_facts(group, world_size, device), atomics=atomics)
 
     def __init__(
         self,
@@ -228,18 +251,19 @@ class CudaTransport(Transport):
         )
         return dict(self._views[self.rank])
 
-    def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
-        """Collective: the gradient reduction to run over these GPUs, and why (`.segments.choose_reduction`).
+    def choose_reduction(self, requested: ReductionName) -> tuple[ReductionName, str]:
+        """Collective under ``auto``: the gradient reduction to run over these GPUs, and why
+        (`.segments.choose_reduction`).
 
-        ``requested`` (``odc_reduction`` where it was given explicitly) is kept. Left unset (None), the reduction is
-        ``atomic`` unless some pair of GPUs cannot add into each other's memory natively (PCIe rather than NVLink) or
-        deterministic algorithms are on: then ``ordered``, which only reads peers' memory, instead of refusing. The
-        ranks decide from every rank's gathered device facts, so all choose alike.
+        An explicit ``requested`` is kept. ``auto`` is ``atomic`` unless some pair of GPUs cannot add into each other's
+        memory natively (PCIe rather than NVLink) or deterministic algorithms are on: then ``ordered``, which only
+        reads peers' memory, instead of refusing. The ranks decide from every rank's gathered device facts, so all
+        choose alike.
         """
-        if requested is not None:
+        if requested != ReductionName.AUTO:
             return choose_reduction(requested, [])
         facts = self._gather_facts(self._resolved_device(), (False, "not checked before the reduction is chosen"))
-        return choose_reduction(None, facts)
+        return choose_reduction(ReductionName.AUTO, facts)
 
     def _resolved_device(self) -> torch.device:
         device = self._device or torch.device("cuda")
