@@ -102,8 +102,10 @@ class ODCConfig:
             `ODC_MEMORY_HEADROOM`):
             What ``memory_policy="auto"`` leaves free for activations and the optimizer: a percentage of the rank's
             memory (``"30%"``) or a size (``"4GiB"``, ``"512MB"``).
-        reduction (`ReductionName`, *optional*, defaults to `"atomic"`; key `odc_reduction`, env `ODC_REDUCTION`):
-            How a step's gradients reach their owners. ``"atomic"``: each microbatch's gradient slices are added into
+        reduction (`ReductionName`, *optional*, defaults to `"auto"`; key `odc_reduction`, env `ODC_REDUCTION`):
+            How a step's gradients reach their owners. ``"auto"``: the transport decides, ``"atomic"`` where its adds
+            are atomic (every CPU transport; ``cuda`` over GPUs with native peer-to-peer atomics and deterministic
+            algorithms off), else ``"ordered"``. ``"atomic"``: each microbatch's gradient slices are added into
             their owners' accumulators as ranks finish them (the sum's order varies, so runs differ in the last bits).
             ``"ordered"``: each rank sums its own gradient for the step locally, in its microbatches' order, and each
             owner sums the ranks' contributions in rank order once per step: bitwise reproducible, no remote atomics
@@ -190,13 +192,13 @@ class ODCConfig:
         str,
     )
     reduction: ReductionName | None = _option(
-        ReductionName.ATOMIC,
+        ReductionName.AUTO,
         "odc_reduction",
         "ODC_REDUCTION",
-        f"How gradients reach their owners: {' or '.join(REDUCTIONS)}. 'atomic' adds each microbatch's gradients "
-        "into the owners as ranks finish (order varies); 'ordered' sums each rank's step locally and each owner sums "
-        "the ranks in rank order once per step (bitwise reproducible, no peer atomics, one unsharded gradient per "
-        "rank).",
+        f"How gradients reach their owners: {', '.join(REDUCTIONS)}. 'auto' lets the transport decide (atomic where "
+        "its adds are atomic, else ordered); 'atomic' adds each microbatch's gradients into the owners as ranks "
+        "finish (order varies); 'ordered' sums each rank's step locally and each owner sums the ranks in rank order "
+        "once per step (bitwise reproducible, no peer atomics, one unsharded gradient per rank).",
         str,
     )
     source: str = field(default="default", compare=False, repr=False)

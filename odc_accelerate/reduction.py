@@ -1,6 +1,8 @@
 """How a step's gradients reach their owners: the ``odc_reduction`` option's names (see ``docs/reduction.md``).
 
-* ``atomic`` (the default): after each microbatch's backward a rank adds its gradient slices into their owners'
+* ``auto`` (the default): the transport decides, ``atomic`` where its adds are atomic (every CPU transport; the
+  ``cuda`` transport where every pair of GPUs adds natively and deterministic algorithms are off), else ``ordered``.
+* ``atomic``: after each microbatch's backward a rank adds its gradient slices into their owners'
   accumulators (`Transport.accumulate`), in whatever order the ranks get there, so two runs may differ in the last
   bits of a sum.
 * ``ordered``: each rank sums its own gradient for the step locally, in its microbatches' order, and each owner sums
@@ -19,6 +21,7 @@ class ReductionName(str, enum.Enum):
     """A gradient reduction's name. A `str`: each member equals, prints and goes to JSON as its value
     (``ReductionName.ORDERED == "ordered"``), as `~odc_accelerate.planning.PlanName` does."""
 
+    AUTO = "auto"
     ATOMIC = "atomic"
     ORDERED = "ordered"
 

@@ -23,15 +23,16 @@ from .._compat import warn_if_untested
 from .._compat.torch import fsdp as compat
 from .._compat.torch import keep as keep_compat
 from .._compat.torch import layout as layout_compat
-from ..transport import BufferSpec
+from ..transport import BufferSpec, Transport, TransportChoice, choose_transport, create_transport
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_counter
 from ..transport.ordered import contribution_specs
+from ..transport.registry import spans_hosts
 from . import hsdp, model_check
 from ._hooks import _ODCAllGather, _ODCReduceScatter, _ODCReduceScatterHSDP
+from .report import EngineReport
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..transport import Transport
     from .engine import ODCEngine
 
 logger = logging.getLogger(__name__)
@@ -195,8 +196,7 @@ def serve(model: nn.Module, refusal: RuntimeError | None, transport: str | Trans
     device = compat.group_device(entries[0][1])
     if replicate_pg is not None:
         compat.check_hsdp(entries[0][1])
-        name = transport if isinstance(transport, str) else getattr(transport, "name", "")
-        hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), name)
+        hsdp.check_shard_group_hosts(compat.mesh_ranks(entries[0][1]), spans_hosts=spans_hosts(transport))
     return Served(entries, layouts, shard_pg, replicate_pg, device)
 
 
@@ -236,7 +236,7 @@ def sum_dtype(reduce_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     same transport (16-bit floats widened to fp32 on CUDA, as the ``cuda`` transport's accumulators; the reduce dtype
     on CPU transports)."""
     if device.type == "cuda":
-        from ..transport.cuda.plan import accumulator_dtype
+        from ..transport.cuda.segments import accumulator_dtype
 
         return accumulator_dtype(reduce_dtype)
     return reduce_dtype
@@ -342,19 +342,37 @@ def setup_refusal(err: BaseException, device: torch.device, held: int) -> Runtim
     )
 
 
-def describe(engine: ODCEngine) -> str:
-    """What ``engine`` serves, over what, and what the memory policy keeps (`log_ready`'s line, and the accelerate
-    loop's banner)."""
-    buckets = engine.replicate_buckets
-    frozen = " (frozen, gather-only)" if engine.frozen else ""
-    reduction = "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})"
-    hsdp = f", HSDP: {engine.replicas} replicas, {len(buckets)} all-reduce bucket(s) per step" if buckets else ""
-    return (
-        f"{len(engine.param_groups)} param groups{frozen}, transport {engine.transport.name}{reduction}{hsdp}, "
-        f"memory policy {engine.memory_policy}: {engine.memory_summary()}"
+def open_transport(
+    requested: str | Transport, served: Served, *, rank: int, world_size: int, timeout: float, atomics: bool
+) -> tuple[TransportChoice, Transport]:
+    """Collective under ``auto``: the transport over the shard group, and why (`choose_transport`)."""
+    device, group = served.device, served.shard_pg
+    choice = choose_transport(requested, device=device, world_size=world_size, group=group, atomics=atomics)
+    name = requested if isinstance(requested, Transport) else choice.name
+    transport = create_transport(name, rank=rank, world_size=world_size, timeout=timeout, device=device, group=group)
+    return choice, transport
+
+
+def setup_report(engine: ODCEngine, choice: TransportChoice, reduction_reason: str) -> EngineReport:
+    """What ``engine``'s set-up chose, once its buffers are registered (the ``cuda`` transport's accumulate path is
+    chosen then); `ODCEngine.report` adds what the memory policy keeps now."""
+    return EngineReport(
+        transport=choice.name,
+        transport_reason=choice.reason,
+        accumulate_path=engine.transport.accumulate_path,
+        accumulate_reason=engine.transport.accumulate_reason,
+        reduction=None if engine.frozen else engine.reduction,
+        reduction_reason=reduction_reason,
+        param_groups=len(engine.param_groups),
+        frozen=engine.frozen,
+        ranks=engine.world_size,
+        replicas=engine.replicas,
+        replicate_buckets=len(engine.replicate_buckets),
+        memory_policy=str(engine.memory_policy),
+        memory="",
     )
 
 
 def log_ready(engine: ODCEngine) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
-    logger.info("ODC engine on rank %d/%d: %s", engine.rank, engine.world_size, describe(engine))
+    logger.info("ODC engine on rank %d/%d: %s", engine.rank, engine.world_size, engine.report().describe())

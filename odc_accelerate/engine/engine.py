@@ -10,6 +10,7 @@ microbatches. One step through the code: docs/design.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -23,13 +24,14 @@ from .. import memory_spec
 from .._compat.torch import fsdp as compat
 from .._compat.torch import keep as keep_compat
 from ..reduction import ReductionName, normalize_reduction
-from ..transport import ODCTimeoutError, Transport, create_transport
+from ..transport import ODCTimeoutError, Transport
 from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_indices
 from ..transport.ordered import add_contribution, contribution_names, sum_in_rank_order, zero_contributions
 from . import _setup, hsdp, memory, model_check, process_exit
 from ._hooks import accumulator_rows
 from ._setup import ServedGroup
+from .report import EngineReport
 from .stats import EngineState, StepStats
 from .streams import LocalAddFence, current_stream_of
 
@@ -73,15 +75,15 @@ class ODCEngine:
         memory_headroom (`str` or `float`, *optional*, defaults to `"30%"`):
             What ``"auto"`` leaves free for activations and the optimizer: a percentage of this rank's memory
             (``"30%"``) or a size (``"4GiB"``; a number is bytes).
-        reduction (`str` or `ReductionName`, *optional*):
+        reduction (`str` or `ReductionName`, *optional*, defaults to `"auto"`):
             How gradients reach their owners (``docs/reduction.md``): ``"atomic"`` (each microbatch's gradients are
             added into the owners' accumulators as ranks finish) or ``"ordered"`` (each rank sums its step locally,
             into one buffer per owner, and each owner sums the ranks' contributions in rank order at
             `pre_optimizer_step`: bitwise reproducible, no peer atomics, one unsharded gradient held per rank; the
-            memory policy's ``grads`` choice does not apply). Left unset: ``"atomic"``, unless the transport cannot add
-            into peers' memory atomically (the ``cuda`` transport over GPUs without native peer-to-peer atomics, or
-            with deterministic algorithms on), where it chooses ``"ordered"`` and says so. ``reduction`` and
-            ``reduction_reason`` hold what runs and why. A frozen engine reduces nothing.
+            memory policy's ``grads`` choice does not apply). ``"auto"``: the transport decides
+            (`Transport.choose_reduction`): ``"atomic"`` where it adds atomically (every CPU transport; the ``cuda``
+            transport over GPUs with native peer-to-peer atomics and deterministic algorithms off), else ``"ordered"``,
+            said in a warning. ``reduction`` holds what runs, `report` why. A frozen engine reduces nothing.
 
     Example:
 
@@ -117,7 +119,7 @@ class ODCEngine:
         replicate_bucket_bytes: int = hsdp.DEFAULT_BUCKET_BYTES,
         memory_policy: str | Mapping[str, str] = memory_spec.DEFAULT_POLICY,
         memory_headroom: str | float = memory_spec.DEFAULT_HEADROOM,
-        reduction: ReductionName | str | None = None,
+        reduction: ReductionName | str = ReductionName.AUTO,
     ) -> None:
         self._state = EngineState.CLOSED  # until fully built, close() has nothing to undo
         self._groups: list[ServedGroup] = []
@@ -126,10 +128,10 @@ class ODCEngine:
         self._pg: Any = None  # the shard group's process group: set-up only
         self._claims: Any = None  # the dynamic plan's counter (set with the transport)
         # Checked before any collective: the same bad value raises on every rank.
-        self._requested = None if reduction is None else normalize_reduction(reduction, "reduction")
-        #: the gradient reduction this engine runs (chosen with the transport when ``reduction`` was not given)
-        self.reduction: ReductionName = self._requested or ReductionName.ATOMIC
-        self.reduction_reason = ""
+        self._requested = normalize_reduction(reduction, "reduction")
+        #: the gradient reduction this engine runs (``auto``: chosen with the transport; `report` says why)
+        self.reduction = ReductionName.ATOMIC if self._requested == ReductionName.AUTO else self._requested
+        self._report: EngineReport | None = None  # what set-up chose (`report`)
         self._contributed: set[int] = set()  # ordered: groups whose contributions this rank added into this step
         self._policy = memory_spec.parse_policy(memory_policy)
         self._headroom = memory_spec.parse_headroom(memory_headroom)
@@ -165,28 +167,23 @@ class ODCEngine:
         """Collective: create the transport, choose the reduction, register the buffers, install the hooks and publish
         the first shards; on any error after the transport exists, close and raise."""
         hsdp_mesh = served.replicate_pg is not None
-        self.transport = create_transport(
-            transport,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.timeout,
-            device=self._device,
-            group=self._pg,
-            # Only an explicit ``atomic`` needs peer atomics up front; unset, the transport may choose ``ordered``.
-            atomics=self._requested == ReductionName.ATOMIC and not self.frozen,
+        # Only an explicit ``atomic`` needs peer atomics up front; under ``auto`` the transport may choose ``ordered``.
+        atomics = self._requested == ReductionName.ATOMIC and not self.frozen
+        choice, self.transport = _setup.open_transport(
+            transport, served, rank=self.rank, world_size=self.world_size, timeout=self.timeout, atomics=atomics
         )
         try:
-            if self.frozen:
-                self.reduction_reason = "frozen: nothing is reduced"
-            else:
-                self.reduction, self.reduction_reason = self.transport.choose_reduction(self._requested)
+            reduced = "frozen: nothing is reduced"
+            if not self.frozen:
+                self.reduction, reduced = self.transport.choose_reduction(self._requested)
                 if self.ordered:
                     specs = _setup.ordered_specs(self._groups, specs, self.world_size, self._device)
-                if self._requested is None and self.ordered and self.rank == 0:
-                    logger.warning("ODC gradient reduction: ordered (%s)", self.reduction_reason)
+                if self._requested == ReductionName.AUTO and self.ordered and self.rank == 0:
+                    logger.warning("ODC gradient reduction: ordered (%s)", reduced)
             if hsdp_mesh and not self.frozen:
                 self._replicas = _setup.replica_reducer(served, self._groups, specs, self.timeout, bucket_bytes)
             self._buffers = self.transport.register(specs)
+            self._report = _setup.setup_report(self, choice, reduced)
             scatter = None if self.frozen else self._scatter_accumulate
             _setup.install_hooks(self._groups, self._gather, scatter, hsdp_mesh=hsdp_mesh)
             self._claims = _setup.claims(self.transport, self._pg, frozen=self.frozen, replicas=self.replicas)
@@ -451,6 +448,11 @@ class ODCEngine:
             reduce_output = acc.clone()  # fresh memory: new .grad tensors become views of it
             acc.zero_()
             compat.fold_into_grads(g.group, reduce_output)
+
+    def report(self) -> EngineReport:
+        """What this engine chose at set-up and why (transport, reduction, accumulate path, replicas), with what the
+        memory policy keeps on this rank now: what its log line and the Trainer's banner say."""
+        return dataclasses.replace(self._report, memory=self.memory_summary())
 
     @property
     def replicate_buckets(self) -> list[list[int]]:

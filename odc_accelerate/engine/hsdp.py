@@ -30,26 +30,25 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 _FAILURE_KEY = "odc/hsdp/failure"
 _NOTE_WAIT_S = 30.0  # how long a rank whose all-reduce failed waits for the note of the rank that saw the death
-CPU_TRANSPORTS_ACROSS_HOSTS = ("network", "hierarchical")
 
 
-def check_shard_group_hosts(shard_groups: list[list[int]], transport: object) -> None:
+def check_shard_group_hosts(shard_groups: list[list[int]], *, spans_hosts: bool) -> None:
     """Collective over the whole job: refuse the mesh if any shard group's ranks run on more than one host.
 
     ODC's per-layer traffic inside a shard group needs shared memory (CPU) or CUDA IPC (GPU), both within a host.
-    An explicit ``network`` / ``hierarchical`` transport (CPU) is accepted: it reaches other hosts. Every rank decides
-    from every rank's host, so all raise together.
+    A transport chosen explicitly that spans hosts (`~odc_accelerate.transport.Transport.spans_hosts`: ``network``,
+    ``hierarchical``) is accepted. Every rank decides from every rank's host, so all raise together.
 
     Args:
         shard_groups (`list[list[int]]`): the global ranks of each shard group (the rows of the 2-D mesh).
-        transport: the engine's ``transport`` argument.
+        spans_hosts (`bool`): the engine's transport reaches other hosts.
 
     Raises:
         ValueError: on every rank, naming the hosts and the fix.
     """
     from ..transport.hierarchical import gather_hosts, host_layout
 
-    if transport in CPU_TRANSPORTS_ACROSS_HOSTS:
+    if spans_hosts:
         return
     hosts = gather_hosts(None, dist.get_world_size())
     spread = [ranks for ranks in shard_groups if len({hosts[r] for r in ranks}) > 1]

@@ -192,9 +192,7 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
         timeout=config.timeout,
         memory_policy=config.memory_policy,
         memory_headroom=config.memory_headroom,
-        # Unset (None) where odc_reduction was left at its default: the transport may then choose ``ordered`` where it
-        # cannot add into peers' memory atomically, instead of refusing.
-        reduction=config.reduction if "reduction" in config.given else None,
+        reduction=config.reduction,
     )
     if compat.sync_each_batch(accelerator) and engine.may_keep_grads():
         # Decided from the policy as configured (the same on every rank), before any step: `auto` chooses per rank
@@ -210,14 +208,13 @@ def _attach_engine(accelerator: Any, model: Any) -> None:
     _ENGINES[accelerator] = engine
     logger.info("ODC engine attached (transport=%s, %d param groups).", config.transport, len(engine.param_groups))
     if accelerator not in _CALLER_DRIVEN and accelerator.is_main_process:
-        from ..engine._setup import describe
-
+        report = engine.report()
         logger.warning(
             "ODC on: %s (transport: %s). Step calls follow accelerate's: pre_optimizer_step at the step's first "
             "accelerator.clip_grad_norm_ or optimizer.step, post_optimizer_step after optimizer.step; a loop that "
             "calls them itself keeps them.",
-            describe(engine),
-            getattr(engine.transport, "chosen_because", "given"),
+            report.describe(),
+            report.transport_reason,
         )
 
 

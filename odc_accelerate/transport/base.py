@@ -12,10 +12,12 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 
-from ..reduction import ReductionName, normalize_reduction
+from ..reduction import ReductionName
 
 HOST_ID_ENV = "ODC_HOST_ID"
 
@@ -86,6 +88,10 @@ class BufferSpec:
 class Transport(abc.ABC):
     """One-sided communication between the ranks of one ODC job.
 
+    A transport's facts are its class attributes (``name``, ``devices``, ``spans_hosts``, ``adds_atomically``),
+    read by `~odc_accelerate.transport.TRANSPORT_CLASSES` and ``"auto"`` (`~odc_accelerate.transport.choose_transport`);
+    ``docs/extending.md`` says how to add one.
+
     Args:
         rank (`int`): this process's rank in the data-parallel group.
         world_size (`int`): number of ranks.
@@ -93,7 +99,17 @@ class Transport(abc.ABC):
     """
 
     #: short name used in logs and by ``transport=`` arguments
-    name: str = "abstract"
+    name: ClassVar[str] = "abstract"
+    #: the device types (``torch.device.type``) whose tensors it moves
+    devices: ClassVar[tuple[str, ...]] = ()
+    #: its ranks may run on several hosts
+    spans_hosts: ClassVar[bool] = False
+    #: ``accumulate`` is atomic wherever the transport runs; False: only where the devices allow (`choose_reduction`)
+    adds_atomically: ClassVar[bool] = True
+    #: how ``accumulate`` adds, for transports with several ways (the ``cuda`` transport's kernel or its fallback), and
+    #: why; None: one way
+    accumulate_path: str | None = None
+    accumulate_reason: str = ""
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if not 0 <= rank < world_size:
@@ -103,6 +119,34 @@ class Transport(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> Transport:
+        """Build one from `~odc_accelerate.transport.create_transport`'s arguments (``device``: the model's)."""
+        return cls(rank, world_size, timeout=timeout, group=group)
+
+    @classmethod
+    def fits_hosts(cls, ranks_per_host: Sequence[int]) -> bool:
+        """Whether ``"auto"`` may choose it for ranks laid out so: on one host, or anywhere if it spans hosts."""
+        return len(ranks_per_host) == 1 or cls.spans_hosts
+
+    @classmethod
+    def auto_refusal(
+        cls, *, group: dist.ProcessGroup | None, world_size: int, device: torch.device, atomics: bool
+    ) -> str | None:
+        """Collective on transports that ask their peers: why ``"auto"`` cannot choose it here (None: it can).
+
+        ``atomics``: peers will add into each other's memory (an explicit ``atomic`` reduction, not frozen).
+        """
+        return None
 
     @abc.abstractmethod
     def register(self, specs: Mapping[str, BufferSpec]) -> dict[str, torch.Tensor]:
@@ -154,17 +198,17 @@ class Transport(abc.ABC):
         """
         return None
 
-    def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
+    def choose_reduction(self, requested: ReductionName) -> tuple[ReductionName, str]:
         """Collective on transports that ask their peers: the gradient reduction to run, and why (for logs).
 
-        ``requested`` is ``odc_reduction`` where it was given explicitly, and is kept; None (left at its default) is
-        ``atomic`` unless this transport cannot add into peers' memory atomically, where it may choose ``ordered``
-        instead of refusing (the ``cuda`` transport over GPUs without native peer-to-peer atomics). Every CPU
-        transport adds atomically (under a lock), so the default stays ``atomic`` there.
+        ``requested`` (checked by the caller) is kept unless it is ``auto``: then ``atomic`` where this transport adds
+        atomically (`adds_atomically`), else ``ordered``, which adds nothing into peers' memory.
         """
-        if requested is not None:
-            return normalize_reduction(requested), "set by odc_reduction"
-        return ReductionName.ATOMIC, "the default"
+        if requested != ReductionName.AUTO:
+            return requested, "set by odc_reduction"
+        if self.adds_atomically:
+            return ReductionName.ATOMIC, f"auto: the {self.name} transport adds atomically"
+        return ReductionName.ORDERED, f"auto: the {self.name} transport may not add atomically"
 
     def memory_report(self) -> dict[str, int]:
         """Device memory this transport holds, in bytes by purpose plus ``"total"``; empty for host memory."""

@@ -52,6 +52,9 @@ class HierarchicalTransport(Transport):
     """
 
     name = "hierarchical"
+    devices = ("cpu",)
+    spans_hosts = True
+    adds_atomically = True  # as its parts: a record lock within a host, the owner's service thread across hosts
 
     def __init__(
         self,

@@ -125,6 +125,8 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    devices = ("cpu",)
+    adds_atomically = True  # under a record lock per (owner, buffer)
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from odc_accelerate.testing import launch
 from odc_accelerate.transport.cuda.kernels import accumulate_, kernel_available, max_programs
-from odc_accelerate.transport.cuda.plan import DEFAULT_STAGING_MIB, StagingPool
+from odc_accelerate.transport.cuda.segments import DEFAULT_STAGING_MIB, StagingPool
 
 PATHS = ("index_add_", "kernel", "add_", "copy", "copy_then_add")
 GPU_SIZES_MIB = (64, 256, 1024)

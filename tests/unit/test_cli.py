@@ -508,7 +508,9 @@ def test_config_refuses_bad_flags_and_writes_nothing(tmp_path, capsys):
     assert main(["config", "--cpu", "--num_processes", "0", "--default", "--config_file", str(out)]) == 2
     assert "num_processes must be a positive integer" in capsys.readouterr().err
     assert main(["config", "--cpu", "--odc_reduction", "sorted", "--default", "--config_file", str(out)]) == 2
-    assert "odc_reduction (ODC_REDUCTION) must be one of atomic, ordered, got 'sorted'" in capsys.readouterr().err
+    assert (
+        "odc_reduction (ODC_REDUCTION) must be one of auto, atomic, ordered, got 'sorted'" in capsys.readouterr().err
+    )
     assert not out.exists() and os.listdir(tmp_path) == []
 
 

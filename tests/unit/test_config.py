@@ -108,13 +108,9 @@ def test_memory_policy_on_every_surface(monkeypatch):
 def test_reduction_from_every_source(monkeypatch):
     from odc_accelerate.reduction import REDUCTIONS, ReductionName
 
-    assert REDUCTIONS == ("atomic", "ordered")  # the default first
+    assert REDUCTIONS == ("auto", "atomic", "ordered")  # the default first
     default = ODCConfig.from_sources(args=_args(odc=True))
-    assert (
-        default.reduction == "atomic"
-        and default.reduction is ReductionName.ATOMIC
-        and "reduction" not in default.given
-    )
+    assert default.reduction == "auto" and default.reduction is ReductionName.AUTO and "reduction" not in default.given
     assert ODCConfig(reduction=ReductionName.ORDERED).reduction == "ordered"  # Python: the enum or its name
     monkeypatch.setenv("ODC_REDUCTION", "ordered")
     from_env = ODCConfig.from_sources(args=_args(odc=True))
@@ -142,7 +138,7 @@ def test_reduction_from_every_source(monkeypatch):
 def test_bad_reductions_name_the_option_and_the_accepted_values(value):
     with pytest.raises(ValueError) as err:
         ODCConfig.from_sources(overrides={"reduction": value}, env={})
-    assert str(err.value) == f"odc_reduction (ODC_REDUCTION) must be one of atomic, ordered, got {value!r}."
+    assert str(err.value) == f"odc_reduction (ODC_REDUCTION) must be one of auto, atomic, ordered, got {value!r}."
 
 
 def test_the_launchers_env_resolves_like_the_file_it_came_from():

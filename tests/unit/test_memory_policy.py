@@ -70,7 +70,7 @@ def test_ordered_reduction_keeps_no_unsharded_gradient():
 
 
 def test_engine_refuses_a_bad_reduction_before_anything_else():
-    with pytest.raises(ValueError, match="reduction must be one of atomic, ordered"):
+    with pytest.raises(ValueError, match="reduction must be one of auto, atomic, ordered"):
         ODCEngine(torch.nn.Linear(2, 2), reduction="summed")
 
 

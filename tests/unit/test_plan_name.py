@@ -145,14 +145,30 @@ def test_the_old_spelling_still_converts():
     ],
 )
 def test_the_banner_and_the_odc_off_warning_name_the_plan_as_before(name, shown, caplog):
+    from odc_accelerate.engine.report import EngineReport
     from odc_accelerate.integrations.trainer.run import ODCRun
     from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
 
+    report = EngineReport(
+        transport="shm",
+        transport_reason="auto: CPU tensors, every rank on one host",
+        accumulate_path=None,
+        accumulate_reason="",
+        reduction="atomic",
+        reduction_reason="auto: the shm transport adds atomically",
+        param_groups=2,
+        frozen=False,
+        ranks=2,
+        replicas=1,
+        replicate_buckets=0,
+        memory_policy="neither",
+        memory="neither x2",
+    )
     trainer = SimpleNamespace(
         odc_config=ODCConfig(enable=True, plan=name),
         odc_run=ODCRun(samples_per_step=4, folded_accumulation=1, max_tokens_per_microbatch=64),
         is_world_process_zero=lambda: True,
-        odc_engine=None,
+        odc_engine=SimpleNamespace(report=lambda: report),
         args=SimpleNamespace(world_size=2, per_device_train_batch_size=2),
         odc_plans_from_dataset=True,
     )

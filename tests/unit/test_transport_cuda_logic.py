@@ -13,7 +13,7 @@ import torch.distributed as dist
 from odc_accelerate.reduction import ReductionName
 from odc_accelerate.transport import BufferSpec, CudaTransport, create_transport
 from odc_accelerate.transport.cuda import cuda_unavailable_reason, local_device_facts
-from odc_accelerate.transport.cuda.plan import (
+from odc_accelerate.transport.cuda.segments import (
     ALIGN,
     DEFAULT_STAGING_MIB,
     MAX_DEFAULT_STAGING_MIB,
@@ -324,10 +324,17 @@ def test_register_needs_a_process_group():
 
 
 def test_factory_refuses_mismatched_devices_with_the_fix():
-    with pytest.raises(ValueError, match="use transport='cuda'"):
+    # the alternatives are the transports that move the model's tensors (`Transport.devices`), then 'auto'
+    with pytest.raises(
+        ValueError, match="moves CPU tensors, but the model is on cuda; use transport='cuda' or 'auto'"
+    ):
         create_transport("network", rank=0, world_size=2, timeout=5, device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="needs a model on CUDA"):
+    with pytest.raises(
+        ValueError, match="'cuda' moves CUDA tensors.* use transport='shm' or 'network' or 'hierarchical'"
+    ):
         create_transport("cuda", rank=0, world_size=2, timeout=5, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="moves CPU tensors, but the model is on xpu; use plain FSDP2 on this device"):
+        create_transport("shm", rank=0, world_size=2, timeout=5, device=torch.device("xpu"))
     with pytest.raises(ValueError, match="unknown ODC transport"):
         create_transport("rdma", rank=0, world_size=2, timeout=5, device=torch.device("cpu"))
 
@@ -389,51 +396,75 @@ def test_ordered_needs_no_peer_atomics_nor_leaves_determinism_to_refuse():
     assert "peer-to-peer" in device_refusal(no_access, atomics=False)
 
 
-def test_unset_reduction_chooses_ordered_where_peers_cannot_add_natively():
+def test_auto_reduction_chooses_ordered_where_peers_cannot_add_natively():
+    auto = ReductionName.AUTO
     nvlink = [_gpu(r, NODE, r) for r in range(4)]
     assert atomics_problem(nvlink) is None
-    assert choose_reduction(None, nvlink) == (ReductionName.ATOMIC, "the default")
+    assert choose_reduction(auto, nvlink) == (
+        ReductionName.ATOMIC,
+        "auto: the GPUs add into each other's memory natively",
+    )
     pcie_p2p = [_gpu(r, NODE[:2], r, atomics=(r == 0, r == 1)) for r in range(2)]
-    reduction, why = choose_reduction(None, pcie_p2p)
+    reduction, why = choose_reduction(auto, pcie_p2p)
     assert reduction == ReductionName.ORDERED
-    assert why.startswith("chosen because odc_reduction was not set and rank 0's GPU has no native atomic adds")
+    assert why.startswith("auto: rank 0's GPU has no native atomic adds")
     assert "odc_reduction: ordered (ODC_REDUCTION" not in why  # the reason, not the refusal's advice
     unknown = [_gpu(r, NODE[:2], r, atomics=(True, None) if r == 0 else (True, True)) for r in range(2)]
-    assert choose_reduction(None, unknown)[0] == ReductionName.ORDERED
+    assert choose_reduction(auto, unknown)[0] == ReductionName.ORDERED
     deterministic = [_gpu(r, NODE[:2], r, deterministic=r == 1) for r in range(2)]
-    reduction, why = choose_reduction(None, deterministic)
+    reduction, why = choose_reduction(auto, deterministic)
     assert reduction == ReductionName.ORDERED and "use_deterministic_algorithms" in why
     # given explicitly, it is kept whatever the GPUs (an explicit atomic is then refused by the transport's checks)
     for facts in (nvlink, pcie_p2p):
-        assert choose_reduction("atomic", facts) == (ReductionName.ATOMIC, "set by odc_reduction")
+        assert choose_reduction(ReductionName.ATOMIC, facts) == (ReductionName.ATOMIC, "set by odc_reduction")
         assert choose_reduction(ReductionName.ORDERED, facts) == (ReductionName.ORDERED, "set by odc_reduction")
-    with pytest.raises(ValueError, match="atomic, ordered"):
-        choose_reduction("summed", nvlink)
 
 
-def test_cpu_transports_keep_the_default_reduction():
-    from odc_accelerate.transport.shm import ShmTransport
+def test_auto_reduction_is_atomic_where_the_transport_adds_atomically():
+    from odc_accelerate.transport import TRANSPORT_CLASSES
 
-    transport = ShmTransport.__new__(ShmTransport)  # the choice reads nothing of the transport's state
-    assert transport.choose_reduction(None) == (ReductionName.ATOMIC, "the default")
-    assert transport.choose_reduction("ordered") == (ReductionName.ORDERED, "set by odc_reduction")
+    for name, cls in TRANSPORT_CLASSES.items():
+        if name == "cuda":  # it asks its GPUs (above)
+            assert not cls.adds_atomically
+            continue
+        transport = cls.__new__(cls)  # the base class's choice reads nothing of the transport's state
+        assert cls.adds_atomically and transport.choose_reduction(ReductionName.AUTO) == (
+            ReductionName.ATOMIC,
+            f"auto: the {name} transport adds atomically",
+        )
+        assert transport.choose_reduction(ReductionName.ORDERED) == (ReductionName.ORDERED, "set by odc_reduction")
+
+    class Unlocked(TRANSPORT_CLASSES["shm"]):  # a transport whose adds may race: auto must not add into peers
+        adds_atomically = False
+
+    assert Unlocked.__new__(Unlocked).choose_reduction(ReductionName.AUTO)[0] == ReductionName.ORDERED
 
 
 def test_the_trainer_banner_names_the_reduction_and_why(caplog):
     from types import SimpleNamespace
 
     from odc_accelerate.config import ODCConfig
+    from odc_accelerate.engine.report import EngineReport
     from odc_accelerate.integrations.trainer.run import ODCRun
     from odc_accelerate.integrations.trainer.setup import ODCAcceleratorSetup
 
-    why = "chosen because odc_reduction was not set and rank 0's GPU has no native atomic adds into rank 1's GPU"
-    engine = SimpleNamespace(
-        transport=SimpleNamespace(name="cuda", chosen_because="auto: ...", accumulate_path=None),
+    why = "auto: rank 0's GPU has no native atomic adds into rank 1's GPU"
+    report = EngineReport(
+        transport="cuda",
+        transport_reason="auto: CUDA tensors, every rank on one host",
+        accumulate_path="kernel",
+        accumulate_reason="Triton compiled and ran",
         reduction=ReductionName.ORDERED,
         reduction_reason=why,
-        world_size=2,
-        memory_summary=lambda: "neither x4",
+        param_groups=4,
+        frozen=False,
+        ranks=2,
+        replicas=1,
+        replicate_buckets=0,
+        memory_policy="neither",
+        memory="neither x4",
     )
+    engine = SimpleNamespace(report=lambda: report)
     trainer = SimpleNamespace(
         odc_config=ODCConfig(enable=True),
         odc_run=ODCRun(samples_per_step=4, folded_accumulation=1, max_tokens_per_microbatch=64),
@@ -444,10 +475,15 @@ def test_the_trainer_banner_names_the_reduction_and_why(caplog):
     )
     with caplog.at_level(logging.WARNING, logger="odc_accelerate.integrations.trainer.setup"):
         ODCAcceleratorSetup._odc_banner(trainer)
-    assert f"gradient reduction ordered ({why})" in caplog.text
+    # every part comes from the engine's report
+    assert (
+        "ODC on: transport cuda (auto: CUDA tensors, every rank on one host; gradients accumulate by kernel (Triton "
+        "compiled and ran)), plan free," in caplog.text
+    )
+    assert f"memory policy neither (rank 0: neither x4); gradient reduction ordered ({why}); metrics" in caplog.text
 
 
-def test_the_plugin_passes_the_reduction_only_where_it_was_given(monkeypatch):
+def test_the_plugin_passes_the_reduction_unchanged(monkeypatch):
     from types import SimpleNamespace
 
     from odc_accelerate import engine as engine_module
@@ -470,7 +506,7 @@ def test_the_plugin_passes_the_reduction_only_where_it_was_given(monkeypatch):
 
     monkeypatch.setattr(engine_module, "ODCEngine", Engine)
     for config, expected in (
-        (ODCConfig(enable=True), None),  # the default: the transport may choose
+        (ODCConfig(enable=True), "auto"),  # the default: the transport chooses
         (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "atomic"}), "atomic"),
         (ODCConfig.from_sources(env={"ODC_ENABLE": "true", "ODC_REDUCTION": "ordered"}), "ordered"),
     ):

@@ -15,7 +15,7 @@ import torch
 from odc_accelerate.transport import BufferSpec, CudaTransport
 from odc_accelerate.transport.cuda import device, kernels
 from odc_accelerate.transport.cuda.kernels import BLOCK, accumulate_, kernel_available
-from odc_accelerate.transport.cuda.plan import DeviceFacts, accumulate_kernel_agreement, plan_segment
+from odc_accelerate.transport.cuda.segments import DeviceFacts, accumulate_kernel_agreement, plan_segment
 
 pytest.importorskip("triton", reason="Triton runs the kernel (the 'testing' extra installs it)")
 

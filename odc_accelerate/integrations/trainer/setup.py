@@ -148,8 +148,7 @@ class ODCAcceleratorSetup:
         self._odc_banner_shown = True
         if not self.is_world_process_zero():
             return
-        engine = self.odc_engine
-        transport = getattr(engine, "transport", None)
+        report = self.odc_engine.report()
         world = max(1, int(self.args.world_size))
         ga = run.folded_accumulation
         if self.odc_plans_from_dataset:
@@ -175,30 +174,26 @@ class ODCAcceleratorSetup:
             if ga != 1
             else ""
         )
-        replicas = getattr(engine, "replicas", 1)
         hsdp = (
-            f"; HSDP: {replicas} replicas x {engine.world_size} ranks per shard group, ODC within each shard group and "
-            f"{len(engine.replicate_buckets)} all-reduce(s) across replicas per optimizer step"
-            if replicas > 1
+            f"; HSDP: {report.replicas} replicas x {report.ranks} ranks per shard group, ODC within each shard group "
+            f"and {report.replicate_buckets} all-reduce(s) across replicas per optimizer step"
+            if report.replicas > 1
             else ""
         )
-        memory = f"memory policy {config.memory_policy}"
-        if engine is not None:
-            memory += f" (rank 0: {engine.memory_summary()})"
+        memory = f"memory policy {report.memory_policy} (rank 0: {report.memory})"
         if config.memory_policy == "auto":
             memory += f", headroom {config.memory_headroom}, re-chosen by each rank every step"
         # The 'cuda' transport adds gradients with its Triton kernel or, where that cannot run, a slower fallback.
-        path = getattr(transport, "accumulate_path", None)
-        accumulate = f"; gradients accumulate by {path} ({transport.accumulate_reason})" if path else ""
-        reduction = getattr(engine, "reduction", config.reduction)
-        why = getattr(engine, "reduction_reason", "") or (
-            "set by odc_reduction" if "reduction" in config.given else ""
+        accumulate = (
+            f"; gradients accumulate by {report.accumulate_path} ({report.accumulate_reason})"
+            if report.accumulate_path
+            else ""
         )
-        reduction = f"; gradient reduction {reduction}" + (f" ({why})" if why else "")
+        reduction = f"; gradient reduction {report.reduction} ({report.reduction_reason})"
         logger.warning(
             "ODC on: transport %s (%s%s)%s, plan %s, token budget %s, %s%s; %s%s; metrics %s.",
-            getattr(transport, "name", config.transport),
-            getattr(transport, "chosen_because", "not attached"),
+            report.transport,
+            report.transport_reason,
             accumulate,
             hsdp,
             _plan_text(config),

@@ -1,7 +1,7 @@
 """This rank's device facts for the ``"cuda"`` transport, gathered from every rank, and the accumulate path they
 decide.
 
-The facts (`local_device_facts`, `gather_device_facts`) are what `.plan.device_refusal` and `.plan.memory_refusal`
+The facts (`local_device_facts`, `gather_device_facts`) are what `.segments.device_refusal` and `.segments.memory_refusal`
 judge on every rank alike, so that all ranks refuse together before any of them enters a collective with no timeout.
 They carry whether this rank could compile and launch the accumulate kernel (`local_accumulate_kernel`), so that
 every rank takes the same accumulate path (`choose_accumulate_path`).
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ... import memory_spec
 from ..base import BufferSpec, host_id
 from .kernels import kernel_available, probe
-from .plan import OVERLAP_ENV, DeviceFacts, accumulate_kernel_agreement, accumulator_dtype
+from .segments import OVERLAP_ENV, DeviceFacts, accumulate_kernel_agreement, accumulator_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def choose_accumulate_path(facts: Sequence[DeviceFacts]) -> tuple[str, str]:
     """The accumulate path every rank takes, decided from every rank's gathered facts, and why; logged once per
     process.
 
-    The kernel where it passed `local_accumulate_kernel` on every rank (`.plan.accumulate_kernel_agreement`),
+    The kernel where it passed `local_accumulate_kernel` on every rank (`.segments.accumulate_kernel_agreement`),
     else the ``index_add_`` fallback (logged at WARNING: it moves about twice the bytes per element, needs the staging
     pool, and its atomics are of device scope, which the 'cuda' transport relies on NVLink to perform at the owner for
     adds arriving from peers).

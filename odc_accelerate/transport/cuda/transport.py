@@ -31,7 +31,7 @@ from .device import (
     local_device_facts,
 )
 from .kernels import accumulate_, max_programs
-from .plan import (
+from .segments import (
     SETUP_MARGIN_BYTES,
     DeviceFacts,
     SegmentPlan,
@@ -78,6 +78,29 @@ class CudaTransport(Transport):
     """
 
     name = "cuda"
+    devices = ("cuda",)
+    # Native peer-to-peer atomics over NVLink, none over PCIe: `choose_reduction` asks every rank's GPU.
+    adds_atomically = False
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> CudaTransport:
+        return cls(rank, world_size, timeout=timeout, group=group, device=device)
+
+    @classmethod
+    def auto_refusal(
+        cls, *, group: dist.ProcessGroup | None, world_size: int, device: torch.device, atomics: bool
+    ) -> str | None:
+        """Collective: the device checks (`.segments.device_refusal`) on every rank's gathered facts, so that all ranks
+        choose or refuse together. ``atomics=False`` accepts GPUs that can read but not add into each other's memory."""
+        return device_refusal(gather_device_facts(group, world_size, device), atomics=atomics)
 
     def __init__(
         self,
@@ -196,18 +219,19 @@ class CudaTransport(Transport):
         )
         return dict(self._views[self.rank])
 
-    def choose_reduction(self, requested: ReductionName | str | None) -> tuple[ReductionName, str]:
-        """Collective: the gradient reduction to run over these GPUs, and why (`.plan.choose_reduction`).
+    def choose_reduction(self, requested: ReductionName) -> tuple[ReductionName, str]:
+        """Collective under ``auto``: the gradient reduction to run over these GPUs, and why
+        (`.segments.choose_reduction`).
 
-        ``requested`` (``odc_reduction`` where it was given explicitly) is kept. Left unset (None), the reduction is
-        ``atomic`` unless some pair of GPUs cannot add into each other's memory natively (PCIe rather than NVLink) or
-        deterministic algorithms are on: then ``ordered``, which only reads peers' memory, instead of refusing. The
-        ranks decide from every rank's gathered device facts, so all choose alike.
+        An explicit ``requested`` is kept. ``auto`` is ``atomic`` unless some pair of GPUs cannot add into each other's
+        memory natively (PCIe rather than NVLink) or deterministic algorithms are on: then ``ordered``, which only
+        reads peers' memory, instead of refusing. The ranks decide from every rank's gathered device facts, so all
+        choose alike.
         """
-        if requested is not None:
+        if requested != ReductionName.AUTO:
             return choose_reduction(requested, [])
         facts = self._gather_facts(self._resolved_device(), (False, "not checked before the reduction is chosen"))
-        return choose_reduction(None, facts)
+        return choose_reduction(ReductionName.AUTO, facts)
 
     def _resolved_device(self) -> torch.device:
         device = self._device or torch.device("cuda")

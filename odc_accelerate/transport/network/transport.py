@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,14 @@ class NetworkTransport(Transport):
     """
 
     name = "network"
+    devices = ("cpu",)
+    spans_hosts = True
+    adds_atomically = True  # the owner's service applies adds under a per-buffer lock
+
+    @classmethod
+    def fits_hosts(cls, ranks_per_host: Sequence[int]) -> bool:
+        """One rank per host: hosts with several ranks are ``"hierarchical"``'s (shared memory within them)."""
+        return max(ranks_per_host) == 1
 
     def __init__(
         self,

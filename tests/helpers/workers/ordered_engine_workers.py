@@ -115,7 +115,7 @@ def ordered_engine_runs(rank: int, world_size: int, spec: dict[str, Any]) -> dic
         out[config["name"]] = {
             "params": full_params(model),
             "reduction": str(engine.reduction),
-            "reduction_reason": engine.reduction_reason,
+            "reduction_reason": engine.report().reduction_reason,
             "transport": engine.transport.name,
             "kept": kept,
             "buffers": sorted(engine._buffers),

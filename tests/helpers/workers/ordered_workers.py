@@ -49,7 +49,7 @@ class _AtomicCounter:
 
     def __init__(self) -> None:
         from odc_accelerate.transport.cuda import transport as cuda_module
-        from odc_accelerate.transport.cuda.plan import StagingPool
+        from odc_accelerate.transport.cuda.segments import StagingPool
 
         self.calls = {"CudaTransport.accumulate": 0, "accumulate_ (kernel)": 0, "StagingPool.add (index_add_)": 0}
         targets = [

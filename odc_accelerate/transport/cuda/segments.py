@@ -1,4 +1,4 @@
-"""Host-side plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
+"""Host-side segment plan of the CUDA transport: sizing, refusals and chunked atomic adds, independent of any GPU.
 
 Everything here takes device facts as data (:class:`DeviceFacts`, gathered from every rank) or runs on any torch
 device, so the unit tests exercise it on CPU; :mod:`.device` supplies the GPU facts, :mod:`.transport` the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import memory_spec
-from ...reduction import ReductionName, normalize_reduction
+from ...reduction import ReductionName
 from ..base import BufferSpec
 
 #: byte alignment of every buffer in a segment (wide vector loads, any dtype's storage offset). A multiple of 16: the
@@ -462,24 +462,24 @@ def _atomics_problem(facts: Sequence[DeviceFacts]) -> tuple[str, str] | None:
     return None
 
 
-def choose_reduction(requested: ReductionName | str | None, facts: Sequence[DeviceFacts]) -> tuple[ReductionName, str]:
+def choose_reduction(requested: ReductionName, facts: Sequence[DeviceFacts]) -> tuple[ReductionName, str]:
     """The reduction the 'cuda' transport runs, and why, from every rank's facts (the same answer on every rank).
 
     Args:
-        requested: ``odc_reduction`` where it was given explicitly; None where it was left at its default, which is
-            ``atomic`` unless the GPUs cannot add into each other's memory atomically (`atomics_problem`): then
-            ``ordered``, which only reads peers' memory, instead of a refusal.
+        requested: ``odc_reduction``, already checked: kept unless it is ``auto``, which is ``atomic`` unless the GPUs
+            cannot add into each other's memory atomically (`atomics_problem`): then ``ordered``, which only reads
+            peers' memory, instead of a refusal.
         facts: every rank's `DeviceFacts`, indexed by rank.
 
     Returns:
         `tuple[ReductionName, str]`: the reduction, and a short reason for logs and the Trainer's banner.
     """
-    if requested is not None:
-        return normalize_reduction(requested), "set by odc_reduction"
+    if requested != ReductionName.AUTO:
+        return requested, "set by odc_reduction"
     problem = atomics_problem(facts)
     if problem is None:
-        return ReductionName.ATOMIC, "the default"
-    return ReductionName.ORDERED, f"chosen because odc_reduction was not set and {problem}"
+        return ReductionName.ATOMIC, "auto: the GPUs add into each other's memory natively"
+    return ReductionName.ORDERED, f"auto: {problem}"
 
 
 def accumulate_kernel_agreement(facts: Sequence[DeviceFacts]) -> tuple[bool, str]:
