@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,43 +27,13 @@ from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_counter
 from ..transport.ordered import contribution_specs
 from . import hsdp, model_check
+from ._common import Served, ServedGroup
 from ._hooks import _ODCAllGather, _ODCReduceScatter, _ODCReduceScatterHSDP
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..transport import Transport
-    from .engine import ODCEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServedGroup:
-    """One FSDP2 param group as the engine sees it."""
-
-    index: int
-    fqn: str
-    group: Any  # FSDPParamGroup
-    module: nn.Module
-    gather_numel: int
-    gather_dtype: torch.dtype
-    reduce_numel: int
-    reduce_dtype: torch.dtype | None
-    saved_comms: tuple[Any, Any]
-    saved_flags: tuple[bool, bool]
-    touched: bool = False
-    saved_keep: Any = None  # keep_compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
-    keep: tuple[bool, bool] = (False, False)  # (gathered params, unsharded grads) kept through the step
-
-
-@dataclass
-class Served:
-    """The param groups an engine serves and the mesh they live on, agreed by every rank (`serve`)."""
-
-    entries: list[model_check.Entry]
-    layouts: list[tuple[int, torch.dtype]]  # per group: the all-gather input's numel and dtype
-    shard_pg: Any  # the shard group's process group: the engine's ranks
-    replicate_pg: Any  # HSDP: the replicas' process group; None on a 1-D mesh
-    device: torch.device
 
 
 # ---------------------------------------------------------------------- checks before any collective
@@ -342,9 +311,9 @@ def setup_refusal(err: BaseException, device: torch.device, held: int) -> Runtim
     )
 
 
-def describe(engine: ODCEngine) -> str:
-    """What ``engine`` serves, over what, and what the memory policy keeps (`log_ready`'s line, and the accelerate
-    loop's banner)."""
+def describe(engine: Any) -> str:
+    """What ``engine`` (an `ODCEngine`, untyped here so that this module does not import it back) serves, over what,
+    and what the memory policy keeps (`log_ready`'s line, and the accelerate loop's banner)."""
     buckets = engine.replicate_buckets
     frozen = " (frozen, gather-only)" if engine.frozen else ""
     reduction = "" if engine.frozen else f", {engine.reduction} reduction ({engine.reduction_reason})"
@@ -355,6 +324,6 @@ def describe(engine: ODCEngine) -> str:
     )
 
 
-def log_ready(engine: ODCEngine) -> None:
+def log_ready(engine: Any) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
     logger.info("ODC engine on rank %d/%d: %s", engine.rank, engine.world_size, describe(engine))
