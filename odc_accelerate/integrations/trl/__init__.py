@@ -15,11 +15,11 @@ recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_a
 
 One module per concern:
 
-* `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
+* `configs`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
   `ODCRLOOConfig`);
 * `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each;
 * `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
-* `grpo_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
+* `online_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
 * `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
 * `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
@@ -48,12 +48,12 @@ __all__ = [
 ]
 
 _LAZY = {
-    "ODCDPOConfig": "config",
-    "ODCGRPOConfig": "config",
-    "ODCRewardConfig": "config",
-    "ODCRLOOConfig": "config",
-    "ODCSFTConfig": "config",
-    "ODCTrainingArgumentsMixin": "config",
+    "ODCDPOConfig": "configs",
+    "ODCGRPOConfig": "configs",
+    "ODCRewardConfig": "configs",
+    "ODCRLOOConfig": "configs",
+    "ODCSFTConfig": "configs",
+    "ODCTrainingArgumentsMixin": "configs",
     "ODCDPOTrainer": "dpo",
     "ODCGRPOTrainer": "grpo",
     "ODCRewardTrainer": "reward",
@@ -62,7 +62,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import (
+    from .configs import (
         ODCDPOConfig,
         ODCGRPOConfig,
         ODCRewardConfig,

@@ -39,7 +39,7 @@ from ..._compat.trl import lm_head as trl_lm_head
 from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
-from .grpo_checks import check_grpo_args, check_grpo_settings
+from .online_checks import check_grpo_args, check_grpo_settings
 from .loss import grpo_loss_weight
 from .metrics import finalize_grpo_metrics
 from .online import ODCOnlineTrainerMixin

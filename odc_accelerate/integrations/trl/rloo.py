@@ -44,7 +44,7 @@ from ..._compat.trl import rloo as trl_rloo
 from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
-from .grpo_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
+from .online_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
 from .loss import rloo_loss_weight
 from .metrics import finalize_rloo_metrics
 from .online import ODCOnlineTrainerMixin
