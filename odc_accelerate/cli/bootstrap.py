@@ -7,17 +7,17 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
 1. checks the script's ``--config`` recipe for misspelt ``odc*`` keys;
 2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
    gets the ODC plugin);
-3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
-   ``RewardConfig``, ``RewardTrainer``, ``RLOOConfig`` and ``RLOOTrainer`` on the ``trl`` and ``trl.trainer`` modules
-   with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
-   ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
+3. replaces the config and trainer classes of every trainer of `odc_accelerate.trainers` (``SFTConfig``,
+   ``SFTTrainer``, ...) on the ``trl`` and ``trl.trainer`` modules with the ODC ones (`ODCSFTConfig`, `ODCSFTTrainer`,
+   ...: subclasses of TRL's, with the ODC options as extra arguments): TRL's own ``trl/scripts/sft.py`` then parses
+   ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
 4. replaces ``Trainer`` on ``transformers`` and ``transformers.trainer`` with `odc_accelerate.ODCTrainer`: a plain
    ``Trainer`` script, and a ``class MyTrainer(Trainer)`` it defines, train with ODC, unmodified (TRL's trainers and
    transformers' ``Seq2SeqTrainer``, defined before the swap, keep transformers' own base);
 5. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer ODC can serve
    (a trainer imported from where TRL defines it, a TRL trainer ODC does not support, ``Seq2SeqTrainer``), with a
-   message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
-   ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
+   message naming the class and what to change: a run that asks for ODC never trains without it. The refused TRL
+   trainers of `odc_accelerate.trainers` (``KTOTrainer``, ...) are refused with the reason.
 
 Nothing happens on import; `install` does steps 2-5. With ``--no-odc`` before the script (``odc-accelerate launch``
 of a run without ODC), step 2 only: the script trains with plain FSDP2 and the library's own trainers, FSDP2 over gloo
@@ -33,21 +33,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..recipe import read_recipe, recipe_path
+from ..trainers import SERVED_TRAINERS, served_list
 
 __all__ = ["ODC_CLASSES", "install", "main", "require_odc_trainer"]
 
 #: TRL class name -> the top-level `odc_accelerate` name of its ODC replacement.
 ODC_CLASSES = {
-    "SFTConfig": "ODCSFTConfig",
-    "SFTTrainer": "ODCSFTTrainer",
-    "DPOConfig": "ODCDPOConfig",
-    "DPOTrainer": "ODCDPOTrainer",
-    "GRPOConfig": "ODCGRPOConfig",
-    "GRPOTrainer": "ODCGRPOTrainer",
-    "RewardConfig": "ODCRewardConfig",
-    "RewardTrainer": "ODCRewardTrainer",
-    "RLOOConfig": "ODCRLOOConfig",
-    "RLOOTrainer": "ODCRLOOTrainer",
+    trl: odc
+    for trainer in SERVED_TRAINERS
+    for trl, odc in ((trainer.trl_config, trainer.odc_config), (trainer.trl_trainer, trainer.odc_trainer))
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap [--no-odc] SCRIPT [ARGS] | [--no-odc] -m MODULE [ARGS]"
@@ -57,7 +51,7 @@ def require_odc_trainer(trainer: Any) -> None:
     """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer ODC can serve: a subclass of
     `odc_accelerate.ODCTrainerMixin` none of whose classes below ODC's is another library trainer (a transformers or
     TRL trainer class defined on the swapped-in `odc_accelerate.ODCTrainer`, which ODC has not been made for); for a TRL
-    trainer ODC refuses (KTO, distillation) the message says why."""
+    trainer ODC refuses (`odc_accelerate.trainers.REFUSED_TRAINERS`) the message says why."""
     import odc_accelerate
     from odc_accelerate.integrations.trl.unsupported import unsupported_trainer_message
 
@@ -77,10 +71,10 @@ def require_odc_trainer(trainer: Any) -> None:
     raise RuntimeError(
         f"This run asks for ODC, but the script trains with {_name(cls)}, which is not an ODC trainer: it would train "
         f"without ODC, so it was stopped before training. {_unsupported_hint(cls)}"
-        "Build the trainer from `from transformers import Trainer` or `from trl import SFTTrainer` / `DPOTrainer` / "
-        "`GRPOTrainer` / `RewardTrainer` / `RLOOTrainer` (replaced by the ODC trainers in this run), or from "
-        "`odc_accelerate.ODCTrainer` / `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer` / "
-        "`ODCRLOOTrainer`; for a subclass of a transformers Trainer imported from elsewhere, put "
+        "Build the trainer from `from transformers import Trainer` or `from trl import "
+        f"{' / '.join(t.trl_trainer for t in SERVED_TRAINERS)}` (replaced by the ODC trainers in this run), or from "
+        f"`odc_accelerate.ODCTrainer` / {' / '.join(f'`{t.odc_trainer}`' for t in SERVED_TRAINERS)}; for a subclass "
+        "of a transformers Trainer imported from elsewhere, put "
         "`odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). {off}"
     )
@@ -117,10 +111,7 @@ def _unsupported_hint(cls: type) -> str:
             "`transformers.Trainer`, or run without ODC. "
         )
     if _is_library_class(cls):
-        return (
-            f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO, reward and RLOO trainers, not "
-            f"{cls.__qualname__}. "
-        )
+        return f"ODC supports transformers' Trainer and TRL's {served_list('trl_trainer')}, not {cls.__qualname__}. "
     return ""
 
 

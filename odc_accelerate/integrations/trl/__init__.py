@@ -1,5 +1,4 @@
-"""ODC for TRL: the SFT, DPO, GRPO, reward-model and RLOO trainers and their training arguments (``--odc true`` and
-friends).
+"""ODC for TRL: the trainers of `odc_accelerate.trainers` and their training arguments (``--odc true`` and friends).
 
 ```python
 from odc_accelerate.integrations.trl import ODCSFTConfig, ODCSFTTrainer
@@ -10,59 +9,30 @@ trainer.train()
 trainer.end()  # closes the ODC engine and destroys the process group
 ```
 
-The ODC fields parse from the command line (``--odc true --odc_plan lockstep``) and from a TRL ``--config
-recipe.yaml``; the same keys in ``--fsdp_config file.json`` work too (see `odc_accelerate.config.ODCConfig`).
-
-One module per concern:
-
-* `configs`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
-  `ODCRLOOConfig`);
-* `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each;
-* `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
-* `online_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
-* `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
-* `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
-* `metrics`: TRL's per-microbatch metrics turned into one global value per step;
-* `rollouts`: generated completions re-batched per row and per planned microbatch;
-* `loss`: the loss weights that make TRL's per-microbatch normalisations exact under unequal work.
-
-TRL's own internals (gather orders, patched functions) are in `odc_accelerate._compat.trl`, one module per trainer as
-here. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
+One module per trainer (``sft``, ``dpo``, ...: its class, loss weight and step metrics) and per shared concern:
+`configs` (every ``ODC*Config``), `pairs` (DPO's and the reward trainer's preference pairs), `online` and
+`online_checks` (GRPO's and RLOO's generation and refusals), `reference` (a reference model on a gather-only engine),
+`metrics`, `rollouts` and `unsupported` (the refusal of the trainers ODC does not serve). TRL's internals are in
+`odc_accelerate._compat.trl`. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "ODCDPOConfig",
-    "ODCDPOTrainer",
-    "ODCGRPOConfig",
-    "ODCGRPOTrainer",
-    "ODCRewardConfig",
-    "ODCRewardTrainer",
-    "ODCRLOOConfig",
-    "ODCRLOOTrainer",
-    "ODCSFTConfig",
-    "ODCSFTTrainer",
-    "ODCTrainingArgumentsMixin",
-]
+from ...trainers import SERVED_TRAINERS
 
-_LAZY = {
-    "ODCDPOConfig": "configs",
-    "ODCGRPOConfig": "configs",
-    "ODCRewardConfig": "configs",
-    "ODCRLOOConfig": "configs",
-    "ODCSFTConfig": "configs",
-    "ODCTrainingArgumentsMixin": "configs",
-    "ODCDPOTrainer": "dpo",
-    "ODCGRPOTrainer": "grpo",
-    "ODCRewardTrainer": "reward",
-    "ODCRLOOTrainer": "rloo",
-    "ODCSFTTrainer": "sft",
-}
+#: Public name -> the module of this package that defines it: each trainer's config in `configs`, its trainer in the
+#: module of its name.
+_LAZY = {"ODCTrainingArgumentsMixin": "configs"}
+for _trainer in SERVED_TRAINERS:
+    _LAZY[_trainer.odc_config] = "configs"
+    _LAZY[_trainer.odc_trainer] = _trainer.name
+del _trainer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .configs import (
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from _LAZY)
+    from .configs import (  # noqa: F401
         ODCDPOConfig,
         ODCGRPOConfig,
         ODCRewardConfig,
@@ -70,11 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCSFTConfig,
         ODCTrainingArgumentsMixin,
     )
-    from .dpo import ODCDPOTrainer
-    from .grpo import ODCGRPOTrainer
-    from .reward import ODCRewardTrainer
-    from .rloo import ODCRLOOTrainer
-    from .sft import ODCSFTTrainer
+    from .dpo import ODCDPOTrainer  # noqa: F401
+    from .grpo import ODCGRPOTrainer  # noqa: F401
+    from .reward import ODCRewardTrainer  # noqa: F401
+    from .rloo import ODCRLOOTrainer  # noqa: F401
+    from .sft import ODCSFTTrainer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
