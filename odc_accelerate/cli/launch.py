@@ -46,8 +46,8 @@ NO_ODC = "--no-odc"  # the bootstrap's flag: plain FSDP2 (the package's accelera
 
 _ABOUT = textwrap.fill(
     "`accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport, "
-    "odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, the "
-    "script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's "
+    "odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, "
+    "the script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's "
     + ", ".join(f"{t.trl_config}/{t.trl_trainer}" for t in SERVED_TRAINERS)
     + " with the ODC ones (TRL's own trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is "
     "not an ODC trainer ("

@@ -12,8 +12,8 @@ from ...trainers import SERVED_TRAINERS
 from .. import require
 from . import _LIBRARY
 
-#: The classes `replace_public_classes` may replace (the config and trainer of each served trainer of
-#: `odc_accelerate.trainers`), and the modules a script imports them from: ``from trl import
+#: The classes `replace_public_classes` may replace (the config and trainer of each row of
+#: `odc_accelerate.trainers.SERVED_TRAINERS`), and the modules a script imports them from: ``from trl import
 #: SFTTrainer`` and ``from trl.trainer import SFTTrainer``. The modules that define them (``trl.trainer.sft_trainer``,
 #: ...) keep TRL's classes, so TRL's own code and the TRL trainers defined on top of them (GKD, GOLD, ...) are
 #: unchanged.

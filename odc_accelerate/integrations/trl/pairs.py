@@ -36,7 +36,7 @@ class ODCPairTrainerMixin:
     trainer reads each pair's lengths (`_odc_lengths`, with `pair_lengths`) and names its pair for the budget messages
     (``odc_pair_sample``, ``odc_pair_remedy``)."""
 
-    #: A pair, and what else fits it in the token budget, for the messages of `odc_accelerate.integrations.trainer.budget`.
+    #: A pair, and what else fits it in the token budget, for the budget's messages (`..trainer.budget`).
     odc_pair_sample: ClassVar[str] = "pair (chosen and rejected, both padded to the longer)"
     odc_pair_remedy: ClassVar[str] = "lower --max_length"
 

@@ -65,8 +65,9 @@ def check_mixin_trainer(cls: type, mixin: type) -> None:
 
     Every TRL class below ``mixin`` in ``cls``'s MRO must be one of `SERVED_TRAINERS` (or a base of one) whose ODC class
     is in the MRO too: the ODC classes, a subclass of one, and ``transformers.Trainer`` with the mixin pass; TRL's
-    refused trainers (`odc_accelerate.trainers.REFUSED_TRAINERS`), a TRL trainer built on a served one (GKD on SFT), and a served TRL class
-    under the bare mixin (``class K(ODCTrainerMixin, DPOTrainer)``, without ODC's DPO loss weights) are refused.
+    refused trainers (`odc_accelerate.trainers.REFUSED_TRAINERS`), a TRL trainer built on a served one (GKD on SFT),
+    and a served TRL class under the bare mixin (``class K(ODCTrainerMixin, DPOTrainer)``, without ODC's DPO loss
+    weights) are refused.
 
     Raises:
         RuntimeError: naming the TRL class, why, and what to use instead.
