@@ -7,6 +7,8 @@ and sampler need no torch.distributed set-up).
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from . import trainers
+
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
@@ -25,51 +27,24 @@ _LAZY = {
     "ODCTrainer": "odc_accelerate.integrations.trainer",
     "ODCTrainerMixin": "odc_accelerate.integrations.trainer",
     "ODCCallback": "odc_accelerate.integrations.trainer",
-    "ODCDPOConfig": "odc_accelerate.integrations.trl",
-    "ODCDPOTrainer": "odc_accelerate.integrations.trl",
-    "ODCGRPOConfig": "odc_accelerate.integrations.trl",
-    "ODCGRPOTrainer": "odc_accelerate.integrations.trl",
-    "ODCRewardConfig": "odc_accelerate.integrations.trl",
-    "ODCRewardTrainer": "odc_accelerate.integrations.trl",
-    "ODCRLOOConfig": "odc_accelerate.integrations.trl",
-    "ODCRLOOTrainer": "odc_accelerate.integrations.trl",
-    "ODCSFTConfig": "odc_accelerate.integrations.trl",
-    "ODCSFTTrainer": "odc_accelerate.integrations.trl",
 }
+# Each TRL trainer's config and trainer (`odc_accelerate.trainers`).
+_LAZY.update(
+    {
+        name: "odc_accelerate.integrations.trl"
+        for t in trainers.SERVED_TRAINERS
+        for name in (t.odc_config, t.odc_trainer)
+    }
+)
 
-__all__ = [
-    "LengthBalancedBatchSampler",
-    "ODCCallback",
-    "ODCConfig",
-    "ODCEngine",
-    "ODCPlugin",
-    "ODCDPOConfig",
-    "ODCDPOTrainer",
-    "ODCGRPOConfig",
-    "ODCGRPOTrainer",
-    "ODCRewardConfig",
-    "ODCRewardTrainer",
-    "ODCRLOOConfig",
-    "ODCRLOOTrainer",
-    "ODCSFTConfig",
-    "ODCSFTTrainer",
-    "ODCTimeoutError",
-    "ODCTrainer",
-    "ODCTrainerMixin",
-    "PlanName",
-    "ReductionName",
-    "enable",
-    "get_engine",
-    "loss_scale",
-    "plan_step",
-]
+__all__ = sorted(_LAZY)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .config import ODCConfig
-    from .engine import ODCEngine
-    from .integrations.accelerate import ODCPlugin, enable, get_engine
-    from .integrations.trainer import ODCCallback, ODCTrainer, ODCTrainerMixin
-    from .integrations.trl import (
+if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from _LAZY)
+    from .config import ODCConfig  # noqa: F401
+    from .engine import ODCEngine  # noqa: F401
+    from .integrations.accelerate import ODCPlugin, enable, get_engine  # noqa: F401
+    from .integrations.trainer import ODCCallback, ODCTrainer, ODCTrainerMixin  # noqa: F401
+    from .integrations.trl import (  # noqa: F401
         ODCDPOConfig,
         ODCDPOTrainer,
         ODCGRPOConfig,
@@ -81,10 +56,10 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCSFTConfig,
         ODCSFTTrainer,
     )
-    from .loss import loss_scale
-    from .planning import LengthBalancedBatchSampler, PlanName, plan_step
-    from .reduction import ReductionName
-    from .transport.base import ODCTimeoutError
+    from .loss import loss_scale  # noqa: F401
+    from .planning import LengthBalancedBatchSampler, PlanName, plan_step  # noqa: F401
+    from .reduction import ReductionName  # noqa: F401
+    from .transport.base import ODCTimeoutError  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 ``odc-accelerate launch`` starts every worker of a run that asks for ODC this way. Before the script runs as
 ``__main__`` (`runpy`), `install` checks its ``--config`` recipe for misspelt ``odc*`` keys, installs ODC's accelerate
-patches, swaps TRL's served configs and trainers and ``transformers.Trainer`` for the ODC classes, and makes
+patches, swaps the configs and trainers of `odc_accelerate.trainers`'s rows and ``transformers.Trainer`` for the ODC classes, and makes
 ``Trainer.train`` stop, naming the class, on a trainer ODC cannot serve. Nothing happens on import. With ``--no-odc``
 only the accelerate patches are installed (plain FSDP2). Step by step: docs/integrations.md, "The command line".
 """
@@ -16,21 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..recipe import read_recipe, recipe_path
+from ..trainers import SERVED_TRAINERS, served_list
 
 __all__ = ["ODC_CLASSES", "install", "main", "require_odc_trainer"]
 
 #: TRL class name -> the top-level `odc_accelerate` name of its ODC replacement.
 ODC_CLASSES = {
-    "SFTConfig": "ODCSFTConfig",
-    "SFTTrainer": "ODCSFTTrainer",
-    "DPOConfig": "ODCDPOConfig",
-    "DPOTrainer": "ODCDPOTrainer",
-    "GRPOConfig": "ODCGRPOConfig",
-    "GRPOTrainer": "ODCGRPOTrainer",
-    "RewardConfig": "ODCRewardConfig",
-    "RewardTrainer": "ODCRewardTrainer",
-    "RLOOConfig": "ODCRLOOConfig",
-    "RLOOTrainer": "ODCRLOOTrainer",
+    trl: odc
+    for trainer in SERVED_TRAINERS
+    for trl, odc in ((trainer.trl_config, trainer.odc_config), (trainer.trl_trainer, trainer.odc_trainer))
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap [--no-odc] SCRIPT [ARGS] | [--no-odc] -m MODULE [ARGS]"
@@ -40,7 +34,7 @@ def require_odc_trainer(trainer: Any) -> None:
     """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer ODC can serve: a subclass of
     `odc_accelerate.ODCTrainerMixin` none of whose classes below ODC's is another library trainer (a transformers or
     TRL trainer class defined on the swapped-in `odc_accelerate.ODCTrainer`, which ODC has not been made for); for a TRL
-    trainer ODC refuses (KTO, distillation) the message says why."""
+    trainer ODC refuses (`odc_accelerate.trainers.REFUSED_TRAINERS`) the message says why."""
     import odc_accelerate
     from odc_accelerate.integrations.trl.unsupported import unsupported_trainer_message
 
@@ -60,10 +54,10 @@ def require_odc_trainer(trainer: Any) -> None:
     raise RuntimeError(
         f"This run asks for ODC, but the script trains with {_name(cls)}, which is not an ODC trainer: it would train "
         f"without ODC, so it was stopped before training. {_unsupported_hint(cls)}"
-        "Build the trainer from `from transformers import Trainer` or `from trl import SFTTrainer` / `DPOTrainer` / "
-        "`GRPOTrainer` / `RewardTrainer` / `RLOOTrainer` (replaced by the ODC trainers in this run), or from "
-        "`odc_accelerate.ODCTrainer` / `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer` / "
-        "`ODCRLOOTrainer`; for a subclass of a transformers Trainer imported from elsewhere, put "
+        "Build the trainer from `from transformers import Trainer` or `from trl import "
+        f"{' / '.join(t.trl_trainer for t in SERVED_TRAINERS)}` (replaced by the ODC trainers in this run), or from "
+        f"`odc_accelerate.ODCTrainer` / {' / '.join(f'`{t.odc_trainer}`' for t in SERVED_TRAINERS)}; for a subclass "
+        "of a transformers Trainer imported from elsewhere, put "
         "`odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). {off}"
     )
@@ -100,10 +94,7 @@ def _unsupported_hint(cls: type) -> str:
             "`transformers.Trainer`, or run without ODC. "
         )
     if _is_library_class(cls):
-        return (
-            f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO, reward and RLOO trainers, not "
-            f"{cls.__qualname__}. "
-        )
+        return f"ODC supports transformers' Trainer and TRL's {served_list('trl_trainer')}, not {cls.__qualname__}. "
     return ""
 
 

@@ -13,10 +13,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from ..config import ODCConfig, env_from_fsdp_config
 from ..recipe import odc_flag_value, read_recipe, recipe_path
+from ..trainers import REFUSED_TRAINERS, SERVED_TRAINERS
 from ..validation import str_to_bool
 
 __all__ = [
@@ -33,14 +35,20 @@ __all__ = [
 BOOTSTRAP = "odc_accelerate.cli.bootstrap"
 NO_ODC = "--no-odc"  # the bootstrap's flag: plain FSDP2 (the package's accelerate patches, no ODC trainer)
 
-HELP = """usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [script arguments]
+_ABOUT = textwrap.fill(
+    "`accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport, "
+    "odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, "
+    "the script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's "
+    + ", ".join(f"{t.trl_config}/{t.trl_trainer}" for t in SERVED_TRAINERS)
+    + " with the ODC ones (TRL's own trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is "
+    "not an ODC trainer ("
+    + ", ".join(t.trl_trainer for t in REFUSED_TRAINERS)
+    + " with the reason ODC refuses them).",
+    width=116,
+)
+HELP = f"""usage: odc-accelerate launch [accelerate launch arguments] SCRIPT [script arguments]
 
-`accelerate launch` that honours the ODC keys of the accelerate config file's fsdp_config (odc, odc_transport,
-odc_plan, ...): they are checked, exported to the workers as ODC_* variables, and, when the run asks for ODC, the
-script starts through `python -m odc_accelerate.cli.bootstrap`, which replaces TRL's SFTConfig/SFTTrainer,
-DPOConfig/DPOTrainer, GRPOConfig/GRPOTrainer, RewardConfig/RewardTrainer and RLOOConfig/RLOOTrainer with the ODC
-ones (TRL's own trl/scripts/*.py train with ODC) and stops, before training, a Trainer that is not an ODC trainer
-(KTOTrainer and DistillationTrainer with the reason ODC refuses them).
+{_ABOUT}
 
     odc-accelerate launch --config_file cfg.yaml train.py --max_steps 3
 

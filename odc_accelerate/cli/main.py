@@ -6,18 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..trainers import SERVED_TRAINERS
+
 __all__ = ["main", "make_parser"]
 
 _COMMANDS = {
     "launch": "`accelerate launch` that honours the ODC keys of the accelerate config file; TRL's own scripts train "
     "with ODC under it",
     "config": "write an accelerate config file for FSDP2 + ODC (questions with defaults, or flags)",
-    "sft": "supervised fine-tuning with ODC (TRL's `trl sft` arguments plus the ODC options)",
-    "dpo": "Direct Preference Optimization with ODC (TRL's `trl dpo` arguments plus the ODC options)",
-    "grpo": "Group Relative Policy Optimization with ODC (TRL's `trl grpo` arguments plus the ODC options)",
-    "reward": "reward modelling with ODC (TRL's `trl reward` arguments plus the ODC options)",
-    "rloo": "REINFORCE Leave-One-Out with ODC (TRL's `trl rloo` arguments plus the ODC options)",
 }
+_COMMANDS.update(
+    {t.name: f"{t.help} with ODC (TRL's `trl {t.name}` arguments plus the ODC options)" for t in SERVED_TRAINERS}
+)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
-"""``odc-accelerate sft|dpo|grpo|reward|rloo``: the package's training scripts under ``accelerate launch``, as ``trl
-sft``.
+"""``odc-accelerate NAME``, one command per trainer of `odc_accelerate.trainers`: the package's training scripts under
+``accelerate launch``, as ``trl sft``.
 
 The arguments are split as TRL's CLI splits them: those the script's dataclasses know (TRL's, plus the ODC options;
 ``--config recipe.yaml`` included) go to the script, the rest (``--num_processes``, ``--main_process_port``, ...; and
@@ -16,11 +16,14 @@ import sys
 from collections.abc import Sequence
 
 from ..recipe import check_odc_flags
+from ..trainers import SERVED_TRAINERS
 from .presets import PRESETS, resolve_accelerate_config
 
-__all__ = ["COMMANDS", "main", "split_script_args"]
+__all__ = ["COMMANDS", "SCRIPTS", "main", "split_script_args"]
 
-COMMANDS = ("sft", "dpo", "grpo", "reward", "rloo")
+#: The training commands: trainer name -> its script module.
+SCRIPTS = {trainer.name: trainer.script for trainer in SERVED_TRAINERS}
+COMMANDS = tuple(SCRIPTS)
 
 EPILOG = (
     "Launch options (passed to `accelerate launch`): --accelerate_config {presets}|PATH (default: odc_gpu with CUDA, "
@@ -54,7 +57,7 @@ def split_script_args(name: str, argv: Sequence[str]) -> tuple[list[str], list[s
         ValueError: a misspelt ODC key in the recipe or ``--odc*`` flag (with the known ones), or what the script's
             dataclasses refuse.
     """
-    module = importlib.import_module(f"odc_accelerate.scripts.{name}")
+    module = importlib.import_module(SCRIPTS[name])
     argv = list(argv)
     parser = module.make_parser(prog=f"odc-accelerate {name}")
     parser.epilog = EPILOG
@@ -84,7 +87,7 @@ def main(name: str, argv: Sequence[str]) -> int:
         if pick.note:
             print(f"odc-accelerate {name}: {pick.note}", file=sys.stderr)
         # The script already builds the ODC trainer: no bootstrap needed.
-        return launch([*pick.launch_args, "--module", f"odc_accelerate.scripts.{name}", *script_args], bootstrap=False)
+        return launch([*pick.launch_args, "--module", SCRIPTS[name], *script_args], bootstrap=False)
     except ValueError as err:
         print(f"odc-accelerate {name}: {err}", file=sys.stderr)
         return 2

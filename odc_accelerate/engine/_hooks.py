@@ -16,7 +16,7 @@ from .._compat.torch import fsdp as compat
 from .._compat.torch import layout as layout_compat
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._setup import ServedGroup
+    from ._common import ServedGroup
 
 #: Fill the peers' rows of an all-gather output from their published shards.
 Gather = Callable[[torch.Tensor], None]

@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,43 +28,11 @@ from ..transport.claims import claim_counter
 from ..transport.ordered import contribution_specs
 from ..transport.registry import spans_hosts
 from . import hsdp, model_check
+from ._common import Served, ServedGroup
 from ._hooks import _ODCAllGather, _ODCReduceScatter, _ODCReduceScatterHSDP
 from .report import EngineReport
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import ODCEngine
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServedGroup:
-    """One FSDP2 param group as the engine sees it."""
-
-    index: int
-    fqn: str
-    group: Any  # FSDPParamGroup
-    module: nn.Module
-    gather_numel: int
-    gather_dtype: torch.dtype
-    reduce_numel: int
-    reduce_dtype: torch.dtype | None
-    saved_comms: tuple[Any, Any]
-    saved_flags: tuple[bool, bool]
-    touched: bool = False
-    saved_keep: Any = None  # keep_compat.KeepFlags: the user's FSDP2 switches that the memory policy changes
-    keep: tuple[bool, bool] = (False, False)  # (gathered params, unsharded grads) kept through the step
-
-
-@dataclass
-class Served:
-    """The param groups an engine serves and the mesh they live on, agreed by every rank (`serve`)."""
-
-    entries: list[model_check.Entry]
-    layouts: list[tuple[int, torch.dtype]]  # per group: the all-gather input's numel and dtype
-    shard_pg: Any  # the shard group's process group: the engine's ranks
-    replicate_pg: Any  # HSDP: the replicas' process group; None on a 1-D mesh
-    device: torch.device
 
 
 # ---------------------------------------------------------------------- checks before any collective
@@ -353,9 +320,10 @@ def open_transport(
     return choice, transport
 
 
-def setup_report(engine: ODCEngine, choice: TransportChoice, reduction_reason: str) -> EngineReport:
-    """What ``engine``'s set-up chose, once its buffers are registered (the ``cuda`` transport's accumulate path is
-    chosen then); `ODCEngine.report` adds what the memory policy keeps now."""
+def setup_report(engine: Any, choice: TransportChoice, reduction_reason: str) -> EngineReport:
+    """What the set-up of ``engine`` (an `ODCEngine`, untyped so that this module does not import it back) chose,
+    once its buffers are registered (the ``cuda`` transport's accumulate path is chosen then); `ODCEngine.report` adds
+    what the memory policy keeps now."""
     return EngineReport(
         transport=choice.name,
         transport_reason=choice.reason,
@@ -373,6 +341,6 @@ def setup_report(engine: ODCEngine, choice: TransportChoice, reduction_reason: s
     )
 
 
-def log_ready(engine: ODCEngine) -> None:
+def log_ready(engine: Any) -> None:
     """One line per rank once the engine is built: what it serves, over what, and what the memory policy keeps."""
     logger.info("ODC engine on rank %d/%d: %s", engine.rank, engine.world_size, engine.report().describe())

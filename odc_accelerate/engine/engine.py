@@ -29,8 +29,8 @@ from ..transport.base import is_out_of_memory
 from ..transport.claims import claim_indices
 from ..transport.ordered import add_contribution, contribution_names, sum_in_rank_order, zero_contributions
 from . import _setup, hsdp, memory, model_check, process_exit
+from ._common import ServedGroup
 from ._hooks import accumulator_rows
-from ._setup import ServedGroup
 from .report import EngineReport
 from .stats import EngineState, StepStats
 from .streams import LocalAddFence, current_stream_of

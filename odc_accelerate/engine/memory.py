@@ -22,7 +22,7 @@ from .._compat.torch import keep as keep_compat
 from ..memory_spec import AUTO, CHOICES, headroom_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._setup import ServedGroup
+    from ._common import ServedGroup
 
 
 @dataclass(frozen=True)

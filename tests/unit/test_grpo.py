@@ -11,9 +11,7 @@ import torch
 from odc_accelerate._compat.trl import grpo as trl_grpo  # noqa: E402
 from odc_accelerate.config import ODCConfig  # noqa: E402
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics  # noqa: E402
-from odc_accelerate.integrations.trl.grpo import check_grpo_args
-from odc_accelerate.integrations.trl.loss import grpo_loss_weight  # noqa: E402
-from odc_accelerate.integrations.trl.metrics import finalize_grpo_metrics  # noqa: E402
+from odc_accelerate.integrations.trl.grpo import check_grpo_args, finalize_grpo_metrics, grpo_loss_weight
 from odc_accelerate.integrations.trl.rollouts import collate_rollouts, split_rollouts  # noqa: E402
 
 PAD = 7

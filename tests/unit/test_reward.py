@@ -12,21 +12,22 @@ import torch
 from odc_accelerate._compat.trl import reward as reward_compat
 from odc_accelerate.integrations.trainer.budget import token_budget
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics
-from odc_accelerate.integrations.trl.loss import reward_loss_weight
-from odc_accelerate.integrations.trl.metrics import REWARD_ODC_GATHERS, finalize_reward_metrics
-from odc_accelerate.integrations.trl.reward import (
-    ODCRewardTrainer,
-    reward_pair_budget_tokens,
-    reward_pair_lengths,
+from odc_accelerate.integrations.trl.pairs import (
+    ODCPairTrainerMixin,
+    pair_budget_tokens,
+    pair_lengths,
+    pair_loss_weight,
 )
+from odc_accelerate.integrations.trl.reward import REWARD_ODC_GATHERS, ODCRewardTrainer, finalize_reward_metrics
 from odc_accelerate.integrations.trl.unsupported import PLAIN_FSDP2, unsupported_trainer_message
 
 
 # ------------------------------------------------------------------------------------------------- lengths and budget
-def _stub(max_length):
-    """What `ODCRewardTrainer`'s planning methods read of the trainer: its arguments and its own methods."""
+def _stub(max_length, trainer=ODCRewardTrainer):
+    """What a pair trainer's planning methods read of the trainer: its arguments, its own methods and names."""
     stub = SimpleNamespace(args=SimpleNamespace(max_length=max_length))
-    stub._odc_budget_tokens = lambda lengths: ODCRewardTrainer._odc_budget_tokens(stub, lengths)
+    stub._odc_budget_tokens = lambda lengths: trainer._odc_budget_tokens(stub, lengths)
+    stub.odc_pair_sample, stub.odc_pair_remedy = trainer.odc_pair_sample, trainer.odc_pair_remedy
     return stub
 
 
@@ -37,9 +38,9 @@ def test_pair_lengths_are_chosen_and_rejected_and_the_budget_counts_both_padded_
     data = Dataset.from_dict({"chosen_ids": [[1] * 5, [1] * 2, [1] * 9], "rejected_ids": [[2] * 3, [2] * 7, [2] * 9]})
     lengths = ODCRewardTrainer._odc_lengths(_stub(16), data)
     assert lengths.tolist() == [[5, 3], [2, 7], [9, 9]]
-    assert reward_pair_lengths([5, 2], [3, 7]).tolist() == [[5, 3], [2, 7]]
+    assert pair_lengths([5, 2], [3, 7]).tolist() == [[5, 3], [2, 7]]
     # a pair alone is a [2, longer] batch
-    assert reward_pair_budget_tokens(lengths).tolist() == [10, 14, 18]
+    assert pair_budget_tokens(lengths).tolist() == [10, 14, 18]
     assert ODCRewardTrainer._odc_budget_tokens(None, lengths).tolist() == [10, 14, 18]
 
 
@@ -47,11 +48,24 @@ def test_default_budget_is_one_longest_pair_and_an_oversize_pair_stops_the_run()
     lengths = np.array([[5, 3], [2, 7], [9, 9]])
     rule = ODCRewardTrainer._odc_budget_rule(_stub(16), lengths)
     assert (rule.default, rule.oversize) == (32, "raise")  # 2 x max_length
-    assert token_budget(reward_pair_budget_tokens(lengths), None, rule) == 32
+    assert token_budget(pair_budget_tokens(lengths), None, rule) == 32
     with pytest.raises(ValueError, match=r"smaller than the longest pair \(chosen and rejected, both padded to the "):
-        token_budget(reward_pair_budget_tokens(lengths), 16, rule)
+        token_budget(pair_budget_tokens(lengths), 16, rule)
     # without max_length: the longest pair
     assert ODCRewardTrainer._odc_budget_rule(_stub(None), lengths).default == 18
+
+
+def test_dpo_and_the_reward_trainer_share_the_pair_hooks_and_name_their_own_pair():
+    from odc_accelerate.integrations.trl.dpo import ODCDPOTrainer
+
+    lengths = np.array([[5, 3], [2, 7], [9, 9]])
+    for trainer in (ODCDPOTrainer, ODCRewardTrainer):
+        for hook in ("_odc_budget_tokens", "_odc_budget_rule", "_odc_num_items", "_odc_queue_items"):
+            assert getattr(trainer, hook) is getattr(ODCPairTrainerMixin, hook), (trainer, hook)
+    dpo, reward = (t._odc_budget_rule(_stub(16, t), lengths) for t in (ODCDPOTrainer, ODCRewardTrainer))
+    assert (dpo.default, reward.default) == (32, 32)
+    assert dpo.sample.startswith("pair (prompt + chosen") and reward.sample.startswith("pair (chosen and rejected")
+    assert "longer pairs are dropped" in reward.remedy and "dropped" not in dpo.remedy
 
 
 def test_a_step_counts_pairs():
@@ -68,7 +82,7 @@ def test_the_loss_weight_makes_the_mean_over_every_pair_of_the_step():
     step = 0.0
     for microbatches in per_pair.values():
         for losses in microbatches:
-            step += np.mean(losses) * reward_loss_weight(len(losses), total, world) / world
+            step += np.mean(losses) * pair_loss_weight(len(losses), total, world) / world
     assert step == pytest.approx(np.mean([0.5, 1.5, 3.0, 1.0, 2.0, 4.0]))
 
 

@@ -16,9 +16,13 @@ from odc_accelerate._compat.trl import rloo as trl_rloo
 from odc_accelerate.config import ODCConfig
 from odc_accelerate.integrations.trainer.data import ZeroWeightMicrobatch
 from odc_accelerate.integrations.trainer.metrics import DeferredGather, reduce_step_metrics
-from odc_accelerate.integrations.trl.loss import rloo_loss_weight
-from odc_accelerate.integrations.trl.metrics import finalize_rloo_metrics
-from odc_accelerate.integrations.trl.rloo import RLOO_KEYS, ODCRLOOTrainer, check_rloo_args
+from odc_accelerate.integrations.trl.rloo import (
+    RLOO_KEYS,
+    ODCRLOOTrainer,
+    check_rloo_args,
+    finalize_rloo_metrics,
+    rloo_loss_weight,
+)
 from odc_accelerate.integrations.trl.rollouts import collate_rollouts, split_rollouts
 
 BALANCED = ODCConfig(enable=True, plan="free")

@@ -8,25 +8,16 @@ import importlib
 import sys
 from typing import Any
 
+from ...trainers import SERVED_TRAINERS
 from .. import require
 from . import _LIBRARY
 
-#: The classes `replace_public_classes` may replace, and the modules a script imports them from: ``from trl import
+#: The classes `replace_public_classes` may replace (the config and trainer of each row of
+#: `odc_accelerate.trainers.SERVED_TRAINERS`), and the modules a script imports them from: ``from trl import
 #: SFTTrainer`` and ``from trl.trainer import SFTTrainer``. The modules that define them (``trl.trainer.sft_trainer``,
 #: ...) keep TRL's classes, so TRL's own code and the TRL trainers defined on top of them (GKD, GOLD, ...) are
 #: unchanged.
-PUBLIC_CLASSES = (
-    "SFTConfig",
-    "SFTTrainer",
-    "DPOConfig",
-    "DPOTrainer",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "RewardConfig",
-    "RewardTrainer",
-    "RLOOConfig",
-    "RLOOTrainer",
-)
+PUBLIC_CLASSES = tuple(name for trainer in SERVED_TRAINERS for name in (trainer.trl_config, trainer.trl_trainer))
 PUBLIC_MODULES = ("trl", "trl.trainer")
 _REPLACED: dict[tuple[str, str], Any] = {}
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...config import ODCConfig
 from ...planning import PlanName
+from ...trainers import SERVED_TRAINERS
 from ...validation import str_to_bool
 from ..accelerate import ODCPlugin, drive_steps, get_engine, resolved_options
 from .moe import check_router_aux_loss, check_transformers_distributed, router_aux_loss_coef
@@ -25,9 +26,10 @@ __all__ = ["ODCAcceleratorSetup", "check_router_aux_loss", "router_aux_loss_coef
 
 # How to launch what ODC needs, with what an installed package offers (its presets and config writer).
 LAUNCH_HINT = (
-    "Launch with `odc-accelerate sft|dpo|grpo|reward|rloo --accelerate_config odc_cpu|odc_gpu` (the package's FSDP2 + "
-    "ODC accelerate configs), or write one with `odc-accelerate config` and run `odc-accelerate launch --config_file PATH "
-    "script.py` (the config needs `distributed_type: FSDP`, `fsdp_version: 2` and num_processes >= 2)."
+    f"Launch with `odc-accelerate {'|'.join(t.name for t in SERVED_TRAINERS)} --accelerate_config odc_cpu|odc_gpu` "
+    "(the package's FSDP2 + ODC accelerate configs), or write one with `odc-accelerate config` and run "
+    "`odc-accelerate launch --config_file PATH script.py` (the config needs `distributed_type: FSDP`, `fsdp_version: 2` and "
+    "num_processes >= 2)."
 )
 
 

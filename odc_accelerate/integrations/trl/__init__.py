@@ -1,8 +1,9 @@
-"""ODC for TRL: the SFT, DPO, GRPO, reward-model and RLOO trainers and their training arguments (``--odc true`` and
-friends).
+"""ODC for TRL: the trainers of `odc_accelerate.trainers` and their training arguments (``--odc true`` and friends).
 
-One module per trainer (`sft`, `dpo`, `grpo`, `reward`, `rloo`) and per shared concern (`config`, `online`,
-`grpo_checks`, `unsupported`, `reference`, `metrics`, `rollouts`, `loss`); TRL's internals are in
+One module per trainer (``sft``, ``dpo``, ...: its class, loss weight and step metrics) and per shared concern:
+`configs` (every ``ODC*Config``), `pairs` (DPO's and the reward trainer's preference pairs), `online` and
+`online_checks` (GRPO's and RLOO's generation and refusals), `reference` (a reference model on a gather-only engine),
+`metrics`, `rollouts` and `unsupported` (the refusal of the trainers ODC does not serve). TRL's internals are in
 `odc_accelerate._compat.trl`. Names are imported on first use, so that an SFT run does not import TRL's GRPO trainer.
 Usage and what each trainer changes: docs/integrations.md.
 """
@@ -10,36 +11,20 @@ Usage and what each trainer changes: docs/integrations.md.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "ODCDPOConfig",
-    "ODCDPOTrainer",
-    "ODCGRPOConfig",
-    "ODCGRPOTrainer",
-    "ODCRewardConfig",
-    "ODCRewardTrainer",
-    "ODCRLOOConfig",
-    "ODCRLOOTrainer",
-    "ODCSFTConfig",
-    "ODCSFTTrainer",
-    "ODCTrainingArgumentsMixin",
-]
+from ...trainers import SERVED_TRAINERS
 
-_LAZY = {
-    "ODCDPOConfig": "config",
-    "ODCGRPOConfig": "config",
-    "ODCRewardConfig": "config",
-    "ODCRLOOConfig": "config",
-    "ODCSFTConfig": "config",
-    "ODCTrainingArgumentsMixin": "config",
-    "ODCDPOTrainer": "dpo",
-    "ODCGRPOTrainer": "grpo",
-    "ODCRewardTrainer": "reward",
-    "ODCRLOOTrainer": "rloo",
-    "ODCSFTTrainer": "sft",
-}
+#: Public name -> the module of this package that defines it: each trainer's config in `configs`, its trainer in the
+#: module of its name.
+_LAZY = {"ODCTrainingArgumentsMixin": "configs"}
+for _trainer in SERVED_TRAINERS:
+    _LAZY[_trainer.odc_config] = "configs"
+    _LAZY[_trainer.odc_trainer] = _trainer.name
+del _trainer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .config import (
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from _LAZY)
+    from .configs import (  # noqa: F401
         ODCDPOConfig,
         ODCGRPOConfig,
         ODCRewardConfig,
@@ -47,11 +32,11 @@ if TYPE_CHECKING:  # pragma: no cover
         ODCSFTConfig,
         ODCTrainingArgumentsMixin,
     )
-    from .dpo import ODCDPOTrainer
-    from .grpo import ODCGRPOTrainer
-    from .reward import ODCRewardTrainer
-    from .rloo import ODCRLOOTrainer
-    from .sft import ODCSFTTrainer
+    from .dpo import ODCDPOTrainer  # noqa: F401
+    from .grpo import ODCGRPOTrainer  # noqa: F401
+    from .reward import ODCRewardTrainer  # noqa: F401
+    from .rloo import ODCRLOOTrainer  # noqa: F401
+    from .sft import ODCSFTTrainer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 from trl import DPOTrainer
 
-from ..._compat import tested_text
+from ..._compat import trl as trl_compat
 from ..._compat.trl import dpo as trl_dpo
 from ..._compat.trl import lm_head as trl_lm_head
 from ..trainer import ODCTrainerMixin
-from ..trainer.budget import BudgetRule
 from ..trainer.metrics import StepMetrics
-from .loss import dpo_loss_weight
-from .metrics import finalize_dpo_metrics
+from .metrics import check_gathers, drop_microbatch_values, ratio
+from .pairs import ODCPairTrainerMixin, pair_lengths
 from .reference import ODCReferenceModelMixin, check_reference_settings
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["BATCH_COUPLED_LOSS_TYPES", "PER_PAIR_LOSS_TYPES", "ODCDPOTrainer", "check_dpo_loss_types"]
+__all__ = [
+    "BATCH_COUPLED_LOSS_TYPES",
+    "PER_PAIR_LOSS_TYPES",
+    "ODCDPOTrainer",
+    "check_dpo_loss_types",
+    "finalize_dpo_metrics",
+]
 
 #: TRL's DPO loss types (``--loss_type``) that are one value per pair, averaged over the microbatch's pairs (WPO's
-#: ``use_weighting`` and LD-DPO's ``ld_alpha`` weigh each pair by its own sequences): exact with `dpo_loss_weight`.
+#: ``use_weighting`` and LD-DPO's ``ld_alpha`` weigh each pair by its own sequences): exact with the pair weight
+#: (`.pairs.pair_loss_weight`).
 PER_PAIR_LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -51,7 +54,7 @@ BATCH_COUPLED_LOSS_TYPES = {
 }
 
 
-class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
+class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin, DPOTrainer):
     """`trl.DPOTrainer` with ODC.
 
     * **Reference model.** Sharded per layer like the policy (TRL shards only its root, so each reference forward is
@@ -69,6 +72,8 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
       of loss, rewards/chosen|rejected|accuracies|margins, logps, logits, entropy, token accuracy, plus the ODC
       step metrics (tokens/s, bubble %, per-rank busy/wait).
     """
+
+    odc_pair_sample = "pair (prompt + chosen and prompt + rejected, both padded to the longer)"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         training_args = kwargs.get("args")
@@ -102,40 +107,18 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
         max_length = getattr(self.args, "max_length", None)
         if max_length:  # the collator truncates each sequence to max_length
             chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
-        return np.stack([chosen, rejected], axis=1)
-
-    def _odc_budget_tokens(self, lengths: Any) -> np.ndarray:
-        # TRL's preference collator pads chosen and rejected to the longest sequence of the microbatch: a pair alone
-        # holds 2 x its longer sequence.
-        return 2 * np.asarray(lengths).max(axis=1)
-
-    def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
-        max_length = getattr(self.args, "max_length", None)
-        return BudgetRule(
-            default=2 * int(max_length) if max_length else int(self._odc_budget_tokens(lengths).max()),
-            oversize="raise",
-            sample="pair (prompt + chosen and prompt + rejected, both padded to the longer)",
-            remedy="lower --max_length",
-        )
+        return pair_lengths(chosen, rejected)
 
     # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`);
     # TRL gathers it first.
     _odc_serves_router_aux_loss = True
     _odc_aux_gather_position = 0
 
-    def _odc_num_items(self, microbatches: list[Any]) -> int:
-        return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
-
-    def _odc_queue_items(self, step: Any) -> int:
-        # A dynamic step's pairs are its samples: counted from the queue, nothing is collated before the claims.
-        return sum(len(mb) for mb in step.queue.microbatches)
-
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
         if not (self._odc_looping and num_items_in_batch is not None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        pairs = int(inputs["input_ids"].shape[0]) // 2
-        weight = dpo_loss_weight(pairs, float(num_items_in_batch), self.accelerator.num_processes)
+        weight = self._odc_pair_weight(inputs, num_items_in_batch)
         # TRL adds coef x aux to the pairs' mean, which the weight then multiplies: the router term's weighted share of
         # the step needs coef x share x W / weight (`moe`).
         with self._odc_router_coef(self.accelerator.num_processes / weight):
@@ -145,17 +128,35 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, DPOTrainer):
         return out * weight
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
-        expected = len(trl_dpo.dpo_gathers(self))
-        if metrics.gathers_per_microbatch != expected:
-            logger.warning(
-                "ODC: DPO made %d metric gathers per microbatch, expected %d (tested with TRL %s); metrics of this "
-                "step are local.",
-                metrics.gathers_per_microbatch,
-                expected,
-                tested_text("trl"),
-            )
-            return
-        finalize_dpo_metrics(self, metrics)
+        if check_gathers("DPO", metrics, len(trl_dpo.dpo_gathers(self))):
+            finalize_dpo_metrics(self, metrics)
+
+
+def finalize_dpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """DPO: token-weighted metrics (entropy, logits, token accuracy) are ratios of global sums; reward and log-prob
+    metrics are means over every pair of the step on every rank; ``num_tokens`` counts the input tokens of all
+    ranks."""
+    names = trl_dpo.dpo_gathers(trainer)
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    count = dict(zip(names, metrics.global_counts, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    recorded = trl_compat.train_metrics(trainer)
+    drop_microbatch_values(recorded, trl_dpo.DPO_PER_MICROBATCH, metrics.local_microbatches)
+    values = {
+        "entropy": ratio(total["entropy_sum"], total["entropy_tokens"]),
+        "logits/chosen": ratio(total["chosen_logits_sum"], total["chosen_tokens"]),
+        "logits/rejected": ratio(total["rejected_logits_sum"], total["rejected_tokens"]),
+        "mean_token_accuracy": ratio(total["correct_tokens"], total["accuracy_tokens"]),
+    }
+    per_pair = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
+    per_pair += ["logps/chosen", "logps/rejected"]
+    for key in per_pair:
+        values[key] = ratio(total[key], count[key])
+    if "aux_loss" in names:  # weighted by each microbatch's share of the step's routed tokens: their sum
+        values["aux_loss"] = total["aux_loss"]
+    for key, value in values.items():
+        recorded[key].append(value)
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
 
 
 def check_dpo_loss_types(args: Any, config: Any) -> None:

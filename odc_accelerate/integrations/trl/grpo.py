@@ -3,34 +3,30 @@
 Generation makes no collective (`.online.ODCOnlineTrainerMixin`: each rank decodes its own prompts, or refreshes its
 own colocated vLLM engine from the published shards); the step's completions are planned over all ranks like SFT
 samples (``--odc_plan free`` unless ``lockstep`` or ``dynamic``), and each microbatch's loss is weighted for its loss
-type (`.loss.grpo_loss_weight`). See docs/integrations.md, "TRL GRPO".
+type (`grpo_loss_weight`). See docs/integrations.md, "TRL GRPO".
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 from trl import GRPOTrainer
 
-from ..._compat import tested_text
+from ..._compat import trl as trl_compat
 from ..._compat.trl import grpo as trl_grpo
 from ..._compat.trl import lm_head as trl_lm_head
 from ...config import ODCConfig
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
-from .grpo_checks import check_grpo_args, check_grpo_settings
-from .loss import grpo_loss_weight
-from .metrics import finalize_grpo_metrics
+from .metrics import check_gathers, drop_microbatch_values, one_step_time, step_value
 from .online import ODCOnlineTrainerMixin
+from .online_checks import check_grpo_args, check_grpo_settings
 from .reference import ODCReferenceModelMixin
 from .rollouts import GRPO_KEYS, loss_tokens
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["ODCGRPOTrainer", "check_grpo_args"]
+__all__ = ["ODCGRPOTrainer", "check_grpo_args", "finalize_grpo_metrics", "grpo_loss_weight"]
 
 
 class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMixin, GRPOTrainer):
@@ -107,13 +103,45 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         expected = len(trl_grpo.grpo_metric_calls(self))
-        if metrics.gathers_per_microbatch != expected:
-            logger.warning(
-                "ODC: GRPO made %d metric reductions per microbatch, expected %d (tested with TRL %s); the loss "
-                "metrics of this step are local.",
-                metrics.gathers_per_microbatch,
-                expected,
-                tested_text("trl"),
-            )
-            return
-        finalize_grpo_metrics(self, metrics)
+        if check_gathers("GRPO", metrics, expected, what="metric reductions", kept="loss metrics"):
+            finalize_grpo_metrics(self, metrics)
+
+
+def grpo_loss_weight(
+    trainer: Any, rows: int, tokens: float, total_rows: int, total_tokens: float, world_size: int
+) -> float:
+    """What one microbatch's GRPO loss (as TRL computes it) is multiplied by for the exact loss of the whole step.
+
+    Args:
+        trainer: the GRPO trainer (its ``loss_type``, ``current_gradient_accumulation_steps`` and
+            ``args.steps_per_generation``).
+        rows (`int`): completions in the microbatch.
+        tokens (`float`): loss tokens in the microbatch.
+        total_rows (`int`): completions in the whole step, over all ranks.
+        total_tokens (`float`): loss tokens in the whole step, over all ranks.
+        world_size (`int`): ranks FSDP2 averages gradients over.
+    """
+    kind = trl_grpo.GRPO_LOSS_NORMALISATION[trainer.loss_type]
+    if kind == "sequences":
+        return rows * world_size / max(total_rows, 1)
+    if kind == "tokens":
+        return max(tokens, 1.0) * world_size / max(total_tokens, 1.0)
+    # The "global" types divide by num_items_in_batch (set to the step's loss tokens) the way TRL scales it.
+    normaliser = (
+        max(total_tokens, 1.0)
+        / world_size
+        * trainer.current_gradient_accumulation_steps
+        / trainer.args.steps_per_generation
+    )
+    return normaliser * world_size / max(total_tokens, 1.0)
+
+
+def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """GRPO: each loss metric (kl, entropy, clip ratios, ...) becomes one global value (a ratio of summed pairs, a
+    minimum or a maximum over every rank); TRL's per-microbatch ``step_time`` becomes the step's."""
+    recorded = trl_compat.train_metrics(trainer)
+    mbs = metrics.local_microbatches
+    for i, (name, how) in enumerate(trl_grpo.grpo_metric_calls(trainer)):
+        drop_microbatch_values(recorded, (name,), mbs)
+        recorded[name].append(float(step_value(metrics, i, how)))
+    one_step_time(recorded, mbs)

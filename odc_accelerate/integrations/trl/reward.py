@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import numpy as np
 import torch
 from trl import RewardTrainer
 
-from ..._compat import tested_text
+from ..._compat import trl as trl_compat
 from ..._compat.trl import reward as reward_compat
 from ..trainer import ODCTrainerMixin
-from ..trainer.budget import BudgetRule
 from ..trainer.metrics import StepMetrics
-from .loss import reward_loss_weight
-from .metrics import REWARD_ODC_GATHERS, finalize_reward_metrics
+from .metrics import check_gathers, drop_microbatch_values, ratio
+from .pairs import ODCPairTrainerMixin, pair_lengths
 
-logger = logging.getLogger(__name__)
+__all__ = ["REWARD_ODC_GATHERS", "ODCRewardTrainer", "finalize_reward_metrics"]
 
-__all__ = ["ODCRewardTrainer", "reward_pair_lengths"]
-
-
-def reward_pair_lengths(chosen: Any, rejected: Any) -> np.ndarray:
-    """The lengths of preference pairs as the planner counts them: ``(pairs, 2)``, chosen then rejected.
-
-    TRL's reward data already holds the prompt in both sequences (``chosen_ids``, ``rejected_ids``), and pairs with a
-    side over ``max_length`` are dropped rather than truncated, so the token counts are the columns' own.
-    """
-    return np.stack([np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)], axis=1)
+#: The gathers `ODCRewardTrainer` adds after TRL's own in each microbatch (answered locally, never a collective): each
+#: pair's accuracy (chosen scored above rejected) and margin (chosen minus rejected), so that the step's values are
+#: means over its pairs.
+REWARD_ODC_GATHERS = ("correct_pairs", "pair_margins")
 
 
-def reward_pair_budget_tokens(lengths: Any) -> np.ndarray:
-    """The tokens each pair holds in a microbatch: TRL's collator pads chosen and rejected rows to the longest of the
-    microbatch, so a pair alone is 2 x its longer sequence."""
-    return 2 * np.asarray(lengths).max(axis=1)
-
-
-class ODCRewardTrainer(ODCTrainerMixin, RewardTrainer):
+class ODCRewardTrainer(ODCPairTrainerMixin, ODCTrainerMixin, RewardTrainer):
     """`trl.RewardTrainer` with ODC: a sequence-classification model (``num_labels=1``) scores the chosen and rejected
     sequence of each preference pair.
 
@@ -57,6 +42,8 @@ class ODCRewardTrainer(ODCTrainerMixin, RewardTrainer):
       reduction with nothing.
     """
 
+    odc_pair_remedy = "lower --max_length (longer pairs are dropped)"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         reward_compat.check_reward(self)
@@ -65,29 +52,11 @@ class ODCRewardTrainer(ODCTrainerMixin, RewardTrainer):
     def _odc_lengths(self, dataset: Any) -> Any:
         from ...planning import dataset_lengths
 
-        return reward_pair_lengths(
+        # TRL's reward data holds the prompt in both sequences, and drops (does not truncate) a pair over max_length.
+        return pair_lengths(
             dataset_lengths(dataset, length_column="chosen_ids"),
             dataset_lengths(dataset, length_column="rejected_ids"),
         )
-
-    def _odc_budget_tokens(self, lengths: Any) -> np.ndarray:
-        return reward_pair_budget_tokens(lengths)
-
-    def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
-        max_length = getattr(self.args, "max_length", None)
-        return BudgetRule(
-            default=2 * int(max_length) if max_length else int(self._odc_budget_tokens(lengths).max()),
-            oversize="raise",
-            sample="pair (chosen and rejected, both padded to the longer)",
-            remedy="lower --max_length (longer pairs are dropped)",
-        )
-
-    def _odc_num_items(self, microbatches: list[Any]) -> int:
-        return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
-
-    def _odc_queue_items(self, step: Any) -> int:
-        # A dynamic step's pairs are its samples: counted from the queue, nothing is collated before the claims.
-        return sum(len(mb) for mb in step.queue.microbatches)
 
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
@@ -102,19 +71,33 @@ class ODCRewardTrainer(ODCTrainerMixin, RewardTrainer):
             chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
             self.accelerator.gather_for_metrics((chosen > rejected).float())
             self.accelerator.gather_for_metrics(chosen - rejected)
-        pairs = int(inputs["input_ids"].shape[0]) // 2
-        loss = loss * reward_loss_weight(pairs, float(num_items_in_batch), self.accelerator.num_processes)
+        loss = loss * self._odc_pair_weight(inputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         expected = len(reward_compat.REWARD_TRAIN_GATHERS) + len(REWARD_ODC_GATHERS)
-        if metrics.gathers_per_microbatch != expected:
-            logger.warning(
-                "ODC: the reward trainer made %d metric gathers per microbatch, expected %d (tested with TRL %s); "
-                "metrics of this step are local.",
-                metrics.gathers_per_microbatch,
-                expected,
-                tested_text("trl"),
-            )
-            return
-        finalize_reward_metrics(self, metrics)
+        if check_gathers("the reward trainer", metrics, expected):
+            finalize_reward_metrics(self, metrics)
+
+
+def finalize_reward_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """Reward model: ``min_reward`` / ``mean_reward`` / ``max_reward`` over every reward (chosen and rejected) of the
+    step on every rank, ``accuracy`` and ``margin`` means over every pair of the step, ``num_tokens`` counting the
+    input tokens of all ranks: the values TRL logs when the global batch is one microbatch."""
+    names = reward_compat.REWARD_TRAIN_GATHERS + REWARD_ODC_GATHERS
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    count = dict(zip(names, metrics.global_counts, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    index = {name: i for i, name in enumerate(names)}
+    recorded = trl_compat.train_metrics(trainer)
+    drop_microbatch_values(recorded, reward_compat.REWARD_PER_MICROBATCH, metrics.local_microbatches)
+    values = {
+        "min_reward": metrics.global_mins[index["rewards"]],
+        "mean_reward": ratio(total["rewards"], count["rewards"]),
+        "max_reward": metrics.global_maxs[index["rewards"]],
+        "accuracy": ratio(total["correct_pairs"], count["correct_pairs"]),
+        "margin": ratio(total["pair_margins"], count["pair_margins"]),
+    }
+    for key, value in values.items():
+        recorded[key].append(float(value))
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])

@@ -2,33 +2,30 @@
 
 RLOO generates like GRPO (`.online.ODCOnlineTrainerMixin`). Its advantages are TRL's, computed over the step's global
 batch at generation; each planned microbatch's sequence-level loss is weighted by ``rows x W / completions of the
-step`` (`.loss.rloo_loss_weight`); entropy and clip ratios are reduced once per step
-(`.metrics.finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO".
+step`` (`rloo_loss_weight`); entropy and clip ratios are reduced once per step
+(`finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO".
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 from trl import RLOOTrainer
 
-from ..._compat import tested_text
+from ..._compat import trl as trl_compat
 from ..._compat.trl import rloo as trl_rloo
 from ...config import ODCConfig
+from ...loss import batch_mean_weight
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
-from .grpo_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
-from .loss import rloo_loss_weight
-from .metrics import finalize_rloo_metrics
+from .metrics import check_gathers, drop_microbatch_values, one_step_time, step_value
 from .online import ODCOnlineTrainerMixin
+from .online_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
 from .reference import ODCReferenceModelMixin, check_reference_settings
 from .rollouts import RolloutKeys
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["RLOO_KEYS", "ODCRLOOTrainer", "check_rloo_args"]
+__all__ = ["RLOO_KEYS", "ODCRLOOTrainer", "check_rloo_args", "finalize_rloo_metrics", "rloo_loss_weight"]
 
 #: RLOOTrainer's generation batch (`odc_accelerate._compat.trl.rloo`).
 RLOO_KEYS = RolloutKeys(
@@ -75,16 +72,27 @@ class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         expected = len(trl_rloo.rloo_metric_calls(self))
-        if metrics.gathers_per_microbatch != expected:
-            logger.warning(
-                "ODC: RLOO made %d metric reductions per microbatch, expected %d (tested with TRL %s); the loss "
-                "metrics of this step are local.",
-                metrics.gathers_per_microbatch,
-                expected,
-                tested_text("trl"),
-            )
-            return
-        finalize_rloo_metrics(self, metrics)
+        if check_gathers("RLOO", metrics, expected, what="metric reductions", kept="loss metrics"):
+            finalize_rloo_metrics(self, metrics)
+
+
+def rloo_loss_weight(rows: int, total_rows: int, world_size: int) -> float:
+    """RLOO averages its per-sequence loss over the sequences of a microbatch (and TRL divides it by the gradient
+    accumulation steps, one under an ODC plan): ``rows x W / sequences of the whole step``."""
+    return batch_mean_weight(rows, total_rows, world_size)
+
+
+def finalize_rloo_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """RLOO: the entropy becomes a ratio of global sums over every completion token of the step; each clip ratio a mean
+    (or minimum / maximum) over every completion of the step on every rank; TRL's per-microbatch ``step_time``
+    becomes the step's."""
+    recorded = trl_compat.train_metrics(trainer)
+    mbs = metrics.local_microbatches
+    for i, call in enumerate(trl_rloo.rloo_metric_calls(trainer)):
+        for name, how in call:
+            drop_microbatch_values(recorded, (name,), mbs)
+            recorded[name].append(float(step_value(metrics, i, how)))
+    one_step_time(recorded, mbs)
 
 
 def check_rloo_args(args: Any, config: ODCConfig) -> None:

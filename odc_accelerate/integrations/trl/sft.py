@@ -7,14 +7,15 @@ from typing import Any
 
 from trl import SFTTrainer
 
+from ..._compat import trl as trl_compat
 from ..._compat.trl import lm_head as trl_lm_head
 from ..._compat.trl import sft as trl_sft
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from ..trainer.plain import check_average_tokens
-from .metrics import finalize_sft_metrics
+from .metrics import drop_microbatch_values, ratio
 
-__all__ = ["ODCSFTTrainer"]
+__all__ = ["ODCSFTTrainer", "finalize_sft_metrics"]
 
 
 class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
@@ -59,3 +60,20 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         finalize_sft_metrics(self, metrics)
+
+
+def finalize_sft_metrics(trainer: Any, metrics: StepMetrics) -> None:
+    """SFT: ``entropy`` and ``mean_token_accuracy`` become token-weighted values over every label token of the step on
+    every rank; ``num_tokens`` counts the input tokens of all ranks."""
+    names = trl_sft.SFT_TRAIN_GATHERS
+    total = dict(zip(names, metrics.global_sums, strict=False))
+    mine = dict(zip(names, metrics.local_sums, strict=False))
+    recorded = trl_compat.train_metrics(trainer)
+    drop_microbatch_values(recorded, ("entropy", "mean_token_accuracy"), metrics.local_microbatches)
+    recorded["entropy"].append(ratio(total["entropy_sum"], total["num_valid"]))
+    recorded["mean_token_accuracy"].append(ratio(total["num_correct"], total["num_valid"]))
+    trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])
+    if getattr(trainer, "aux_loss_enabled", False) and len(metrics.global_sums) > len(names):
+        # Each microbatch's value was weighted by its share of the step's routed tokens: the step's is their sum.
+        drop_microbatch_values(recorded, ("aux_loss",), metrics.local_microbatches)
+        recorded["aux_loss"].append(float(metrics.global_sums[len(names)]))

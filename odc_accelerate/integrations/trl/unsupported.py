@@ -1,15 +1,16 @@
-"""The TRL trainers ODC serves and refuses, and why: a run that asks for ODC stops before training with one of these
-reasons, and so does `odc_accelerate.ODCTrainerMixin` on a TRL trainer it does not serve, in any launch.
+"""The refusal of a TRL trainer ODC does not serve: a run that asks for ODC stops before training with the reason
+(`unsupported_trainer_message`), and so does `odc_accelerate.ODCTrainerMixin` put on such a trainer, in any launch
+(`check_mixin_trainer`). The trainers served and refused, and why, are the rows of `odc_accelerate.trainers`.
 
-`SERVED_TRAINERS` are served through ODC's own classes; `UNSUPPORTED_TRAINERS` holds the known reasons (KTO,
-distillation, ORPO, CPO, online DPO). The check goes by the names of TRL's classes among the trainer's bases, so a
-subclass is refused as well and no TRL module is imported for it. The reasons: docs/integrations.md, "TRL trainers
-ODC refuses".
+The check goes by the names of TRL's classes among the trainer's bases, so a trainer built on top of one of them
+(and one imported from where TRL defines it) is refused as well, and no TRL module is imported for it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ... import trainers
 
 __all__ = [
     "PLAIN_FSDP2",
@@ -25,39 +26,10 @@ PLAIN_FSDP2 = (
 )
 
 #: TRL's trainer classes ODC serves (``module.name`` where TRL defines them) -> the ODC class that serves them.
-SERVED_TRAINERS = {
-    "trl.trainer.sft_trainer.SFTTrainer": "ODCSFTTrainer",
-    "trl.trainer.dpo_trainer.DPOTrainer": "ODCDPOTrainer",
-    "trl.trainer.grpo_trainer.GRPOTrainer": "ODCGRPOTrainer",
-    "trl.trainer.rloo_trainer.RLOOTrainer": "ODCRLOOTrainer",
-    "trl.trainer.reward_trainer.RewardTrainer": "ODCRewardTrainer",
-}
-
-_PER_MICROBATCH_MEAN = (
-    "its loss is a mean over the microbatch's pairs plus a mean NLL over its chosen tokens, for which ODC has no "
-    "weights: under a plan the planned microbatches' means would be summed, so the loss would depend on the plan"
-)
+SERVED_TRAINERS = {trainer.trl_path: trainer.odc_trainer for trainer in trainers.SERVED_TRAINERS}
 
 #: TRL trainer class name -> why ODC cannot train it exactly.
-UNSUPPORTED_TRAINERS = {
-    "KTOTrainer": (
-        "its loss uses a KL estimate that is a cross-rank mean: accelerator.gather_for_metrics of every rank's mean KL "
-        "at the same gradient-accumulation index, inside every microbatch. With ODC ranks run different numbers of "
-        "microbatches, so that collective would pair unrelated microbatches or hang, and the estimate (hence the "
-        "loss) depends on how the step is split over ranks and microbatches"
-    ),
-    "DistillationTrainer": (
-        "its loss calls full_tensor() on the student's sharded lm_head weight (an all-gather collective) in every "
-        "microbatch, and its teacher model is not sharded by FSDP2, so ODC can serve neither"
-    ),
-    "ORPOTrainer": _PER_MICROBATCH_MEAN,
-    "CPOTrainer": _PER_MICROBATCH_MEAN,
-    "OnlineDPOTrainer": (
-        "it generates completions inside every training step with gather_object of the prompts (a collective that "
-        "ranks running different numbers of microbatches would not meet), and its loss is a mean over the "
-        "microbatch's pairs, for which ODC has no weights"
-    ),
-}
+UNSUPPORTED_TRAINERS = {trainer.trl_trainer: trainer.reason for trainer in trainers.REFUSED_TRAINERS}
 
 
 def _full_name(cls: type) -> str:
@@ -93,8 +65,9 @@ def check_mixin_trainer(cls: type, mixin: type) -> None:
 
     Every TRL class below ``mixin`` in ``cls``'s MRO must be one of `SERVED_TRAINERS` (or a base of one) whose ODC class
     is in the MRO too: the ODC classes, a subclass of one, and ``transformers.Trainer`` with the mixin pass; TRL's
-    KTO, ORPO, CPO, online DPO, ... trainers, a TRL trainer built on a served one (GKD on SFT), and a served TRL class
-    under the bare mixin (``class K(ODCTrainerMixin, DPOTrainer)``, without ODC's DPO loss weights) are refused.
+    refused trainers (`odc_accelerate.trainers.REFUSED_TRAINERS`), a TRL trainer built on a served one (GKD on SFT),
+    and a served TRL class under the bare mixin (``class K(ODCTrainerMixin, DPOTrainer)``, without ODC's DPO loss
+    weights) are refused.
 
     Raises:
         RuntimeError: naming the TRL class, why, and what to use instead.
@@ -122,7 +95,7 @@ def check_mixin_trainer(cls: type, mixin: type) -> None:
         )
         raise RuntimeError(
             f"{why}. {shown} puts ODCTrainerMixin on it, so it was stopped before training. ODC serves "
-            "transformers' Trainer and TRL's SFT, DPO, GRPO, RLOO and reward trainers (`odc_accelerate.ODCTrainer`, "
-            "`ODCSFTTrainer`, `ODCDPOTrainer`, `ODCGRPOTrainer`, `ODCRLOOTrainer`, `ODCRewardTrainer`, or a subclass "
-            f"of one); to train {base.__name__}, drop ODCTrainerMixin from the bases and {PLAIN_FSDP2}."
+            f"transformers' Trainer and TRL's {trainers.served_list('trl_trainer')} (`odc_accelerate.ODCTrainer`, "
+            f"{trainers.served_list('odc_trainer', quote='`', last='or')}, or a subclass of one); to train "
+            f"{base.__name__}, drop ODCTrainerMixin from the bases and {PLAIN_FSDP2}."
         )

@@ -1,10 +1,7 @@
-"""What ODC refuses of a GRPO run, before any work: loss types and options whose loss cannot be made exact under a
-plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve (`check_vllm_args`), and a model
-that sync would get wrong (`check_grpo_settings`, which `ODCGRPOTrainer` runs once its options are resolved).
-
-RLOO generates as GRPO does: its refusals (`odc_accelerate.integrations.trl.rloo.check_rloo_args`) share the vLLM
-ones, one generation batch per optimizer step (`check_one_generation_per_step`) and the vLLM sync's model check
-(`check_vllm_sync_settings`)."""
+"""What ODC refuses of an online (GRPO, RLOO) run, before any work: GRPO's loss types and options whose loss cannot be
+made exact under a plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve
+(`check_vllm_args`), a model that sync would get wrong (`check_vllm_sync_settings`), and more than one generation batch
+per optimizer step (`check_one_generation_per_step`)."""
 
 from __future__ import annotations
 
