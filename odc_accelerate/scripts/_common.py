@@ -1,4 +1,4 @@
-"""What the SFT, DPO, GRPO and reward scripts share: the argument parser, the offline default, dataset loading, the
+"""What the training scripts share: the argument parser, the offline default, dataset loading, the
 finish."""
 
 from __future__ import annotations
