@@ -27,6 +27,8 @@ serve six things:
 * **Tied embeddings.** Within the wrapped ``fsdp2_prepare_model``, a model whose LM head is its input embedding gets
   both in one FSDP2 group (accelerate 1.14 left the head to the root: refused by torch 2.13, silently untied before),
   and the tie is checked afterwards (:func:`_tied_embeddings_in_one_group`).
+* **Layer classes to wrap.** Within the wrapped ``fsdp2_prepare_model``, ``TRANSFORMER_BASED_WRAP`` without a class
+  wraps the classes of the model's ``_no_split_modules`` that the model has (:func:`_present_layer_classes`).
 
 The command line (``odc-accelerate launch`` / ``config``) reads, without patching, accelerate's ``accelerate launch``
 parser (:func:`launch_parser`: where the training script and its arguments start, ``--module``, ``--no_python``) and
@@ -368,13 +370,58 @@ def _wrap_find_final_norm(original: Callable) -> Callable:
 def _wrap_prepare_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: Any) -> Any:
-        with _tied_embeddings_in_one_group(model):
+        with _present_layer_classes(accelerator, model), _tied_embeddings_in_one_group(model):
             model = original(accelerator=accelerator, model=model)
         if _CALLBACKS.on_prepared is not None:
             _CALLBACKS.on_prepared(accelerator, model)
         return model
 
     return fsdp2_prepare_model
+
+
+_DROPPED_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
+
+
+@contextlib.contextmanager
+def _present_layer_classes(accelerator: Any, model: Any) -> Iterator[None]:
+    """Within the block, a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` wraps the
+    classes of ``model._no_split_modules`` that ``model`` has; afterwards the plugin names none again.
+
+    accelerate wraps every name of ``_no_split_modules`` and raises ("Could not find the transformer layer class") on
+    the first the model lacks: transformers lists ``Qwen3_5MoeVisionBlock`` there for the text-only
+    ``Qwen3_5MoeForCausalLM``, which has none. Names the model lacks are dropped, said once per model class; a class
+    the user named is left to accelerate. The plugin gets the names only for this call, so each model prepared with
+    it (a policy and its reference) is wrapped by its own classes.
+    """
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    policy = policy.func if isinstance(policy, functools.partial) else policy
+    names = getattr(model, "_no_split_modules", None)
+    if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap is not None or not names:
+        yield
+        return
+    present = {type(module).__name__ for module in model.modules()}
+    kept = [name for name in names if name in present]
+    dropped = tuple(sorted(name for name in names if name not in present))
+    if dropped:
+        key = (type(model).__name__, dropped)
+        if key not in _DROPPED_LOGGED:
+            _DROPPED_LOGGED.add(key)
+            logger.warning(
+                "%s lists %s in _no_split_modules but has no such module: FSDP2 wraps %s only (set "
+                "fsdp_transformer_layer_cls_to_wrap to choose the classes).",
+                type(model).__name__,
+                ", ".join(dropped),
+                ", ".join(kept) if kept else "the model as one group",
+            )
+    plugin.transformer_cls_names_to_wrap = kept
+    try:
+        yield
+    finally:
+        plugin.transformer_cls_names_to_wrap = None
 
 
 def _tied_embeddings(model: Any) -> tuple[Any, Any] | None:
