@@ -240,3 +240,58 @@ def test_default_sft_of_a_recurrent_model_plans_padded_rows(tmp_path, hybrid_mod
     assert trainer._odc_padded()
     step = next(iter(trainer.get_train_dataloader()))
     assert all("attention_mask" in mb and "seq_idx" not in mb for mb in step)
+
+
+# ---------------------------------------------------------------------------------------------------- cost model
+def test_the_attention_term_is_charged_on_full_attention_layers_only():
+    import numpy as np
+
+    from odc_accelerate.planning import cost_from_config, flops_cost
+    from odc_accelerate.testing.models import tiny_causal_lm_config
+
+    hybrid = tiny_causal_lm_config("hybrid", hidden_size=64)
+    full = hybrid.to_dict() | {"layer_types": ["full_attention"] * 4}
+    ours, every_layer = cost_from_config(hybrid), cost_from_config(full)
+    d_q = hybrid.num_attention_heads * hybrid.head_dim
+    assert ours.quadratic == 3 * 2 * d_q * 1 and every_layer.quadratic == 3 * 2 * d_q * 4  # 1 of 4 layers
+    # Gated DeltaNet's own per-token work replaces the attention projections in the linear term.
+    projections = 2 * 64 * d_q + 2 * 2 * 64 * 2 * 16 + 2 * d_q * 64
+    assert ours.linear != every_layer.linear
+    assert ours.linear - every_layer.linear == 3 * 3 * (_delta_net_flops(hybrid) - projections)
+    # A config without layer_types is all full attention, as before.
+    assert cost_from_config({k: v for k, v in full.items() if k != "layer_types"}) == every_layer
+    with pytest.raises(ValueError, match="3 `layer_types` for 4 layers"):
+        flops_cost(4, 64, 64, 4, layer_types=["full_attention"] * 3)
+    assert ours(100) > every_layer(100) and ours(10000) < every_layer(10000)  # a recurrent layer's linear cost
+    assert np.isclose(every_layer(np.array([10000]))[0], every_layer(10000))
+
+
+def _delta_net_flops(config):
+    h, nk, nv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, kernel = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+    keys, values = nk * dk, nv * dv
+    projections = 2 * h * (2 * keys + values) + 2 * h * values + 2 * 2 * h * nv + 2 * values * h
+    return projections + 2 * kernel * (2 * keys + values) + nv * (2 * 64 * (dk + dv) + 6 * dk * dv)
+
+
+def test_sliding_window_layers_cost_quadratically_up_to_their_window_only():
+    import numpy as np
+    from transformers import Qwen2Config
+
+    from odc_accelerate.planning import QuadraticCost, cost_from_config
+
+    config = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=128, max_window_layers=2, hidden_size=64,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    )  # fmt: skip
+    assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    cost = cost_from_config(config)
+    full = cost_from_config(config.to_dict() | {"layer_types": ["full_attention"] * 4})
+    assert cost.quadratic == full.quadratic / 2 and cost.windows == ((128, full.quadratic / 2),)
+    short = np.array([1, 64, 128])
+    np.testing.assert_allclose(cost(short), full(short))  # within the window every layer sees every key
+    window_part = QuadraticCost(0.0, 0.0, windows=cost.windows)
+    long = np.array([128, 256, 1024])
+    np.testing.assert_allclose(window_part(long), cost.windows[0][1] * (2 * 128 * long - 128**2))  # linear beyond
+    with pytest.raises(ValueError, match="windows >= 1"):
+        QuadraticCost(1.0, 0.0, windows=((0, 1.0),))
