@@ -1,7 +1,7 @@
 """Every accelerate internal that odc_accelerate reads or patches, in one place, checked against the installed version.
 
 Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
-serve six things:
+serve seven things:
 
 * **FSDP2 on CPU.** accelerate only turns FSDP on for GPU-like distributed types: a multi-process CPU job launched
   with ``distributed_type: FSDP`` comes up as ``DistributedType.NO`` (each process trains alone) or, with
@@ -27,8 +27,9 @@ serve six things:
 * **Tied embeddings.** Within the wrapped ``fsdp2_prepare_model``, a model whose LM head is its input embedding gets
   both in one FSDP2 group (accelerate 1.14 left the head to the root: refused by torch 2.13, silently untied before),
   and the tie is checked afterwards (:func:`_tied_embeddings_in_one_group`).
-* **Layer classes to wrap.** Within the wrapped ``fsdp2_prepare_model``, ``TRANSFORMER_BASED_WRAP`` without a class
-  wraps the classes of the model's ``_no_split_modules`` that the model has (:func:`_present_layer_classes`).
+* **Layer classes to wrap.** ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` and ``fsdp2_prepare_model`` are
+  wrapped so that ``TRANSFORMER_BASED_WRAP`` without a class wraps the classes of the model's ``_no_split_modules``
+  that the model has (:func:`_present_layer_classes`).
 
 The command line (``odc-accelerate launch`` / ``config``) reads, without patching, accelerate's ``accelerate launch``
 parser (:func:`launch_parser`: where the training script and its arguments start, ``--module``, ``--no_python``) and
@@ -191,6 +192,8 @@ def _targets() -> list[_Target]:
     _require(partial_state, "_shared_state", "accelerate.state.PartialState")
     wrap_state_init = functools.partial(_wrap_state_init, partial_state=partial_state)
     accelerated_optimizer = _require(optimizer_mod, "AcceleratedOptimizer", "accelerate.optimizer")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
     return [
         _Target(
             partial_state,
@@ -201,6 +204,13 @@ def _targets() -> list[_Target]:
         ),
         _Target(accel_state, "__init__", "accelerate.state.AcceleratorState", wrap_state_init, ("fsdp_plugin",)),
         _Target(fsdp_utils, "_find_final_norm", "accelerate.utils.fsdp_utils", _wrap_find_final_norm, ("model",)),
+        _Target(
+            FullyShardedDataParallelPlugin,
+            "set_auto_wrap_policy",
+            "accelerate.utils.FullyShardedDataParallelPlugin",
+            _wrap_set_auto_wrap_policy,
+            ("model",),
+        ),
         _Target(
             accelerator_mod,
             "fsdp2_prepare_model",
@@ -380,28 +390,19 @@ def _wrap_prepare_model(original: Callable) -> Callable:
 
 
 _DROPPED_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
+# Set on a plugin whose transformer_cls_names_to_wrap this module filled in for the model being prepared.
+_RESOLVED = "_odc_resolved_wrap_names"
 
 
-@contextlib.contextmanager
-def _present_layer_classes(accelerator: Any, model: Any) -> Iterator[None]:
-    """Within the block, a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` wraps the
-    classes of ``model._no_split_modules`` that ``model`` has; afterwards the plugin names none again.
-
-    accelerate wraps every name of ``_no_split_modules`` and raises ("Could not find the transformer layer class") on
-    the first the model lacks: transformers lists ``Qwen3_5MoeVisionBlock`` there for the text-only
-    ``Qwen3_5MoeForCausalLM``, which has none. Names the model lacks are dropped, said once per model class; a class
-    the user named is left to accelerate. The plugin gets the names only for this call, so each model prepared with
-    it (a policy and its reference) is wrapped by its own classes.
-    """
+def _resolve_wrap_names(plugin: Any, model: Any) -> None:
+    """Give a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` the classes of
+    ``model._no_split_modules`` that ``model`` has (see :func:`_present_layer_classes`); anything else is left as is."""
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    state = getattr(accelerator, "state", None)
-    plugin = getattr(state, "fsdp_plugin", None)
     policy = getattr(plugin, "auto_wrap_policy", None)
     policy = policy.func if isinstance(policy, functools.partial) else policy
     names = getattr(model, "_no_split_modules", None)
     if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap is not None or not names:
-        yield
         return
     present = {type(module).__name__ for module in model.modules()}
     kept = [name for name in names if name in present]
@@ -418,10 +419,42 @@ def _present_layer_classes(accelerator: Any, model: Any) -> Iterator[None]:
                 ", ".join(kept) if kept else "the model as one group",
             )
     plugin.transformer_cls_names_to_wrap = kept
+    setattr(plugin, _RESOLVED, True)
+
+
+@contextlib.contextmanager
+def _present_layer_classes(accelerator: Any, model: Any) -> Iterator[None]:
+    """Within the block, a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` wraps the
+    classes of ``model._no_split_modules`` that ``model`` has; afterwards the plugin names none again.
+
+    accelerate wraps every name of ``_no_split_modules`` and raises ("Could not find the transformer layer class") on
+    the first the model lacks: transformers lists ``Qwen3_5MoeVisionBlock`` there for the text-only
+    ``Qwen3_5MoeForCausalLM``, which has none. Names the model lacks are dropped, said once per model class; a class
+    the user named is left to accelerate. ``Accelerator._prepare_fsdp2`` reads the names before
+    ``fsdp2_prepare_model`` (``set_auto_wrap_policy``, wrapped to call :func:`_resolve_wrap_names` too), and this
+    block ends the preparation: each model prepared with the plugin (a policy and its reference) is wrapped by its
+    own classes.
+    """
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is None:
+        yield
+        return
+    _resolve_wrap_names(plugin, model)
     try:
         yield
     finally:
-        plugin.transformer_cls_names_to_wrap = None
+        if getattr(plugin, _RESOLVED, False):
+            plugin.transformer_cls_names_to_wrap = None
+            setattr(plugin, _RESOLVED, False)
+
+
+def _wrap_set_auto_wrap_policy(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_auto_wrap_policy(self: Any, model: Any) -> Any:
+        _resolve_wrap_names(self, model)
+        return original(self, model)
+
+    return set_auto_wrap_policy
 
 
 def _tied_embeddings(model: Any) -> tuple[Any, Any] | None:

@@ -36,19 +36,24 @@ def _plugin(**kwargs):
 
 
 def test_transformer_based_wrap_wraps_the_layer_classes_the_model_has(hybrid_model, caplog):
+    from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from odc_accelerate._compat import accelerate as acompat
 
     # transformers lists the vision block of the multimodal model in the text-only model's _no_split_modules
-    assert "Qwen3_5MoeVisionBlock" in hybrid_model._no_split_modules
-    plugin = _plugin()
     with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
-        fsdp2_prepare_auto_wrap_policy(plugin, hybrid_model)  # accelerate alone
+        _plugin().set_auto_wrap_policy(hybrid_model)  # accelerate alone (Accelerator._prepare_fsdp2's first call)
+    with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
+        fsdp2_prepare_auto_wrap_policy(_plugin(), hybrid_model)  # and fsdp2_prepare_model's
+    set_policy = acompat._wrap_set_auto_wrap_policy(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    plugin = _plugin()
     acompat._DROPPED_LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger=acompat.__name__):
-        for _ in range(2):  # a policy and its reference: said once
-            with acompat._present_layer_classes(_Accelerator(plugin), hybrid_model):
+        for _ in range(2):  # a policy and its reference, in accelerate's order of calls: said once
+            set_policy(plugin, hybrid_model)  # Accelerator._prepare_fsdp2
+            with acompat._present_layer_classes(_Accelerator(plugin), hybrid_model):  # fsdp2_prepare_model
+                set_policy(plugin, hybrid_model)
                 policy = fsdp2_prepare_auto_wrap_policy(plugin, hybrid_model)
             assert plugin.transformer_cls_names_to_wrap is None  # the next model gets its own classes
     wrapped = [name for name, module in hybrid_model.named_modules() if policy(module)]
@@ -58,11 +63,15 @@ def test_transformer_based_wrap_wraps_the_layer_classes_the_model_has(hybrid_mod
 
 
 def test_a_layer_class_the_user_named_is_left_to_accelerate(hybrid_model):
+    from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from odc_accelerate._compat import accelerate as acompat
 
     plugin = _plugin(transformer_cls_names_to_wrap=["Qwen3_5MoeVisionBlock"])
+    set_policy = acompat._wrap_set_auto_wrap_policy(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
+        set_policy(plugin, hybrid_model)
     with acompat._present_layer_classes(_Accelerator(plugin), hybrid_model):
         with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
             fsdp2_prepare_auto_wrap_policy(plugin, hybrid_model)
