@@ -86,7 +86,7 @@ def _needed_kernels(model: Any) -> list[str]:
     short convolution's ``causal_conv1d``, which every such module has."""
     unwrap = getattr(model, "get_base_model", None)
     model = unwrap() if callable(unwrap) else model
-    module = sys.modules.get(type(model).__module__)
+    module = sys.modules.get(type(model).__module__) if hasattr(model, "named_modules") else None
     names = " ".join(vars(module)) if module is not None and module.__name__.startswith("transformers.") else ""
     needed = []
     if "delta_rule" in names or "kda" in names or not names:

@@ -107,6 +107,8 @@ def test_the_kernels_named_are_those_the_model_needs(hybrid_model, monkeypatch):
     assert hybrid.missing_packing_kernels(hybrid_model) == ["flash-linear-attention", "causal-conv1d"]
     monkeypatch.setattr(hybrid, "_installed", lambda name: name == "fla")
     assert hybrid.missing_packing_kernels(hybrid_model) == ["causal-conv1d"]
+    monkeypatch.setattr(hybrid, "_installed", lambda name: False)
+    assert hybrid.missing_packing_kernels(hybrid_model.config) == ["flash-linear-attention", "causal-conv1d"]
     monkeypatch.setattr(hybrid, "_installed", lambda name: True)
     assert hybrid.missing_packing_kernels(hybrid_model) == []
     assert hybrid.packing_refusal(hybrid_model, "--padding_free true", "x") is None
