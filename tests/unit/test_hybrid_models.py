@@ -35,18 +35,27 @@ def _plugin(**kwargs):
     return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", **kwargs)
 
 
-def test_transformer_based_wrap_wraps_the_layer_classes_the_model_has(hybrid_model, caplog):
+def _original_set_auto_wrap_policy():
+    """accelerate's own method, whether or not an earlier test installed the package's patches (which wrap it)."""
+    import inspect
+
     from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return inspect.unwrap(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+
+
+def test_transformer_based_wrap_wraps_the_layer_classes_the_model_has(hybrid_model, caplog):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from odc_accelerate._compat import accelerate as acompat
 
     # transformers lists the vision block of the multimodal model in the text-only model's _no_split_modules
+    original = _original_set_auto_wrap_policy()
     with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
-        _plugin().set_auto_wrap_policy(hybrid_model)  # accelerate alone (Accelerator._prepare_fsdp2's first call)
+        original(_plugin(), hybrid_model)  # accelerate alone (Accelerator._prepare_fsdp2's first call)
     with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
         fsdp2_prepare_auto_wrap_policy(_plugin(), hybrid_model)  # and fsdp2_prepare_model's
-    set_policy = acompat._wrap_set_auto_wrap_policy(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    set_policy = acompat._wrap_set_auto_wrap_policy(original)
     plugin = _plugin()
     acompat._DROPPED_LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger=acompat.__name__):
@@ -63,13 +72,12 @@ def test_transformer_based_wrap_wraps_the_layer_classes_the_model_has(hybrid_mod
 
 
 def test_a_layer_class_the_user_named_is_left_to_accelerate(hybrid_model):
-    from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from odc_accelerate._compat import accelerate as acompat
 
     plugin = _plugin(transformer_cls_names_to_wrap=["Qwen3_5MoeVisionBlock"])
-    set_policy = acompat._wrap_set_auto_wrap_policy(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    set_policy = acompat._wrap_set_auto_wrap_policy(_original_set_auto_wrap_policy())
     with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5MoeVisionBlock"):
         set_policy(plugin, hybrid_model)
     with acompat._present_layer_classes(_Accelerator(plugin), hybrid_model):
