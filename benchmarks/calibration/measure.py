@@ -46,7 +46,7 @@ def run_job(job: dict[str, Any], result_path: Path) -> dict[str, Any]:
     """Time forward + backward of one sequence per length for ``job["model"]``; see the module docstring."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
     name = job["model"]
     device = torch.device(job["device"])
@@ -73,7 +73,9 @@ def run_job(job: dict[str, Any], result_path: Path) -> dict[str, Any]:
     log = f"[calibration] {name} ({job['attn_implementation']})"
 
     torch.manual_seed(job["seed"])
-    config = Qwen2Config(**job["config"])
+    fields = dict(job["config"])
+    model_type = fields.pop("model_type", None)
+    config = AutoConfig.for_model(model_type, **fields) if model_type else Qwen2Config(**fields)
     t0 = time.perf_counter()
     with device:  # random weights initialised on the device itself: no host copy of a 1.5B model
         model = AutoModelForCausalLM.from_config(

@@ -2,7 +2,8 @@
 
 Importing this module patches nothing: :func:`install` patches, :func:`uninstall` puts the originals back. The patches
 serve FSDP2 on CPU, the engine's creation after ``fsdp2_prepare_model``, the step calls of an unmodified loop,
-teardown, PEFT models' LM head grouping and tied embeddings; the command line reads ``accelerate launch``'s parser and
+teardown, PEFT models' LM head grouping, tied embeddings and the layer classes to wrap (those of
+``_no_split_modules`` the model has); the command line reads ``accelerate launch``'s parser and
 config helpers without patching (:func:`check_launch`). Each patch and why: docs/versions.md, "What `_compat/` pins".
 The tested versions are ``TESTED["accelerate"]`` in :mod:`odc_accelerate._compat`.
 """
@@ -160,6 +161,8 @@ def _targets() -> list[_Target]:
     _require(partial_state, "_shared_state", "accelerate.state.PartialState")
     wrap_state_init = functools.partial(_wrap_state_init, partial_state=partial_state)
     accelerated_optimizer = _require(optimizer_mod, "AcceleratedOptimizer", "accelerate.optimizer")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
     return [
         _Target(
             partial_state,
@@ -170,6 +173,13 @@ def _targets() -> list[_Target]:
         ),
         _Target(accel_state, "__init__", "accelerate.state.AcceleratorState", wrap_state_init, ("fsdp_plugin",)),
         _Target(fsdp_utils, "_find_final_norm", "accelerate.utils.fsdp_utils", _wrap_find_final_norm, ("model",)),
+        _Target(
+            FullyShardedDataParallelPlugin,
+            "set_auto_wrap_policy",
+            "accelerate.utils.FullyShardedDataParallelPlugin",
+            _wrap_set_auto_wrap_policy,
+            ("model",),
+        ),
         _Target(
             accelerator_mod,
             "fsdp2_prepare_model",
@@ -339,13 +349,81 @@ def _wrap_find_final_norm(original: Callable) -> Callable:
 def _wrap_prepare_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: Any) -> Any:
-        with _tied_embeddings_in_one_group(model):
+        with _present_layer_classes(accelerator, model), _tied_embeddings_in_one_group(model):
             model = original(accelerator=accelerator, model=model)
         if _CALLBACKS.on_prepared is not None:
             _CALLBACKS.on_prepared(accelerator, model)
         return model
 
     return fsdp2_prepare_model
+
+
+_DROPPED_LOGGED: set[tuple[str, tuple[str, ...]]] = set()
+# Set on a plugin whose transformer_cls_names_to_wrap this module filled in for the model being prepared.
+_RESOLVED = "_odc_resolved_wrap_names"
+
+
+def _resolve_wrap_names(plugin: Any, model: Any) -> None:
+    """Give a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` the classes of
+    ``model._no_split_modules`` that ``model`` has (see :func:`_present_layer_classes`); anything else is left as is."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    policy = policy.func if isinstance(policy, functools.partial) else policy
+    names = getattr(model, "_no_split_modules", None)
+    if policy is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap is not None or not names:
+        return
+    present = {type(module).__name__ for module in model.modules()}
+    kept = [name for name in names if name in present]
+    dropped = tuple(sorted(name for name in names if name not in present))
+    if dropped:
+        key = (type(model).__name__, dropped)
+        if key not in _DROPPED_LOGGED:
+            _DROPPED_LOGGED.add(key)
+            logger.warning(
+                "%s lists %s in _no_split_modules but has no such module: FSDP2 wraps %s only (set "
+                "fsdp_transformer_layer_cls_to_wrap to choose the classes).",
+                type(model).__name__,
+                ", ".join(dropped),
+                ", ".join(kept) if kept else "the model as one group",
+            )
+    plugin.transformer_cls_names_to_wrap = kept
+    setattr(plugin, _RESOLVED, True)
+
+
+@contextlib.contextmanager
+def _present_layer_classes(accelerator: Any, model: Any) -> Iterator[None]:
+    """Within the block, a ``TRANSFORMER_BASED_WRAP`` plugin without ``transformer_cls_names_to_wrap`` wraps the
+    classes of ``model._no_split_modules`` that ``model`` has; afterwards the plugin names none again.
+
+    accelerate wraps every name of ``_no_split_modules`` and raises ("Could not find the transformer layer class") on
+    the first the model lacks: transformers lists ``Qwen3_5MoeVisionBlock`` there for the text-only
+    ``Qwen3_5MoeForCausalLM``, which has none. Names the model lacks are dropped, said once per model class; a class
+    the user named is left to accelerate. ``Accelerator._prepare_fsdp2`` reads the names before
+    ``fsdp2_prepare_model`` (``set_auto_wrap_policy``, wrapped to call :func:`_resolve_wrap_names` too), and this
+    block ends the preparation: each model prepared with the plugin (a policy and its reference) is wrapped by its
+    own classes.
+    """
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is None:
+        yield
+        return
+    _resolve_wrap_names(plugin, model)
+    try:
+        yield
+    finally:
+        if getattr(plugin, _RESOLVED, False):
+            plugin.transformer_cls_names_to_wrap = None
+            setattr(plugin, _RESOLVED, False)
+
+
+def _wrap_set_auto_wrap_policy(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_auto_wrap_policy(self: Any, model: Any) -> Any:
+        _resolve_wrap_names(self, model)
+        return original(self, model)
+
+    return set_auto_wrap_policy
 
 
 def _tied_embeddings(model: Any) -> tuple[Any, Any] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,28 +33,35 @@ CostSpec = Literal["auto", "tokens"] | Callable[[int], float]
 
 @dataclass(frozen=True)
 class QuadraticCost:
-    """Per-sequence training cost ``linear * L + quadratic * L**2`` for a sequence of ``L`` tokens.
+    """Per-sequence training cost ``linear * L + quadratic * L**2`` for a sequence of ``L`` tokens, plus a term per
+    attention window (sliding-window layers).
 
     Instances are callables that accept a length or an array of lengths (vectorised with numpy).
     Only ratios of costs matter to the planner, so the unit (FLOPs, seconds, arbitrary) is free.
 
     Args:
         linear (`float`):
-            Cost per token (linear layers, LM head).
+            Cost per token (linear layers, LM head, linear-attention layers).
         quadratic (`float`):
-            Cost per squared token (attention scores ``QK^T`` and ``AV``).
+            Cost per squared token (attention scores ``QK^T`` and ``AV`` of the full-attention layers).
+        windows (`tuple[tuple[int, float], ...]`, *optional*):
+            ``(window, coefficient)`` pairs of sliding-window layers: each adds ``coefficient * L**2`` up to the
+            window and ``coefficient * (2 * window * L - window**2)`` beyond it (a query sees at most ``window``
+            keys), continuous at the window.
     """
 
     linear: float
     quadratic: float
+    windows: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
-        if not (math.isfinite(self.linear) and math.isfinite(self.quadratic)) or self.linear < 0 or self.quadratic < 0:
+        coefficients = [self.linear, self.quadratic, *(c for _, c in self.windows)]
+        if not all(math.isfinite(c) and c >= 0 for c in coefficients) or any(w < 1 for w, _ in self.windows):
             raise ValueError(
-                f"QuadraticCost needs finite, non-negative coefficients, got linear={self.linear}, "
-                f"quadratic={self.quadratic}."
+                f"QuadraticCost needs finite, non-negative coefficients and windows >= 1, got linear={self.linear}, "
+                f"quadratic={self.quadratic}, windows={self.windows}."
             )
-        if self.linear == 0 and self.quadratic == 0:
+        if not any(coefficients):
             raise ValueError("QuadraticCost needs at least one positive coefficient (all costs would be 0).")
 
     @classmethod
@@ -76,6 +83,8 @@ class QuadraticCost:
     def __call__(self, lengths):
         arr = np.asarray(lengths, dtype=np.float64)
         out = self.linear * arr + self.quadratic * arr * arr
+        for window, coefficient in self.windows:
+            out = out + coefficient * np.where(arr <= window, arr * arr, 2.0 * window * arr - float(window) ** 2)
         return float(out) if out.ndim == 0 else out
 
 
@@ -95,8 +104,11 @@ def flops_cost(
     gated_mlp: bool = True,
     causal: bool = True,
     backward: bool = True,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
+    linear_attention_flops: float | None = None,
 ) -> QuadraticCost:
-    """Training FLOPs of one sequence for a dense decoder-only transformer, as a `QuadraticCost`.
+    """Training FLOPs of one sequence for a decoder-only transformer, as a `QuadraticCost`.
 
     Derivation (a matmul of an ``[L, m]`` by an ``[m, n]`` operand costs ``2 * L * m * n`` FLOPs), per layer
     and per token, with ``d = num_attention_heads * head_dim`` and ``d_kv = num_key_value_heads * head_dim``:
@@ -119,6 +131,12 @@ def flops_cost(
     quadratic-to-linear ratio is ``1.55e-5`` per token: Qwen2.5-7B's config gives ``1.42e-5`` here (causal),
     within 9%; the remaining gap is kernel efficiency, which a FLOP count does not model.
 
+    Layer kinds (``layer_types``, one per layer, as transformers configs list them; all full attention without it):
+    a ``sliding_attention`` / ``chunked_attention`` layer has the attention projections and its score term up to
+    ``sliding_window`` (`QuadraticCost.windows`); a recurrent layer (``linear_attention``, ``mamba``, ``conv``, ...:
+    `odc_accelerate.hybrid.RECURRENT_LAYER_TYPES`) has no term in ``L^2`` and costs ``linear_attention_flops`` per
+    token (forward; default: the attention projections'). Every layer has the MLP.
+
     Args:
         num_layers (`int`): number of decoder layers.
         hidden_size (`int`): model width ``h``.
@@ -130,7 +148,13 @@ def flops_cost(
         gated_mlp (`bool`, *optional*, defaults to `True`): whether the MLP has a gate projection (SwiGLU).
         causal (`bool`, *optional*, defaults to `True`): count only the causal half of the score matrix.
         backward (`bool`, *optional*, defaults to `True`): include the backward pass (x3).
+        layer_types (`Sequence[str]`, *optional*): each layer's kind, ``num_layers`` of them.
+        sliding_window (`int`, *optional*): the window of the sliding-window layers (needed when there are any).
+        linear_attention_flops (`float`, *optional*): forward FLOPs per token of one recurrent layer's token mixing
+            (its projections and recurrence, the MLP apart).
     """
+    from ..hybrid import RECURRENT_LAYER_TYPES
+
     num_layers = check_positive_int(num_layers, "flops_cost: `num_layers`")
     hidden_size = check_positive_int(hidden_size, "flops_cost: `hidden_size`")
     intermediate_size = check_positive_int(intermediate_size, "flops_cost: `intermediate_size`")
@@ -146,11 +170,49 @@ def flops_cost(
     d_q = num_attention_heads * head_dim
     d_kv = kv_heads * head_dim
     h = hidden_size
-    per_layer = 2 * h * d_q + 2 * 2 * h * d_kv + 2 * d_q * h + (3 if gated_mlp else 2) * 2 * h * intermediate_size
+    kinds = ["full_attention"] * num_layers if layer_types is None else [str(k) for k in layer_types]
+    if len(kinds) != num_layers:
+        raise ValueError(f"flops_cost: {len(kinds)} `layer_types` for {num_layers} layers; give one per layer.")
+    recurrent = sum(k in RECURRENT_LAYER_TYPES for k in kinds)
+    sliding = sum(k in _WINDOWED_LAYER_TYPES for k in kinds)
+    if sliding and not sliding_window:
+        raise ValueError("flops_cost: `layer_types` has sliding-window layers; pass their `sliding_window`.")
+    attention_projections = 2 * h * d_q + 2 * 2 * h * d_kv + 2 * d_q * h
+    mixing = attention_projections if linear_attention_flops is None else float(linear_attention_flops)
+    mlp = (3 if gated_mlp else 2) * 2 * h * intermediate_size
+    per_layer = num_layers * mlp + (num_layers - recurrent) * attention_projections + recurrent * mixing
     passes = 3 if backward else 1
-    linear = passes * (num_layers * per_layer + 2 * h * vocab_size)
-    quadratic = passes * num_layers * (2 if causal else 4) * d_q
-    return QuadraticCost(linear=float(linear), quadratic=float(quadratic))
+    linear = passes * (per_layer + 2 * h * vocab_size)
+    per_attention_layer = passes * (2 if causal else 4) * d_q
+    quadratic = per_attention_layer * (num_layers - recurrent - sliding)
+    windows = ((int(sliding_window), float(per_attention_layer * sliding)),) if sliding else ()
+    return QuadraticCost(linear=float(linear), quadratic=float(quadratic), windows=windows)
+
+
+#: Layer kinds whose attention sees at most ``sliding_window`` keys per query (``chunked_attention``: at most a chunk).
+_WINDOWED_LAYER_TYPES = frozenset({"sliding_attention", "chunked_attention", "hybrid_sliding"})
+#: Gated DeltaNet's chunk length (transformers' ``chunk_gated_delta_rule`` and flash-linear-attention's): its
+#: intra-chunk products cost like attention over a window of one chunk.
+_DELTA_RULE_CHUNK = 64
+
+
+def _linear_attention_flops(get: Callable[..., Any], hidden: int) -> float | None:
+    """Forward FLOPs per token of one Gated DeltaNet layer (Qwen3.5 / Qwen3.6, Qwen3-Next) from its config fields, or
+    `None` for another recurrent layer: the projections (q, k, v, the gate z, the decay and beta heads, the output),
+    the short convolution, and the chunked delta rule per value head: ``2 C (d_k + d_v)`` of intra-chunk products
+    (chunks of ``C`` = 64 tokens) and ``6 d_k d_v`` of state reads and updates."""
+    value_heads = get("linear_num_value_heads")
+    key_heads = get("linear_num_key_heads")
+    key_dim, value_dim = get("linear_key_head_dim"), get("linear_value_head_dim")
+    if not (value_heads and key_heads and key_dim and value_dim):
+        return None
+    keys, values = key_heads * key_dim, value_heads * value_dim
+    kernel = get("linear_conv_kernel_dim") or 4
+    projections = 2 * hidden * (2 * keys + values) + 2 * hidden * values + 2 * 2 * hidden * value_heads
+    projections += 2 * values * hidden
+    conv = 2 * kernel * (2 * keys + values)
+    rule = value_heads * (2 * _DELTA_RULE_CHUNK * (key_dim + value_dim) + 6 * key_dim * value_dim)
+    return float(projections + conv + rule)
 
 
 # model_type values whose MLP is a plain up/act/down (no gate projection).
@@ -164,7 +226,10 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
 
     Reads Llama-style names (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``vocab_size``) and falls back to GPT-2 names (``n_layer``, ``n_embd``,
-    ``n_inner``, ``n_head``). Multimodal configs use their text config. For mixture-of-experts configs (with
+    ``n_inner``, ``n_head``). Multimodal configs use their text config. The layers' kinds come from ``layer_types``
+    (`odc_accelerate.hybrid.layer_kinds`): the ``L^2`` term is charged on full-attention layers only, sliding-window
+    layers up to ``sliding_window``, and recurrent layers (Gated DeltaNet, Mamba) have none. For mixture-of-experts
+    configs (with
     ``num_experts_per_tok``) the MLP counts the active experts, each ``moe_intermediate_size`` wide (Qwen-MoE,
     DeepSeek) or, without it, ``intermediate_size`` wide (Mixtral, OLMoE, GPT-OSS), plus the shared experts
     (``shared_expert_intermediate_size`` wide, or ``n_shared_experts`` experts). A config with 0 experts is dense.
@@ -215,6 +280,11 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
         intermediate = experts_per_tok * expert + shared
     if gated_mlp is None:
         gated_mlp = get("model_type") not in _UNGATED_MODEL_TYPES
+    from ..hybrid import layer_kinds
+
+    kinds = layer_kinds(config)
+    if kinds is not None and len(kinds) != int(layers):
+        kinds = None  # a config listing another count (e.g. with extra prediction layers): all full attention
     return flops_cost(
         num_layers=int(layers),
         hidden_size=int(hidden),
@@ -225,6 +295,9 @@ def cost_from_config(config: Any, causal: bool = True, gated_mlp: bool | None = 
         head_dim=get("head_dim"),
         gated_mlp=bool(gated_mlp),
         causal=causal,
+        layer_types=kinds,
+        sliding_window=get("sliding_window") or get("attention_chunk_size"),
+        linear_attention_flops=_linear_attention_flops(get, int(hidden)),
     )
 
 

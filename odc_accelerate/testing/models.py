@@ -1,5 +1,6 @@
 """A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging
-Face causal LMs (untied, tied, mixture of experts) built from configs for the offline vocabulary.
+Face causal LMs (untied, tied, mixture of experts, hybrid linear attention) built from configs for the offline
+vocabulary.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ def make_steps(plan: list[list[list[int]]], vocab: int, seed: int) -> list[list[
 # ------------------------------------------------------------------------------------------ tiny Hugging Face models
 #: The kinds of tiny causal LMs `tiny_causal_lm_config` builds: the offline default (untied Qwen2), a Llama 3.2-shaped
 #: model whose LM head is the input embedding (as Qwen2.5 0.5B-3B, Llama 3.2 1B/3B and Gemma ship), and a Qwen3-MoE
-#: (experts fused as transformers 5 stores them: ``experts.gate_up_proj`` / ``experts.down_proj``).
-TINY_MODEL_KINDS = ("untied", "tied", "moe")
+#: (experts fused as transformers 5 stores them: ``experts.gate_up_proj`` / ``experts.down_proj``), and a Qwen3.5-MoE
+#: hybrid (Gated DeltaNet linear attention and full attention).
+TINY_MODEL_KINDS = ("untied", "tied", "moe", "hybrid")
 
 
 def tiny_causal_lm_config(kind: str = "untied", hidden_size: int = 64) -> Any:
@@ -147,6 +149,9 @@ def tiny_causal_lm_config(kind: str = "untied", hidden_size: int = 64) -> Any:
       ``tie_word_embeddings=True``): ``lm_head.weight`` is ``model.embed_tokens.weight``.
     * ``"moe"``: a `Qwen3MoeConfig` with 4 experts, 2 per token, every layer sparse. The router's auxiliary loss keeps
       the architecture's coefficient (TRL's trainers turn it on from it unless ``router_aux_loss_coef=0``).
+    * ``"hybrid"``: a `Qwen3_5MoeTextConfig` (``Qwen3_5MoeForCausalLM``, text only) shaped as Qwen3.5 / 3.6: 3 Gated
+      DeltaNet (``linear_attention``) layers and 1 gated full-attention layer, 4 experts, 2 per token, and a shared
+      expert. Without ``flash-linear-attention`` / ``causal-conv1d`` transformers runs its PyTorch fallback (slow).
     """
     from odc_accelerate.demo import offline_bpe_ranks, offline_vocab_size, tiny_qwen2_config
 
@@ -167,6 +172,22 @@ def tiny_causal_lm_config(kind: str = "untied", hidden_size: int = 64) -> Any:
         eos_token_id=eos,
         pad_token_id=eos,
     )
+    if kind == "hybrid":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            num_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=hidden_size // 4,
+            linear_value_head_dim=hidden_size // 4,
+            tie_word_embeddings=False,
+            **{**common, "num_hidden_layers": 4},
+        )
     if kind == "tied":
         from transformers import LlamaConfig
 

@@ -19,6 +19,8 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
   auxiliary loss (``MOE_AUX_COEF``), its reference weighting it as ODC defines it.
 * ``plain_lockstep_moe`` / ``odc_lockstep_moe``: plain FSDP2 vs ODC on the MoE with its auxiliary loss, one step of
   two pairs per rank (lockstep plan).
+* ``odc_hybrid``: ``odc``, one step of short pairs, on a Qwen3.5-MoE hybrid (3 Gated DeltaNet layers, 1 full
+  attention; DPO's padded rows), against TRL's trainer in one process (``single_hybrid``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 import torch
 from integration_utils import (
     DPO_METRICS,
+    HYBRID,
     MODEL_KINDS,
     MOE_AUX_COEF,
     ROOT,
@@ -73,6 +76,7 @@ COMMON = [
     "no",
 ]
 UNEQUAL = ["--odc_samples_per_step", "5"]
+HYBRID_SHORT = ["--max_steps", "1", "--max_length", "32", "--odc_max_tokens_per_microbatch", "96"]  # later values win
 DUMP = {"ODC_DUMP_PARAMS": "1"}
 COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
 PEFT = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
@@ -94,10 +98,16 @@ def runs(tmp_path_factory, references, tiny_model):
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
     names += ("odc_ordered", "odc_ordered_slowed", "plain_lockstep_moe", "odc_lockstep_moe")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "odc_peft"))
+    names += ("odc_hybrid", "single_hybrid")
     out = {name: root / name for name in names}
     procs = {}
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
     plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
+    hybrid = [*COMMON, *model_args(tiny_model, HYBRID), *HYBRID_SHORT]
+    procs["odc_hybrid"] = background(
+        accelerate_launch, *odc, *hybrid, *UNEQUAL, "--output_dir", out["odc_hybrid"], **DUMP
+    )
+    procs["single_hybrid"], out["single_hybrid"] = references.start("dpo", 5, *hybrid)
     for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
         model = model_args(tiny_model, kind)
         name, single, peft = _name("odc", kind), _name("single", kind), _name("odc_peft", kind)
@@ -239,6 +249,23 @@ def test_moe_router_aux_loss_odc_matches_plain_fsdp2_on_lockstep(runs):
     assert h_odc["aux_loss"] == pytest.approx(h_plain["aux_loss"], rel=1e-5)
     assert h_odc["aux_loss"] > 1.0  # E x sum_e f_e P_e: 2 (top-2) for a balanced router
     assert h_odc["loss"] == pytest.approx(h_plain["loss"], rel=1e-5)
+
+
+def test_hybrid_linear_attention_model_matches_trls_own_trainer_in_one_process(runs):
+    check_ok(runs["procs"]["odc_hybrid"])
+    check_ok(runs["procs"]["single_hybrid"])
+    odc, single = runs["out"]["odc_hybrid"], runs["out"]["single_hybrid"]
+    (a_step,), (b_step,) = logged_steps(odc), logged_steps(single)
+    assert a_step["loss"] == pytest.approx(b_step["loss"], rel=1e-5)
+    assert a_step["grad_norm"] == pytest.approx(b_step["grad_norm"], rel=1e-4)
+    assert_dpo_metrics_match(a_step, b_step)
+    assert a_step["num_tokens"] == b_step["num_tokens"]
+    a, b = final_params(odc), final_params(single)
+    assert any(".linear_attn." in k for k in a)  # the Gated DeltaNet layers trained too
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = _update(single)
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    print(f"hybrid DPO: |diff| / |update| = {diff / update:.2e}, max rel {max_rel(a, b):.2e}")
 
 
 def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):

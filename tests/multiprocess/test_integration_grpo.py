@@ -13,7 +13,9 @@ Module-scoped runs:
   tolerance (no KL term).
 * ``parity_single``: plain `trl.GRPOTrainer`, one process, the same completions as one microbatch: the ground truth.
 * ``parity_odc_tied`` / ``parity_single_tied``, ``parity_odc_moe`` / ``parity_single_moe``: the same pair, loss type
-  grpo only, on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the session's `tiny_model`).
+  grpo only, on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the session's `tiny_model`);
+  ``parity_odc_hybrid`` / ``parity_single_hybrid``: one step of it on a Qwen3.5-MoE hybrid (3 Gated DeltaNet layers,
+  1 full attention), shorter completions.
 * ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
 """
 
@@ -26,6 +28,7 @@ import pytest
 import torch
 from integration_utils import (
     GRPO_GRAD_NORM_REL,
+    HYBRID,
     MODEL_KINDS,
     ROOT,
     RUN_EXAMPLE,
@@ -89,7 +92,9 @@ def _one_loss_type(args: list[str], loss_type: str) -> list[str]:
 # The parity runs of each model kind: the offline default's train every LOSS_TYPES (OUT/<type>), the others grpo alone;
 # "ordered": the offline default's model under --odc_reduction ordered, grpo alone, against the default's reference.
 PARITY_RUNS = [("untied", loss_type) for loss_type in LOSS_TYPES] + [(kind, "grpo") for kind in MODEL_KINDS[1:]]
-PARITY_RUNS += [("ordered", "grpo")]
+PARITY_RUNS += [("ordered", "grpo"), (HYBRID, "grpo")]
+# The hybrid model's one step (the later values win): its linear-attention layers run transformers' slow fallback.
+HYBRID_SHORT = ["--max_steps", "1", "--max_completion_length", "24"]
 
 
 def _parity_names(kind: str) -> tuple[str, str]:
@@ -115,7 +120,7 @@ def runs(tmp_path_factory, tiny_model):
     shm_before = shm_leftovers()
     names = ("example_odc", "example_fsdp2", "parity_odc", "parity_single", "bad_entropy")
     names += tuple(f"parity_{which}_{kind}" for kind in MODEL_KINDS[1:] for which in ("odc", "single"))
-    names += ("parity_odc_ordered",)
+    names += ("parity_odc_ordered", f"parity_odc_{HYBRID}", f"parity_single_{HYBRID}")
     out = {name: root / name for name in names}
     procs = {}
     procs["example_odc"] = background(
@@ -156,6 +161,7 @@ def runs(tmp_path_factory, tiny_model):
          for kind in MODEL_KINDS[1:]}
     )  # fmt: skip
     parities["_ordered"] = [*_one_loss_type(PARITY, "grpo"), "--odc_reduction", "ordered"]
+    parities[f"_{HYBRID}"] = [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, HYBRID, 32), *HYBRID_SHORT]
     for suffix, parity in parities.items():
         procs[f"parity_odc{suffix}"] = background(
             accelerate_launch,
@@ -249,7 +255,7 @@ def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
     odc = json.loads((odc_dir / "losses.json").read_text())["log_history"]
     ref = json.loads((ref_dir / "losses.json").read_text())["log_history"]
     odc, ref = [h for h in odc if "loss" in h], [h for h in ref if "loss" in h]
-    assert len(odc) == len(ref) == 2
+    assert len(odc) == len(ref) == (1 if kind == HYBRID else 2)
     assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
     for mine, truth in zip(odc, ref, strict=True):
         assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
@@ -258,9 +264,14 @@ def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
             assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
     a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
     init = torch.load(ref_dir / "initial_params.pt")
+    # Gated DeltaNet's decay parameters (A_log, dt_bias) get gradients of order 1e-6 on the tiny hybrid, where Adam's
+    # first step (g / (|g| + 1e-8)) turns fp32 summation noise into percents of the learning rate: measured up to 3.1%
+    # (A_log), every other parameter within 0.2%.
+    decay = {k for k in b if kind == HYBRID and k.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))}
     update = max(float((b[k] - init[k]).abs().max()) for k in b)
-    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b if k not in decay)
     assert update > 1e-4 and diff < 1e-2 * update, (diff, update)
+    assert all(float((a[k] - b[k]).abs().max()) < 5e-2 * update for k in decay)
     for r in reports(odc_dir, "odc_run_rank"):
         assert r["reference_engine"] == "ODCEngine" and r["reference_gathers"] > 0
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])

@@ -22,6 +22,9 @@ One module-scoped set of runs serves several assertions:
   with the router's auxiliary loss (``MOE_AUX_COEF``), its reference weighting it as ODC defines it.
 * ``plain_lockstep_moe`` / ``odc_lockstep_moe``: plain FSDP2 vs ODC on the MoE with its auxiliary loss, one step of
   the same lockstep microbatches.
+* ``odc_hybrid``: ``odc``'s unequal counts, one step of short samples, on a Qwen3.5-MoE hybrid (3 Gated DeltaNet
+  layers, 1 full attention; TRL's default padded rows, which ODC plans padded), against TRL's trainer in one process
+  (``single_hybrid``); the FSDP2 wrapping finds its decoder layers though transformers lists a vision block.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import pytest
 import torch
 from integration_utils import (
     CONFIGS,
+    HYBRID,
     MODEL_KINDS,
     MOE_AUX_COEF,
     RUN_EXAMPLE,
@@ -62,6 +66,8 @@ DUMP = {"ODC_DUMP_PARAMS": "1"}
 # room for everything. Rank 1: ~1.4 MiB, room for both decoder layers' params and grads (2 x 2 x 0.24 MiB unsharded,
 # fp32) but not for the embedding or the lm_head (2.1 MiB each with the suite's 8,192 BPE ranks, 37 MiB with all).
 AUTO_FREE_MEMORY = "1TiB,2MiB"
+# The hybrid model's one step: short samples (the later values win), a budget of about two of them per microbatch.
+HYBRID_SHORT = ["--max_steps", "1", "--max_length", "40", "--odc_max_tokens_per_microbatch", "80"]
 
 
 def _aux(kind: str) -> float:
@@ -81,8 +87,17 @@ def runs(tmp_path_factory, sft_reference, references, tiny_model):
     names = ("odc", "single", "plain_lockstep", "odc_lockstep", "resumed", "odc_padding_free", "odc_auto")
     names += ("odc_ordered", "odc_ordered_slowed", "plain_lockstep_moe", "odc_lockstep_moe")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "resumed"))
+    names += ("odc_hybrid", "single_hybrid")
     out = {name: root / name for name in names}
     procs = {}
+    hybrid = [*COMMON, *model_args(tiny_model, HYBRID), *HYBRID_SHORT]
+    procs["odc_hybrid"] = background(
+        accelerate_launch, CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *hybrid, *UNEQUAL,
+        "--save_strategy", "no", "--output_dir", out["odc_hybrid"], **DUMP,
+    )  # fmt: skip
+    procs["single_hybrid"], out["single_hybrid"] = references.start(
+        "sft", SFT_SAMPLES_PER_STEP, *hybrid, "--save_strategy", "no"
+    )
     for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
         model = model_args(tiny_model, kind, aux=_aux(kind))
         trace = {"ODC_TRACE_DIR": str(out[_name("odc", kind)] / "trace")} if kind == "moe" else {}
@@ -352,6 +367,24 @@ def test_unequal_counts_match_trls_own_trainer_in_one_process(runs, kind):
             assert h["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
 
 
+def test_hybrid_linear_attention_model_matches_trls_own_trainer_in_one_process(runs):
+    check_ok(runs["procs"]["odc_hybrid"])
+    check_ok(runs["procs"]["single_hybrid"])
+    odc, single = runs["out"]["odc_hybrid"], runs["out"]["single_hybrid"]
+    (a_step,), (b_step,) = logged_steps(odc), logged_steps(single)
+    assert a_step["loss"] == pytest.approx(b_step["loss"], rel=1e-5)
+    assert a_step["grad_norm"] == pytest.approx(b_step["grad_norm"], rel=1e-4)
+    assert a_step["num_tokens"] == b_step["num_tokens"]
+    assert a_step["odc/microbatches_min"] != a_step["odc/microbatches_max"], "ranks ran equal microbatches"
+    a, b, init = final_params(odc), final_params(single), torch.load(single / "initial_params.pt")
+    assert max_rel(torch.load(odc / "initial_params.pt"), init) == 0.0
+    assert any(".linear_attn." in k for k in a)  # the Gated DeltaNet layers trained too
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    print(f"hybrid SFT: |diff| / |update| = {diff / update:.2e}, max rel {max_rel(a, b):.2e}")
+
+
 def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):
     # --odc_reduction ordered: each rank sums its microbatches locally and each owner sums the ranks in rank order, so
     # a rank slowed at random microbatches (the ranks reach each step's boundary in another order) changes no bit.
@@ -494,6 +527,12 @@ BAD_CONFIGS = {  # id: (arguments, environment, what the error says)
         {},
         "is smaller than the longest sample",
     ),
+    # Packed rows would let a sample's recurrent state into the next; on CPU the kernels that keep them apart are absent
+    "hybrid-padding-free": (
+        ["--odc", "true", "--model_name_or_path", "{hybrid}", "--router_aux_loss_coef", "0", "--padding_free", "true"],
+        {},
+        "--padding_free true packs several samples into one row, but Qwen3_5MoeTextConfig has linear_attention layers",
+    ),
 }
 
 
@@ -503,7 +542,8 @@ def bad_config_runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("bad_config")
     started = {}
     for name, (args, env, _) in BAD_CONFIGS.items():
-        args = [str(tiny_model("moe")) if arg == "{moe}" else arg for arg in args]  # the session's MoE folder
+        folders = {"{moe}": "moe", "{hybrid}": HYBRID}  # the session's model folders
+        args = [str(tiny_model(folders[arg])) if arg in folders else arg for arg in args]
         cmd = [sys.executable, RUN_EXAMPLE, TRAIN, *args, "--max_steps", "1", "--report_to", "none"]
         started[name] = (background(run, [*cmd, "--output_dir", root / name], env=base_env(**env)), root / name)
     return started
@@ -515,6 +555,9 @@ def test_bad_config_fails_before_training(bad_config_runs, name):
     proc = future.result()
     assert proc.returncode != 0
     assert BAD_CONFIGS[name][2] in proc.stderr, proc.stderr[-3000:]
+    if name == "hybrid-padding-free":
+        assert "pip install flash-linear-attention causal-conv1d" in proc.stderr, proc.stderr[-3000:]
+        assert "pass --padding_free false" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "trainer_state.json").exists()
 
 

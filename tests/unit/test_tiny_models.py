@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("kind", ["untied", "tied", "moe"])
+@pytest.mark.parametrize("kind", ["untied", "tied", "moe", "hybrid"])
 def test_saved_tiny_model_loads_offline_as_built(tmp_path, kind):
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
@@ -27,6 +27,12 @@ def test_saved_tiny_model_loads_offline_as_built(tmp_path, kind):
     if kind == "moe":  # transformers 5 stores the experts fused, one tensor per projection and layer
         assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"} <= names
         assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 2
+    if kind == "hybrid":  # 3 Gated DeltaNet layers and 1 full attention, text only
+        assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert (
+            "model.layers.0.linear_attn.in_proj_qkv.weight" in names
+            and "model.layers.3.self_attn.q_proj.weight" in names
+        )
     for (name, p), (_, q) in zip(model.named_parameters(), built.named_parameters(), strict=True):
         assert torch.equal(p, q), name
     text = "Tied and mixture-of-experts models."

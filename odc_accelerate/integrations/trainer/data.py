@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 __all__ = [
+    "PaddedRows",
+    "SequenceBoundaries",
     "StepCollator",
     "StepDataLoader",
     "StepDataset",
@@ -168,6 +170,48 @@ class StepCollator:
                 "the other ranks' collectives. Raise --odc_samples_per_step to at least the world size."
             )
         return [self.collator(f) if f else ZeroWeightMicrobatch(self.collator(filler)) for f in step]
+
+
+class PaddedRows:
+    """Collates a microbatch with a packing collator (`transformers.DataCollatorWithFlattening`) as one row per sample:
+    each sample collated alone, the rows right-padded (input ids with ``pad_token_id``, labels with -100, position ids
+    with 0) under an attention mask. The labels and their count are those of the packed row; what differs is that no
+    layer sees one sample's tokens from another (see `odc_accelerate.hybrid`). Boundary keys (``cu_seq_lens_*``,
+    ``max_length_*``, ``seq_idx``) are left out: one row holds one sample."""
+
+    PADDING = {"input_ids": None, "labels": -100, "position_ids": 0}
+
+    def __init__(self, collator: Any, pad_token_id: int = 0) -> None:
+        self.collator = collator
+        self.pad_token_id = int(pad_token_id)
+
+    def __call__(self, features: list[Any]) -> dict:
+        rows = [self.collator([feature]) for feature in features]
+        width = max(int(row["input_ids"].shape[1]) for row in rows)
+        out = {}
+        for key, fill in self.PADDING.items():
+            if key in rows[0]:
+                value = self.pad_token_id if fill is None else fill
+                out[key] = torch.cat([_pad_right(row[key], width, value) for row in rows])
+        out["attention_mask"] = torch.cat([_pad_right(torch.ones_like(row["input_ids"]), width, 0) for row in rows])
+        return out
+
+
+def _pad_right(row: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(row, (0, width - row.shape[1]), value=value)
+
+
+class SequenceBoundaries:
+    """A packing collator whose rows also carry the sequence boundaries recurrent kernels read
+    (`odc_accelerate.hybrid.with_sequence_boundaries`)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, features: list[Any]) -> dict:
+        from ...hybrid import with_sequence_boundaries
+
+        return with_sequence_boundaries(self.collator(features))
 
 
 def input_tokens(batch: dict) -> int:

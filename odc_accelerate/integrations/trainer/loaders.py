@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from ..._compat import transformers as tcompat
 from .budget import BudgetRule, token_budget
-from .data import StepCollator, StepDataLoader, StepDataset
+from .data import PaddedRows, SequenceBoundaries, StepCollator, StepDataLoader, StepDataset
 from .dynamic import QueueDataset, keep_queue
 from .plain import check_collator, check_step_loader
 
@@ -48,7 +48,40 @@ class ODCStepLoaders:
         from transformers import DataCollatorWithFlattening
 
         padding_free = getattr(self, "padding_free", getattr(self.args, "padding_free", False))
-        return not padding_free and not isinstance(self.data_collator, DataCollatorWithFlattening)
+        packs = isinstance(self.data_collator, DataCollatorWithFlattening)
+        return not padding_free and (not packs or isinstance(self._odc_collator(), PaddedRows))
+
+    def _odc_collator(self) -> Any:
+        """The collator of planned microbatches: the trainer's ``data_collator``, except for a model with recurrent
+        layers (`odc_accelerate.hybrid`) and `DataCollatorWithFlattening`, whose position ids alone would let one
+        packed sample's state flow into the next: with the kernels that read sequence boundaries installed, the rows
+        carry them (`SequenceBoundaries`); without, each sample gets a padded row of its own (`PaddedRows`), and the
+        plan counts padded shapes."""
+        from transformers import DataCollatorWithFlattening
+
+        from ...hybrid import missing_packing_kernels, recurrent_model
+
+        collator = self.data_collator
+        cached = self.__dict__.get("_odc_collator_for")
+        if cached is not None and cached[0] is collator:
+            return cached[1]
+        chosen = collator
+        model = getattr(self, "model", None)
+        if isinstance(collator, DataCollatorWithFlattening) and model is not None and recurrent_model(model):
+            missing = missing_packing_kernels(model)
+            if missing:
+                chosen = PaddedRows(collator)
+                logger.warning(
+                    "%s has recurrent (linear-attention) layers and %s is not installed: DataCollatorWithFlattening's "
+                    "packed rows would let each sample's state flow into the next, so ODC collates each microbatch "
+                    "as padded rows, one sample per row.",
+                    type(getattr(model, "config", model)).__name__,
+                    " / ".join(missing),
+                )
+            else:
+                chosen = SequenceBoundaries(collator)
+        self._odc_collator_for = (collator, chosen)
+        return chosen
 
     def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
         """How samples count against the token budget: their own length; by default the budget is ``max_length`` (or
@@ -187,7 +220,7 @@ class ODCStepLoaders:
             StepDataset(dataset),
             sampler=self._odc_sampler,
             batch_size=None,
-            collate_fn=StepCollator(self.data_collator, pad_empty=not config.enable),
+            collate_fn=StepCollator(self._odc_collator(), pad_empty=not config.enable),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu",
         )

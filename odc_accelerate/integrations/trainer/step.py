@@ -98,10 +98,11 @@ class ODCStepLoop:
         """Fetch (map-style: by index) and collate one microbatch of a ``dynamic`` queue; the loads and their time are
         counted in ``odc_dynamic_loads`` (``[microbatches, seconds]``)."""
         start = time.perf_counter()
+        collator = self._odc_collator()
         if self._odc_dynamic_rows:
-            batch = self.data_collator(microbatch)
+            batch = collator(microbatch)
         else:
-            batch = self.data_collator([self._odc_dynamic_dataset[i] for i in microbatch])
+            batch = collator([self._odc_dynamic_dataset[i] for i in microbatch])
         self.odc_dynamic_loads[0] += 1
         self.odc_dynamic_loads[1] += time.perf_counter() - start
         return batch

@@ -71,7 +71,7 @@ class ODCStreamLoaders:
         return StepDataLoader(
             steps,
             batch_size=None,
-            collate_fn=keep_queue if dynamic else StepCollator(self.data_collator, pad_empty=not config.enable),
+            collate_fn=keep_queue if dynamic else StepCollator(self._odc_collator(), pad_empty=not config.enable),
             num_workers=0,
             pin_memory=args.dataloader_pin_memory and args.device.type != "cpu",
         )

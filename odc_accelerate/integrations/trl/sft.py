@@ -15,7 +15,29 @@ from ..trainer.metrics import StepMetrics
 from ..trainer.plain import check_average_tokens
 from .metrics import drop_microbatch_values, ratio
 
-__all__ = ["ODCSFTTrainer", "finalize_sft_metrics"]
+__all__ = ["ODCSFTTrainer", "check_sft_packing", "finalize_sft_metrics"]
+
+
+def check_sft_packing(trainer: Any) -> None:
+    """Refuse, on every rank before the model is sharded, padding-free SFT (``padding_free``, or ``packing`` with
+    the ``bfd`` strategies, which imply it) of a model with recurrent layers where the kernels that keep packed
+    samples apart are not installed: TRL's collator passes the sequence boundaries, and transformers' fallback would
+    raise on them in the first forward (see `odc_accelerate.hybrid`).
+
+    Raises:
+        `ValueError`: naming the setting, the packages to install, and how to train padded.
+    """
+    from ...hybrid import packing_refusal
+
+    args = trainer.args
+    if not getattr(trainer, "padding_free", False) or getattr(trainer, "model", None) is None:
+        return
+    packing = getattr(args, "packing", False)
+    setting = f"--packing true (strategy {args.packing_strategy})" if packing else "--padding_free true"
+    remedy = "pass --packing false" if packing else "pass --padding_free false (the default)"
+    message = packing_refusal(trainer.model, setting, remedy)
+    if message is not None:
+        raise ValueError(message)
 
 
 class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
@@ -53,6 +75,7 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
 
     def _odc_check_settings(self, config: Any) -> None:
         super()._odc_check_settings(config)
+        check_sft_packing(self)
         if config.balanced:
             # TRL's loss divides by num_items_in_batch (the step's label tokens over all ranks under a plan) and
             # multiplies by the number of processes only with the flag on.
