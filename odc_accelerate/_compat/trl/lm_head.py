@@ -29,6 +29,7 @@ _FUSED_LM_HEAD_TRAINERS = {
     "sft": "trl.trainer.sft_trainer",
     "dpo": "trl.trainer.dpo_trainer",
     "grpo": "trl.trainer.grpo_trainer",
+    "kto": "trl.trainer.kto_trainer",
 }
 # What TRL 1.15's fused forward passes to `_ChunkedLogProbFunction.apply`, positionally, in this order.
 _LOG_PROB_ARGS = (

@@ -38,6 +38,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCKTOConfig",
+    "ODCKTOTrainer",
     "ODCRewardConfig",
     "ODCRewardTrainer",
     "ODCRLOOConfig",
@@ -59,6 +61,8 @@ _LAZY = {
     "ODCRewardTrainer": "reward",
     "ODCRLOOTrainer": "rloo",
     "ODCSFTTrainer": "sft",
+    "ODCKTOConfig": "kto",
+    "ODCKTOTrainer": "kto",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .dpo import ODCDPOTrainer
     from .grpo import ODCGRPOTrainer
+    from .kto import ODCKTOConfig, ODCKTOTrainer
     from .reward import ODCRewardTrainer
     from .rloo import ODCRLOOTrainer
     from .sft import ODCSFTTrainer

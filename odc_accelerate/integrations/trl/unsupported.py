@@ -1,14 +1,10 @@
 """The TRL trainers ODC serves and refuses, and why: a run that asks for ODC stops before training with one of these
 reasons, and so does `odc_accelerate.ODCTrainerMixin` on a TRL trainer it does not serve, in any launch.
 
-ODC serves TRL's SFT, DPO, GRPO, RLOO and reward trainers through its own classes (`SERVED_TRAINERS`), which weight
+ODC serves TRL's SFT, DPO, GRPO, RLOO, reward and KTO trainers through its own classes (`SERVED_TRAINERS`), which weight
 each planned microbatch's loss and answer TRL's per-microbatch collectives; any other TRL trainer has a loss and
 collectives ODC has not been made for. The refused ones whose reason is known (`UNSUPPORTED_TRAINERS`):
 
-* ``KTOTrainer``: the KL estimate in its loss is ``gather_for_metrics`` of every rank's mean KL at the same
-  accumulation index, then averaged (TRL's ``kto_trainer.py``), a value that depends on how the step's examples are
-  split over ranks and microbatches. Under ODC ranks run different numbers of microbatches, so the gather would pair
-  unrelated microbatches or wait forever, and a local answer would change the loss.
 * ``DistillationTrainer``: its loss calls ``full_tensor()`` on the student's sharded ``lm_head`` weight (an
   all-gather) in every microbatch, and its teacher is a second model that FSDP2 does not shard (accelerate neither
   wraps nor moves it), so ODC can serve neither.
@@ -45,6 +41,7 @@ SERVED_TRAINERS = {
     "trl.trainer.grpo_trainer.GRPOTrainer": "ODCGRPOTrainer",
     "trl.trainer.rloo_trainer.RLOOTrainer": "ODCRLOOTrainer",
     "trl.trainer.reward_trainer.RewardTrainer": "ODCRewardTrainer",
+    "trl.trainer.kto_trainer.KTOTrainer": "ODCKTOTrainer",
 }
 
 _PER_MICROBATCH_MEAN = (
@@ -54,12 +51,6 @@ _PER_MICROBATCH_MEAN = (
 
 #: TRL trainer class name -> why ODC cannot train it exactly.
 UNSUPPORTED_TRAINERS = {
-    "KTOTrainer": (
-        "its loss uses a KL estimate that is a cross-rank mean: accelerator.gather_for_metrics of every rank's mean KL "
-        "at the same gradient-accumulation index, inside every microbatch. With ODC ranks run different numbers of "
-        "microbatches, so that collective would pair unrelated microbatches or hang, and the estimate (hence the "
-        "loss) depends on how the step is split over ranks and microbatches"
-    ),
     "DistillationTrainer": (
         "its loss calls full_tensor() on the student's sharded lm_head weight (an all-gather collective) in every "
         "microbatch, and its teacher model is not sharded by FSDP2, so ODC can serve neither"
@@ -107,7 +98,7 @@ def check_mixin_trainer(cls: type, mixin: type) -> None:
 
     Every TRL class below ``mixin`` in ``cls``'s MRO must be one of `SERVED_TRAINERS` (or a base of one) whose ODC class
     is in the MRO too: the ODC classes, a subclass of one, and ``transformers.Trainer`` with the mixin pass; TRL's
-    KTO, ORPO, CPO, online DPO, ... trainers, a TRL trainer built on a served one (GKD on SFT), and a served TRL class
+    ORPO, CPO, online DPO, distillation, ... trainers, a TRL trainer built on a served one (GKD on SFT), and a served TRL class
     under the bare mixin (``class K(ODCTrainerMixin, DPOTrainer)``, without ODC's DPO loss weights) are refused.
 
     Raises:
@@ -136,7 +127,7 @@ def check_mixin_trainer(cls: type, mixin: type) -> None:
         )
         raise RuntimeError(
             f"{why}. {shown} puts ODCTrainerMixin on it, so it was stopped before training. ODC serves "
-            "transformers' Trainer and TRL's SFT, DPO, GRPO, RLOO and reward trainers (`odc_accelerate.ODCTrainer`, "
-            "`ODCSFTTrainer`, `ODCDPOTrainer`, `ODCGRPOTrainer`, `ODCRLOOTrainer`, `ODCRewardTrainer`, or a subclass "
+            "transformers' Trainer and TRL's SFT, DPO, GRPO, RLOO, reward and KTO trainers (`odc_accelerate.ODCTrainer`, "
+            "`ODCSFTTrainer`, `ODCDPOTrainer`, `ODCGRPOTrainer`, `ODCRLOOTrainer`, `ODCRewardTrainer`, `ODCKTOTrainer`, or a subclass "
             f"of one); to train {base.__name__}, drop ODCTrainerMixin from the bases and {PLAIN_FSDP2}."
         )

@@ -64,15 +64,26 @@ def _in_step_order(dataset, samples_per_step: int, seed: int):
     return dataset.select([int(i) for i in order[: steps * samples_per_step]])
 
 
+def _kl_pairs_of_blocks(dataset, block: int):
+    """KTO's KL completions as TRL pairs them for ``per_device_train_batch_size=block`` (`KTOTrainer._prepare_dataset`:
+    the completions rotated by one within each block of ``block`` prepared rows), the ODC run's pairing."""
+
+    def rotate(examples):
+        examples["KL_completion_ids"] = [examples["completion_ids"][-1]] + examples["completion_ids"][:-1]
+        return examples
+
+    return dataset.map(rotate, batched=True, batch_size=block)
+
+
 def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
-    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from odc_accelerate._compat.trl import lm_head as trl_lm_head
     from odc_accelerate.data import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("trainer", choices=["sft", "dpo", "reward"])
+    parser.add_argument("trainer", choices=["sft", "dpo", "reward", "kto"])
     parser.add_argument("--samples_per_step", type=int, required=True)
     parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
     own, rest = parser.parse_known_args(argv)
@@ -80,10 +91,12 @@ def main(argv: list[str]) -> None:
         "sft": (SFTConfig, SFTTrainer),
         "dpo": (DPOConfig, DPOTrainer),
         "reward": (RewardConfig, RewardTrainer),
+        "kto": (KTOConfig, KTOTrainer),
     }[own.trainer]
     # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
     (args,) = HfArgumentParser(config_class).parse_args_into_dataclasses(["--bf16", "false", *rest])
-    if own.trainer == "reward":  # the global batch as one microbatch (see the module docstring)
+    kl_block = args.per_device_train_batch_size  # the ODC run's: TRL's KL pairs are rotated within such blocks
+    if own.trainer in ("reward", "kto"):  # the global batch as one microbatch (see the module docstring)
         args.per_device_train_batch_size = own.samples_per_step
         args.gradient_accumulation_steps = 1
     else:
@@ -114,6 +127,16 @@ def main(argv: list[str]) -> None:
                 train_dataset=offline_sft_dataset(),
                 processing_class=tokenizer,
             )
+        elif own.trainer == "kto":
+            policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
+            trainer = InStepOrder(
+                model=policy,
+                ref_model=reference,
+                args=args,
+                train_dataset=offline_dpo_dataset(),
+                processing_class=tokenizer,
+            )
+            trainer.train_dataset = _kl_pairs_of_blocks(trainer.train_dataset, kl_block)
         else:
             policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
             trainer = InStepOrder(
