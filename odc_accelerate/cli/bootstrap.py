@@ -8,7 +8,7 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
 2. installs ODC's accelerate patches (`odc_accelerate.enable`; a script that builds a plain ``Accelerator()`` then
    gets the ODC plugin);
 3. replaces ``SFTConfig``, ``SFTTrainer``, ``DPOConfig``, ``DPOTrainer``, ``GRPOConfig``, ``GRPOTrainer``,
-   ``RewardConfig``, ``RewardTrainer``, ``RLOOConfig`` and ``RLOOTrainer`` on the ``trl`` and ``trl.trainer`` modules
+   ``RewardConfig``, ``RewardTrainer``, ``RLOOConfig``, ``RLOOTrainer``, ``KTOConfig`` and ``KTOTrainer`` on the ``trl`` and ``trl.trainer`` modules
    with `ODCSFTConfig`, `ODCSFTTrainer`, ... (subclasses of TRL's, with the ODC options as extra arguments): TRL's own
    ``trl/scripts/sft.py`` then parses ``--odc_*`` arguments and recipe keys and trains with ODC, unmodified;
 4. replaces ``Trainer`` on ``transformers`` and ``transformers.trainer`` with `odc_accelerate.ODCTrainer`: a plain
@@ -16,8 +16,8 @@ runs, as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (`runpy`), each worker
    transformers' ``Seq2SeqTrainer``, defined before the swap, keep transformers' own base);
 5. makes ``transformers.Trainer.train`` stop, before training, on a trainer that is not an ODC trainer ODC can serve
    (a trainer imported from where TRL defines it, a TRL trainer ODC does not support, ``Seq2SeqTrainer``), with a
-   message naming the class and what to change: a run that asks for ODC never trains without it. ``KTOTrainer`` and
-   ``DistillationTrainer`` are refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
+   message naming the class and what to change: a run that asks for ODC never trains without it. ``DistillationTrainer``
+   is refused with the reason (`odc_accelerate.integrations.trl.unsupported`).
 
 Nothing happens on import; `install` does steps 2-5. With ``--no-odc`` before the script (``odc-accelerate launch``
 of a run without ODC), step 2 only: the script trains with plain FSDP2 and the library's own trainers, FSDP2 over gloo
@@ -48,6 +48,8 @@ ODC_CLASSES = {
     "RewardTrainer": "ODCRewardTrainer",
     "RLOOConfig": "ODCRLOOConfig",
     "RLOOTrainer": "ODCRLOOTrainer",
+    "KTOConfig": "ODCKTOConfig",
+    "KTOTrainer": "ODCKTOTrainer",
 }
 
 USAGE = "usage: python -m odc_accelerate.cli.bootstrap [--no-odc] SCRIPT [ARGS] | [--no-odc] -m MODULE [ARGS]"
@@ -57,7 +59,7 @@ def require_odc_trainer(trainer: Any) -> None:
     """Raise a `RuntimeError` naming ``trainer``'s class unless it is an ODC trainer ODC can serve: a subclass of
     `odc_accelerate.ODCTrainerMixin` none of whose classes below ODC's is another library trainer (a transformers or
     TRL trainer class defined on the swapped-in `odc_accelerate.ODCTrainer`, which ODC has not been made for); for a TRL
-    trainer ODC refuses (KTO, distillation) the message says why."""
+    trainer ODC refuses (distillation) the message says why."""
     import odc_accelerate
     from odc_accelerate.integrations.trl.unsupported import unsupported_trainer_message
 
@@ -78,9 +80,9 @@ def require_odc_trainer(trainer: Any) -> None:
         f"This run asks for ODC, but the script trains with {_name(cls)}, which is not an ODC trainer: it would train "
         f"without ODC, so it was stopped before training. {_unsupported_hint(cls)}"
         "Build the trainer from `from transformers import Trainer` or `from trl import SFTTrainer` / `DPOTrainer` / "
-        "`GRPOTrainer` / `RewardTrainer` / `RLOOTrainer` (replaced by the ODC trainers in this run), or from "
+        "`GRPOTrainer` / `RewardTrainer` / `RLOOTrainer` / `KTOTrainer` (replaced by the ODC trainers in this run), or from "
         "`odc_accelerate.ODCTrainer` / `ODCSFTTrainer` / `ODCDPOTrainer` / `ODCGRPOTrainer` / `ODCRewardTrainer` / "
-        "`ODCRLOOTrainer`; for a subclass of a transformers Trainer imported from elsewhere, put "
+        "`ODCRLOOTrainer` / `ODCKTOTrainer`; for a subclass of a transformers Trainer imported from elsewhere, put "
         "`odc_accelerate.ODCTrainerMixin` first among its bases "
         f"(`class {cls.__name__}(ODCTrainerMixin, ...)`). {off}"
     )
@@ -118,7 +120,7 @@ def _unsupported_hint(cls: type) -> str:
         )
     if _is_library_class(cls):
         return (
-            f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO, reward and RLOO trainers, not "
+            f"ODC supports transformers' Trainer and TRL's SFT, DPO, GRPO, reward, RLOO and KTO trainers, not "
             f"{cls.__qualname__}. "
         )
     return ""

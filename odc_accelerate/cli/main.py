@@ -17,6 +17,7 @@ _COMMANDS = {
     "grpo": "Group Relative Policy Optimization with ODC (TRL's `trl grpo` arguments plus the ODC options)",
     "reward": "reward modelling with ODC (TRL's `trl reward` arguments plus the ODC options)",
     "rloo": "REINFORCE Leave-One-Out with ODC (TRL's `trl rloo` arguments plus the ODC options)",
+    "kto": "Kahneman-Tversky Optimization with ODC (TRL's `trl kto` arguments plus the ODC options)",
 }
 
 

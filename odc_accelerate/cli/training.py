@@ -20,7 +20,7 @@ from .presets import PRESETS, resolve_accelerate_config
 
 __all__ = ["COMMANDS", "main", "split_script_args"]
 
-COMMANDS = ("sft", "dpo", "grpo", "reward", "rloo")
+COMMANDS = ("sft", "dpo", "grpo", "reward", "rloo", "kto")
 
 EPILOG = (
     "Launch options (passed to `accelerate launch`): --accelerate_config {presets}|PATH (default: odc_gpu with CUDA, "

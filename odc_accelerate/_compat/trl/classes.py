@@ -26,6 +26,8 @@ PUBLIC_CLASSES = (
     "RewardTrainer",
     "RLOOConfig",
     "RLOOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
 )
 PUBLIC_MODULES = ("trl", "trl.trainer")
 _REPLACED: dict[tuple[str, str], Any] = {}

@@ -24,7 +24,7 @@ __all__ = ["ODCAcceleratorSetup", "check_router_aux_loss", "router_aux_loss_coef
 
 # How to launch what ODC needs, with what an installed package offers (its presets and config writer).
 LAUNCH_HINT = (
-    "Launch with `odc-accelerate sft|dpo|grpo|reward|rloo --accelerate_config odc_cpu|odc_gpu` (the package's FSDP2 + "
+    "Launch with `odc-accelerate sft|dpo|grpo|reward|rloo|kto --accelerate_config odc_cpu|odc_gpu` (the package's FSDP2 + "
     "ODC accelerate configs), or write one with `odc-accelerate config` and run `odc-accelerate launch --config_file PATH "
     "script.py` (the config needs `distributed_type: FSDP`, `fsdp_version: 2` and num_processes >= 2)."
 )
