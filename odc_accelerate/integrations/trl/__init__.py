@@ -1,4 +1,4 @@
-"""ODC for TRL: the SFT, DPO, GRPO, reward-model and RLOO trainers and their training arguments (``--odc true`` and
+"""ODC for TRL: the SFT, DPO, GRPO, reward-model, RLOO and KTO trainers and their training arguments (``--odc true`` and
 friends).
 
 ```python
@@ -17,10 +17,10 @@ One module per concern:
 
 * `config`: the training arguments (`ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
   `ODCRLOOConfig`);
-* `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each;
+* `sft`, `dpo`, `grpo`, `reward`, `rloo`: one trainer each; `kto`: KTO's config and trainer;
 * `online`: what GRPO and RLOO share: generation without collectives, the step planned from its completions;
 * `grpo_checks`: the GRPO / RLOO arguments and vLLM settings ODC refuses;
-* `unsupported`: the TRL trainers ODC refuses (KTO, distillation), and why;
+* `unsupported`: the TRL trainers ODC refuses (distillation, ...), and why;
 * `reference`: the reference model of DPO, GRPO and RLOO, served by a gather-only engine;
 * `metrics`: TRL's per-microbatch metrics turned into one global value per step;
 * `rollouts`: generated completions re-batched per row and per planned microbatch;

@@ -1,7 +1,7 @@
 """The parity reference of the SFT and DPO tests: TRL's own trainer in one process, on the same optimizer steps.
 
     python tests/helpers/loops/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
-        (any SFTConfig / DPOConfig / RewardConfig argument; the first argument is sft, dpo or reward)
+        (any SFTConfig / DPOConfig / RewardConfig / KTOConfig argument; the first argument is sft, dpo, reward or kto)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
 examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
@@ -9,7 +9,10 @@ each optimizer step accumulates ``samples_per_step`` samples through TRL's own g
 normalisation. ``reward`` trains TRL's `RewardTrainer` (the offline default reward model: the tiny Qwen2 as a sequence
 classifier with one output; the DPO pairs) with ``per_device_train_batch_size=samples_per_step`` and no accumulation:
 the whole global batch is one microbatch, so TRL's metrics of a step (the minimum and maximum reward among them) are
-those of the whole step. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
+those of the whole step. ``kto`` trains TRL's `KTOTrainer` (the offline default policy and a copy as its reference, the
+DPO pairs, which TRL unpairs) the same way, the whole global batch as one microbatch, so that TRL's KL estimate ``z0``
+is over every KL pair of the step, with the KL pairs of the ODC run: the completions rotated within blocks of the
+run's ``per_device_train_batch_size``. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
