@@ -64,11 +64,14 @@ def test_a_microbatch_sees_the_steps_kl_and_counts_and_its_gathers_are_still_rec
     deferred = DeferredGather()
     deferred.start_microbatch()
     trainer = SimpleNamespace(calculate_KL=True, aux_loss_enabled=False, accelerator=_Accelerator(deferred))
+    trainer.model, trainer.precompute_ref_logps = torch.nn.Linear(1, 1), False
+    trainer.model.is_gradient_checkpointing = False  # what TRL's `disable_gradient_checkpointing` reads
+    trainer.ref_model, trainer.args = None, SimpleNamespace(gradient_checkpointing_kwargs=None)
     batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
     names = trl_kto.kto_gathers(trainer, chosen=True, rejected=True)
     with trl_kto.step_kl_answers(trainer, kl=0.25, num_chosen=7.0, num_rejected=3.0):
         # TRL's `(KL_logps - ref_KL_logps).mean()`: the policy's call first, then the reference's
-        policy, reference = trainer._compute_kl_logps(None, batch), trainer._compute_kl_logps(None, batch)
+        policy, reference = trl_kto.policy_kl_logps(trainer, batch), trl_kto.reference_kl_logps(trainer, batch)
         assert float((policy - reference).mean()) == 0.25
         answers = [trainer.accelerator.gather_for_metrics(torch.tensor(float(i + 1))) for i in range(len(names))]
     assert float(answers[names.index("num_chosen")].sum()) == 7.0  # the step's, over every rank
@@ -129,14 +132,18 @@ def test_step_metrics_are_trls_over_the_whole_step():
     labels, tokens = whole["labels"], whole["tokens"]
 
     class StandIn:
+        """What the metrics read of TRL's KTOTrainer and of the ODC trainer."""
+
         calculate_KL, aux_loss_enabled = True, False
         odc_step_kl = 0.125
-        _odc_metric_marks = {"kl": 1, "entropy": 1}  # what the step found recorded before it
-        _total_train_tokens = 100 + int(tokens[:5].sum() + 5)  # earlier steps, and rank 0's own gathers
 
-    trainer = StandIn()
+        def __init__(self, recorded, tokens):
+            self._metrics = {"train": recorded}  # TRL's: a defaultdict(list)
+            self._total_train_tokens = tokens
+            self._odc_metric_marks = {"kl": 1, "entropy": 1}  # what the step found recorded before it
+
     recorded = defaultdict(list, {"kl": [9.0, 0.1, 0.1], "entropy": [9.0, 1.0, 1.0], "logits/chosen": [1.0]})
-    trainer._metrics = {"train": recorded}  # TRL's: a defaultdict(list)
+    trainer = StandIn(recorded, 100 + int(tokens[:5].sum() + 5))  # earlier steps, and rank 0's own gathers
     names = trl_kto.kto_gathers(trainer, chosen=True, rejected=True)
     finalize_kto_metrics(trainer, metrics, names)
 

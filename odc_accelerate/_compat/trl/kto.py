@@ -33,7 +33,9 @@ __all__ = [
     "KTO_PER_MICROBATCH",
     "check_kto",
     "kto_gathers",
+    "is_vision_dataset",
     "kto_reference_preparer",
+    "policy_kl_logps",
     "reference_kl_logps",
     "step_kl_answers",
 ]
@@ -96,6 +98,16 @@ def kto_reference_preparer(prepare: Any) -> Iterator[None]:
 
     with _reference_preparer(kto_trainer, "trl.trainer.kto_trainer", prepare):
         yield
+
+
+def is_vision_dataset(trainer: Any) -> bool:
+    """Whether KTOTrainer found a vision dataset (its collator then builds the KL pairs within each microbatch)."""
+    return bool(require(trainer, "_is_vision_dataset", library=_LIBRARY, where="trl.KTOTrainer"))
+
+
+def policy_kl_logps(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """The policy's log-probs of a microbatch's KL sequences, without gradient (``KTOTrainer._compute_kl_logps``)."""
+    return trainer._compute_kl_logps(trainer.model, batch)
 
 
 def reference_kl_logps(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:

@@ -70,7 +70,7 @@ def check_kto_settings(args: Any, config: Any) -> None:
 
 
 def _check_vision(trainer: Any, config: Any) -> None:
-    if config.balanced and trainer.calculate_KL and trainer._is_vision_dataset:
+    if config.balanced and trainer.calculate_KL and trl_kto.is_vision_dataset(trainer):
         raise ValueError(
             "KTO on a vision dataset is not supported under an ODC plan: TRL's vision collator pairs each prompt with "
             "the completion of its neighbour in the collated microbatch, and the plan chooses which examples share a "
@@ -161,7 +161,7 @@ class ODCKTOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, KTOTrainer):
             labels = batch["label"]
             if self.calculate_KL:
                 with self.odc_step_timer.compute(self.args.device), torch.no_grad():
-                    kl = self._compute_kl_logps(self.model, batch) - trl_kto.reference_kl_logps(self, batch)
+                    kl = trl_kto.policy_kl_logps(self, batch) - trl_kto.reference_kl_logps(self, batch)
                 if not zero_weight:
                     kl_sum += float(kl.double().sum())
                     pairs += kl.numel()
