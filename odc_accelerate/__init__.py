@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from
         ODCDPOTrainer,
         ODCGRPOConfig,
         ODCGRPOTrainer,
+        ODCKTOConfig,
+        ODCKTOTrainer,
         ODCRewardConfig,
         ODCRewardTrainer,
         ODCRLOOConfig,

@@ -98,6 +98,13 @@ SERVED_TRAINERS = (
         trl_module="trl.trainer.rloo_trainer",
         help="REINFORCE Leave-One-Out",
     ),
+    ServedTrainer(
+        name="kto",
+        trl_config="KTOConfig",
+        trl_trainer="KTOTrainer",
+        trl_module="trl.trainer.kto_trainer",
+        help="Kahneman-Tversky Optimization",
+    ),
 )
 
 _PER_MICROBATCH_MEAN = (
@@ -106,15 +113,6 @@ _PER_MICROBATCH_MEAN = (
 )
 
 REFUSED_TRAINERS = (
-    RefusedTrainer(
-        trl_trainer="KTOTrainer",
-        reason=(
-            "its loss uses a KL estimate that is a cross-rank mean: accelerator.gather_for_metrics of every rank's "
-            "mean KL at the same gradient-accumulation index, inside every microbatch. With ODC ranks run different "
-            "numbers of microbatches, so that collective would pair unrelated microbatches or hang, and the estimate "
-            "(hence the loss) depends on how the step is split over ranks and microbatches"
-        ),
-    ),
     RefusedTrainer(
         trl_trainer="DistillationTrainer",
         reason=(

@@ -86,7 +86,7 @@ def test_fused_lm_head_path_is_chosen_by_the_trl_version(monkeypatch, trainer, m
 
 
 def test_fused_lm_head_path_names_the_trainers():
-    with pytest.raises(ValueError, match="'dpo', 'grpo', 'sft'"):
+    with pytest.raises(ValueError, match="'dpo', 'grpo', 'kto', 'sft'"):
         with trl_lm_head.fused_lm_head_torch_path("ppo"):
             pass
 

@@ -1,5 +1,5 @@
 """The reward-model trainer's pieces without a launch: pair lengths and the token budget, the loss weight, the step's
-metrics from the deferred gathers (a rank with no pair included); and the refusal of KTO and distillation."""
+metrics from the deferred gathers (a rank with no pair included); and the refusal of distillation."""
 
 from __future__ import annotations
 
@@ -164,39 +164,32 @@ def test_step_accuracy_is_weighted_by_pairs_not_by_rank():
 
 
 # ---------------------------------------------------------------------------------------------------------- refusals
-def test_kto_and_distillation_are_refused_by_name_with_the_reason():
+def test_distillation_is_refused_by_name_with_the_reason():
     from trl.trainer.distillation_trainer import DistillationTrainer
-    from trl.trainer.kto_trainer import KTOTrainer
 
-    kto = unsupported_trainer_message(object.__new__(KTOTrainer))
-    assert kto.startswith(
-        "ODC does not support TRL's KTOTrainer: its loss uses a KL estimate that is a cross-rank mean"
-    )
-    assert "gather_for_metrics of every rank's mean KL at the same gradient-accumulation index" in kto
-    distillation = unsupported_trainer_message(DistillationTrainer)
+    distillation = unsupported_trainer_message(object.__new__(DistillationTrainer))
     assert distillation.startswith("ODC does not support TRL's DistillationTrainer: its loss calls full_tensor()")
     assert "teacher model is not sharded by FSDP2" in distillation
-    for message in (kto, distillation):
-        assert "train it with plain FSDP2 (`odc: false`)" in message and message.endswith(PLAIN_FSDP2 + ".")
+    assert "train it with plain FSDP2 (`odc: false`)" in distillation and distillation.endswith(PLAIN_FSDP2 + ".")
 
-    class MyKTO(KTOTrainer):  # built on TRL's KTOTrainer: refused, naming both
+    class MyDistillation(DistillationTrainer):  # built on TRL's DistillationTrainer: refused, naming both
         pass
 
-    mine = unsupported_trainer_message(MyKTO)
+    mine = unsupported_trainer_message(MyDistillation)
     assert (
-        f"{__name__}.test_kto_and_distillation_are_refused_by_name_with_the_reason.<locals>.MyKTO (built on TRL's KTOTrainer)"
-        in mine
+        f"{__name__}.test_distillation_is_refused_by_name_with_the_reason.<locals>.MyDistillation (built on TRL's "
+        "DistillationTrainer)" in mine
     )
 
 
 def test_supported_and_foreign_trainers_are_not_refused_by_name():
     from transformers import Trainer
-    from trl import DPOTrainer, RewardTrainer
+    from trl import DPOTrainer, KTOTrainer, RewardTrainer
 
-    for cls in (RewardTrainer, DPOTrainer, Trainer, ODCRewardTrainer):
+    for cls in (RewardTrainer, DPOTrainer, KTOTrainer, Trainer, ODCRewardTrainer):
         assert unsupported_trainer_message(cls) is None, cls
 
-    class KTOTrainer:  # the name alone, outside TRL
+    class DistillationTrainer:  # the name alone, outside TRL
         pass
 
-    assert unsupported_trainer_message(KTOTrainer) is None
+    assert unsupported_trainer_message(DistillationTrainer) is None

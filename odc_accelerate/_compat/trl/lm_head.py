@@ -29,6 +29,7 @@ _FUSED_LM_HEAD_TRAINERS = {
     "sft": "trl.trainer.sft_trainer",
     "dpo": "trl.trainer.dpo_trainer",
     "grpo": "trl.trainer.grpo_trainer",
+    "kto": "trl.trainer.kto_trainer",
 }
 # What TRL 1.15's fused forward passes to `_ChunkedLogProbFunction.apply`, positionally, in this order.
 _LOG_PROB_ARGS = (
@@ -61,7 +62,7 @@ def fused_lm_head_torch_path(trainer: str) -> Iterator[None]:
     call (``_ChunkedLogProbFunction``).
 
     Args:
-        trainer (`str`): ``"sft"``, ``"dpo"`` or ``"grpo"``, the trainer whose ``__init__`` runs in the block.
+        trainer (`str`): ``"sft"``, ``"dpo"``, ``"grpo"`` or ``"kto"``, the trainer whose ``__init__`` runs in the block.
     """
     if trainer not in _FUSED_LM_HEAD_TRAINERS:
         raise ValueError(f"trainer must be one of {sorted(_FUSED_LM_HEAD_TRAINERS)}, not {trainer!r}")

@@ -53,15 +53,18 @@ class ODCStepLoop:
         real = _weighted(microbatches)
         rows = sum(microbatch_rows(mb) for mb in real)
         routed = sum(routed_tokens(mb) for mb in real) if self._odc_weights_router_aux() else 0
-        counts = torch.tensor([self._odc_num_items(real), rows, routed], dtype=torch.float64, device=device)
+        # Timed from here: a trainer's own per-step pass (`_odc_step_sums`, KTO's KL estimate) is this rank's work.
+        self.odc_step_timer.start(self.model, self.odc_engine, real, start)
+        self.odc_step_timer.add_work(len(microbatches) - len(real), 0)  # zero-weight microbatches: compute only
+        sums = [self._odc_num_items(real), rows, routed, *self._odc_step_sums(microbatches)]
+        counts = torch.tensor(sums, dtype=torch.float64, device=device)
         if self.accelerator.num_processes > 1:
             # The one collective of the step before its microbatches: the global counts of loss items, rows and
             # routed tokens.
             counts = self.accelerator.reduce(counts, reduction="sum")
         self._odc_step_rows = int(counts[1])
         self._odc_step_routed = int(counts[2])
-        self.odc_step_timer.start(self.model, self.odc_engine, real, start)
-        self.odc_step_timer.add_work(len(microbatches) - len(real), 0)  # zero-weight microbatches: compute only
+        self._odc_step_reduced(counts[3:].tolist())
         num_items = torch.tensor(int(counts[0]), device=device)
         return [microbatches], num_items
 
@@ -84,6 +87,14 @@ class ODCStepLoop:
             self._odc_step_routed = int(counts[1])
         self.odc_step_timer.start(self.model, self.odc_engine, [], start)
         return [step], torch.tensor(int(count), device=device)
+
+    def _odc_step_sums(self, microbatches: list[Any]) -> list[float]:
+        """Values of this rank's step (before its microbatches) that the step's one all-reduce sums over ranks for
+        `_odc_step_reduced`; none here (KTO: its KL estimate)."""
+        return []
+
+    def _odc_step_reduced(self, sums: list[float]) -> None:
+        """Receive the sums over ranks of `_odc_step_sums`."""
 
     def _odc_queue_items(self, step: ClaimedStep) -> int | None:
         """The step's global count of loss items from its queue alone, or `None` when the microbatches must be collated

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from
     from .configs import (  # noqa: F401
         ODCDPOConfig,
         ODCGRPOConfig,
+        ODCKTOConfig,
         ODCRewardConfig,
         ODCRLOOConfig,
         ODCSFTConfig,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from
     )
     from .dpo import ODCDPOTrainer  # noqa: F401
     from .grpo import ODCGRPOTrainer  # noqa: F401
+    from .kto import ODCKTOTrainer  # noqa: F401
     from .reward import ODCRewardTrainer  # noqa: F401
     from .rloo import ODCRLOOTrainer  # noqa: F401
     from .sft import ODCSFTTrainer  # noqa: F401

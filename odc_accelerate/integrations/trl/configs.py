@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, make_dataclass
 from typing import Any
 
-from trl import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 from ...config import training_args_fields
 from ..accelerate import enable
@@ -20,6 +20,7 @@ from ..accelerate import enable
 __all__ = [
     "ODCDPOConfig",
     "ODCGRPOConfig",
+    "ODCKTOConfig",
     "ODCRewardConfig",
     "ODCRLOOConfig",
     "ODCSFTConfig",
@@ -123,3 +124,8 @@ class ODCRewardConfig(ODCTRLConfigMixin, RewardConfig):
 @dataclass
 class ODCRLOOConfig(ODCTRLConfigMixin, RLOOConfig):
     """`trl.RLOOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+
+@dataclass
+class ODCKTOConfig(ODCTRLConfigMixin, KTOConfig):
+    """`trl.KTOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""

@@ -1,7 +1,7 @@
 """The parity reference of the SFT and DPO tests: TRL's own trainer in one process, on the same optimizer steps.
 
     python tests/helpers/loops/trl_reference.py sft --samples_per_step 5 --output_dir OUT --max_steps 2 --seed 0 ...
-        (any SFTConfig / DPOConfig / RewardConfig argument; the first argument is sft, dpo or reward)
+        (any SFTConfig / DPOConfig / RewardConfig / KTOConfig argument; the first argument is sft, dpo, reward or kto)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
 examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
@@ -9,7 +9,10 @@ each optimizer step accumulates ``samples_per_step`` samples through TRL's own g
 normalisation. ``reward`` trains TRL's `RewardTrainer` (the offline default reward model: the tiny Qwen2 as a sequence
 classifier with one output; the DPO pairs) with ``per_device_train_batch_size=samples_per_step`` and no accumulation:
 the whole global batch is one microbatch, so TRL's metrics of a step (the minimum and maximum reward among them) are
-those of the whole step. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
+those of the whole step. ``kto`` trains TRL's `KTOTrainer` (the offline default policy and a copy as its reference, the
+DPO pairs, which TRL unpairs) the same way, the whole global batch as one microbatch, so that TRL's KL estimate ``z0``
+is over every KL pair of the step, with the KL pairs of the ODC run: the completions rotated within blocks of the
+run's ``per_device_train_batch_size``. Its data order is the one ODC's sampler draws steps from, written here from its definition: step
 ``k`` holds the ``k``-th run of ``samples_per_step`` samples of a permutation of the processed training set drawn
 with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer is that it reads the training set in
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
@@ -66,15 +69,26 @@ def _in_step_order(dataset, samples_per_step: int, seed: int):
     return dataset.select([int(i) for i in order[: steps * samples_per_step]])
 
 
+def _kl_pairs_of_blocks(dataset, block: int):
+    """KTO's KL completions as TRL pairs them for ``per_device_train_batch_size=block`` (`KTOTrainer._prepare_dataset`:
+    the completions rotated by one within each block of ``block`` prepared rows), the ODC run's pairing."""
+
+    def rotate(examples):
+        examples["KL_completion_ids"] = [examples["completion_ids"][-1]] + examples["completion_ids"][:-1]
+        return examples
+
+    return dataset.map(rotate, batched=True, batch_size=block)
+
+
 def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
-    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from odc_accelerate._compat.trl import lm_head as trl_lm_head
     from odc_accelerate.demo import load_offline_tokenizer, offline_dpo_dataset, offline_sft_dataset
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("trainer", choices=["sft", "dpo", "reward"])
+    parser.add_argument("trainer", choices=["sft", "dpo", "reward", "kto"])
     parser.add_argument("--samples_per_step", type=int, required=True)
     parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
     parser.add_argument(
@@ -87,10 +101,12 @@ def main(argv: list[str]) -> None:
         "sft": (SFTConfig, SFTTrainer),
         "dpo": (DPOConfig, DPOTrainer),
         "reward": (RewardConfig, RewardTrainer),
+        "kto": (KTOConfig, KTOTrainer),
     }[own.trainer]
     # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
     (args,) = HfArgumentParser(config_class).parse_args_into_dataclasses(["--bf16", "false", *rest])
-    if own.trainer == "reward":  # the global batch as one microbatch (see the module docstring)
+    kl_block = args.per_device_train_batch_size  # the ODC run's: TRL's KL pairs are rotated within such blocks
+    if own.trainer in ("reward", "kto"):  # the global batch as one microbatch (see the module docstring)
         args.per_device_train_batch_size = own.samples_per_step
         args.gradient_accumulation_steps = 1
     else:
@@ -139,6 +155,16 @@ def main(argv: list[str]) -> None:
                 train_dataset=offline_sft_dataset(),
                 processing_class=tokenizer,
             )
+        elif own.trainer == "kto":
+            policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
+            trainer = InStepOrder(
+                model=policy,
+                ref_model=reference,
+                args=args,
+                train_dataset=offline_dpo_dataset(),
+                processing_class=tokenizer,
+            )
+            trainer.train_dataset = _kl_pairs_of_blocks(trainer.train_dataset, kl_block)
         else:
             policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
             trainer = InStepOrder(
