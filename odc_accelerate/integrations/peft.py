@@ -20,7 +20,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["PEFT_PREFIX", "LoraLayer", "LoraMerge", "base_model_of", "has_adapters", "lora_layers", "sync_merge"]
+__all__ = [
+    "PEFT_PREFIX",
+    "LoraLayer",
+    "LoraMerge",
+    "base_model_of",
+    "has_adapters",
+    "lora_layers",
+    "saved_modules",
+    "sync_merge",
+]
 
 #: What PEFT puts before the wrapped model's own parameter names.
 PEFT_PREFIX = "base_model.model."
@@ -281,19 +290,22 @@ def _check_ties(model: nn.Module, merge: LoraMerge) -> None:
         if route is not None:
             after[route[0]] = route[0] if route[1] is not None else id(param)
 
-    def tied(names: dict[str, Any], name: str) -> set[str]:
-        return {other for other, key in names.items() if key == names[name]}
+    def groups(names: dict[str, Any]) -> dict[Any, set[str]]:
+        out: dict[Any, set[str]] = {}
+        for name, key in names.items():
+            out.setdefault(key, set()).add(name)
+        return out
 
-    for name in before:
-        was, now = tied(before, name), tied(after, name) if name in after else set()
-        if len(was) > 1 or len(now) > 1:
-            if was != now:
-                raise NotImplementedError(
-                    f"{name}: tied to {sorted(was - {name})} in the wrapped model, to {sorted(now - {name})} once the "
-                    "adapters are merged (a modules_to_save copy or a LoRA layer of only one of the tied modules), "
-                    "so the served model, which ties them, would lose a trained weight; set ensure_weight_tying=True "
-                    "in the LoraConfig (one tied copy of the embedding and LM head), or adapt neither of them."
-                )
+    was_tied, now_tied = groups(before), groups(after)
+    for name, key in before.items():
+        was, now = was_tied[key], now_tied[after[name]] if name in after else set()
+        if (len(was) > 1 or len(now) > 1) and was != now:
+            raise NotImplementedError(
+                f"{name}: tied to {sorted(was - {name})} in the wrapped model, to {sorted(now - {name})} once the "
+                "adapters are merged (a modules_to_save copy or a LoRA layer of only one of the tied modules), so "
+                "the served model, which ties them, would lose a trained weight; set ensure_weight_tying=True in the "
+                "LoraConfig (one tied copy of the embedding and LM head), or adapt neither of them."
+            )
 
 
 def sync_merge(model: nn.Module) -> LoraMerge:

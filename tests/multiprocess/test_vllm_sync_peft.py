@@ -9,7 +9,7 @@ import torch
 
 from odc_accelerate.integrations.vllm import check_vllm_sync_model
 from odc_accelerate.testing import launch
-from tests.helpers.workers.peft_workers import SYNC_CASES, merged_full_parameters, tiny_lora_model
+from tests.helpers.workers.peft_workers import SYNC_CASES, TIED_CASE, merged_full_parameters, tiny_lora_model
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,29 @@ def test_adapters_are_merged_as_peft_merges_them(synced, case):
             assert torch.equal(tensor, expected[name]), f"rank {rank}: {name}"
         assert not torch.equal(merged[served], r["full"]["base_model.model." + before])
         assert r["stats"]["parameters"] == len(merged)
+
+
+def test_a_tied_copy_syncs_under_both_names(synced):
+    """A tied model trained with one tied ``modules_to_save`` copy of its embedding (``ensure_weight_tying``): read as
+    a checkpoint stores it, the trained copy goes out as the embedding and as the LM head (the tie's other name, which
+    vLLM's in-place reload needs), the original dropped; the rest equal PEFT's ``merge_and_unload``."""
+    results = [r["tied"] for r in synced]
+    reference = tiny_lora_model(seed=0, change=TIED_CASE, kind="tied")
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(results[0]["full"][name])
+    expected = reference.merge_and_unload().state_dict()  # a tied weight under each of its names
+    trained = results[0]["full"]["base_model.model.model.embed_tokens.modules_to_save.default.weight"]
+    original = results[0]["full"]["base_model.model.model.embed_tokens.original_module.weight"]
+    assert not torch.equal(trained, original)  # the step trained the copy
+    for rank, r in enumerate(results):
+        merged = r["merged"]
+        assert sorted(merged) == sorted(expected), f"rank {rank}"
+        for name, tensor in merged.items():
+            assert torch.equal(tensor, expected[name]), f"rank {rank}: {name}"
+        assert torch.equal(merged["lm_head.weight"], trained) and torch.equal(
+            merged["model.embed_tokens.weight"], trained
+        )
 
 
 @pytest.mark.parametrize(
