@@ -143,9 +143,9 @@ def _check_engine(engine: ODCEngine) -> None:
 def check_vllm_sync_model(model: nn.Module) -> None:
     """Refuse, before any vLLM engine is built, a model whose weights the vLLM sync cannot hand over as trained.
 
-    * **PEFT.** The sync hands vLLM the plain model: a PEFT model's LoRA adapters are merged into it as PEFT merges
-      them, which holds for plain LoRA on linear layers only (`odc_accelerate.integrations.peft.lora_layers` says
-      what else it refuses, by name).
+    * **PEFT.** The sync hands vLLM the plain model: a PEFT model's adapters are merged into it as PEFT's
+      ``merge_and_unload`` merges them, which the sync does for LoRA on linear layers (plain, DoRA, with a LoRA bias)
+      and ``modules_to_save`` (`odc_accelerate.integrations.peft.sync_merge` says what else it refuses, by name).
 
     Tied weights need nothing: the sync sends them under each name (`iter_checkpoint_weights`), nor do
     mixture-of-experts models: their experts go per expert, as checkpoints store them, and vLLM's CPU backend is made
@@ -155,11 +155,12 @@ def check_vllm_sync_model(model: nn.Module) -> None:
         model (`torch.nn.Module`): the model to be trained (PEFT-wrapped or not; sharded or not).
 
     Raises:
-        NotImplementedError: PEFT modules the sync cannot merge (a LoRA variant such as DoRA or aLoRA, LoRA on a
-            convolution, an embedding or a bare parameter, a LoRA bias, several active adapters, an adapter already
-            merged, ``modules_to_save``).
+        NotImplementedError: PEFT modules the sync does not merge (a LoRA variant other than DoRA, such as aLoRA;
+            LoRA on a convolution, an embedding or a bare parameter; a LoRA bias on a layer without a bias; trainable
+            tokens; several active adapters; an adapter already merged; replicated layers; a tied weight that the
+            adapters untie).
     """
-    peft.lora_layers(model)
+    peft.sync_merge(model)
 
 
 def _unit_tensors(
@@ -185,10 +186,12 @@ def _unit_tensors(
     finally:
         if not kept:
             unit.module.reshard()
-    aliases = {
-        _hf_name(name, merge is not None): [_hf_name(other, merge is not None) for other in others]
-        for name, others in unit.aliases.items()
-    }
+    aliases = {}
+    for name, others in unit.aliases.items():
+        if merge is None:
+            aliases[_hf_name(name, False)] = [_hf_name(other, False) for other in others]
+        elif (served := merge.served_name(name)) is not None:  # a modules_to_save original is dropped, with its ties
+            aliases[_hf_name(served, True)] = [_hf_name(o, True) for o in map(merge.served_name, others) if o]
     if stats is not None:
         stats.units += 1
         stats.gather_seconds += time.perf_counter() - start
@@ -207,7 +210,7 @@ def _iter_units(
     _check_engine(engine)
     units = _units(engine.model)
     names = [name for unit in units for name, _, _ in unit.params]
-    merge = peft.LoraMerge(peft.lora_layers(engine.model)) if peft.has_adapters(names) else None
+    merge = peft.sync_merge(engine.model) if peft.has_adapters(names) else None
     for unit in units:
         yield _unit_tensors(unit, merge, stats)
     if merge is not None:
@@ -234,9 +237,10 @@ def iter_full_parameters(engine: ODCEngine, stats: VLLMSyncStats | None = None) 
     with. Each parameter comes once, under the name ``named_parameters`` gives it (a tied weight under its first
     name); `iter_checkpoint_weights` gives them as a checkpoint stores them.
 
-    A PEFT model with LoRA adapters on linear layers (TRL's ``--use_peft``) yields the merged weights of the model
-    it wraps, under that model's names (``base + B @ A * scaling`` per layer, as PEFT's ``merge_and_unload``; without
-    ``base_model.model.`` and ``.base_layer``), which is what TRL syncs into vLLM with PEFT.
+    A PEFT model (TRL's ``--use_peft``) yields the merged weights of the model it wraps, under that model's names, as
+    PEFT's ``merge_and_unload`` gives them: per LoRA layer ``base + B @ A * scaling`` (DoRA's rescaling and a LoRA
+    bias included), per ``modules_to_save`` module its trained copy; without ``base_model.model.``, ``.base_layer``
+    and ``.modules_to_save.<adapter>``. That is what TRL syncs into vLLM with PEFT.
 
     Call it on any rank, any number of times, between `~odc_accelerate.ODCEngine.post_optimizer_step` (or the
     engine's creation) and the next `~odc_accelerate.ODCEngine.pre_optimizer_step`; the reads count in the engine's
@@ -336,7 +340,7 @@ def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:
 
     vllm_compat.check_release()
     vllm_compat.worker_of(llm)  # refuse before reading anything
-    _check_engine(engine)  # the PEFT checks run where the weights are read (`lora_layers`)
+    _check_engine(engine)  # the PEFT checks run where the weights are read (`sync_merge`)
     stats = VLLMSyncStats()
     start = time.perf_counter()
     loaded, parameters, stats.moe_layers_set_up = vllm_compat.reload_weights(

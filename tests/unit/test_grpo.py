@@ -279,7 +279,7 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
     assert recorded["step_time"] == [5.0, 0.75]
 
 
-@pytest.mark.parametrize("refused", ["server", "tensor_parallel", "dora"])
+@pytest.mark.parametrize("refused", ["server", "tensor_parallel", "alora"])
 def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     """The real trainer stops in its set-up, before TRL would create an engine: here vLLM is not even installed. A
     PEFT adapter the weight sync cannot merge is refused there too, by name."""
@@ -307,9 +307,10 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     error, match = {
         "server": (ValueError, "vllm_mode='server' is not supported with ODC"),
         "tensor_parallel": (ValueError, "vllm_tensor_parallel_size=2"),
-        "dora": (NotImplementedError, "q_proj uses DoRA"),
+        "alora": (NotImplementedError, "q_proj: adapter 'default' is the LoRA variant ALoraLinearVariant"),
     }[refused]
-    peft_config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True) if refused == "dora" else None
+    alora = {"alora_invocation_tokens": [5, 6]}  # aLoRA: a LoRA variant PEFT cannot merge
+    peft_config = LoraConfig(r=4, target_modules=["q_proj"], **alora) if refused == "alora" else None
     with pytest.raises(error, match=match):
         ODCGRPOTrainer(
             model=model,

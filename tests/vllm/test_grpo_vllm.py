@@ -82,11 +82,13 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def peft_run(tmp_path_factory):
-    """The same run with LoRA adapters (``--use_peft``), 2 steps, a learning rate at which the adapters change what
-    the model generates: each sync loads the merged weights."""
+    """The same run with LoRA adapters (``--use_peft``), DoRA (``--use_dora``) and a trained copy of the LM head
+    (``--lora_modules_to_save lm_head``), 2 steps, a learning rate at which the adapters change what the model
+    generates: each sync loads the merged weights (the rescaled DoRA layers and the trained head)."""
     out = tmp_path_factory.mktemp("grpo_vllm_peft") / "odc"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, "--main_process_port", "0"]
     peft = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--max_steps", "2", "--learning_rate", "0.05"]
+    peft += ["--use_dora", "true", "--lora_modules_to_save", "lm_head"]
     proc = run(
         [*launch, RUN_EXAMPLE, TRAIN, "--odc", "true", "--per_device_train_batch_size", str(PER_RANK)]
         + [*COMMON, *peft, "--output_dir", out],  # the later value of an option wins
