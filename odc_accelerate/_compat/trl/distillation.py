@@ -59,7 +59,7 @@ _METHODS = (
     "_get_train_sampler",
     "get_train_dataloader",
 )
-_ATTRIBUTES = ("_metrics", "teacher_model", "beta", "temperature", "use_vllm", "max_completion_length", "_tokenizer")
+_ATTRIBUTES = ("_metrics", "teacher_model", "beta", "temperature", "use_vllm", "max_completion_length")
 
 
 def check_distillation(trainer: Any) -> None:

@@ -228,7 +228,7 @@ class ODCOnlineTrainerMixin:
             padded=True,
         )
         plan = planner.plan(lengths)
-        pad = int(self._tokenizer.pad_token_id)
+        pad = trl_grpo.pad_token_id(self)
         device = self.accelerator.device
         total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)
