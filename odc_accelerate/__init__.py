@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from
     from .integrations.accelerate import ODCPlugin, enable, get_engine  # noqa: F401
     from .integrations.trainer import ODCCallback, ODCTrainer, ODCTrainerMixin  # noqa: F401
     from .integrations.trl import (  # noqa: F401
+        ODCDistillationConfig,
+        ODCDistillationTrainer,
         ODCDPOConfig,
         ODCDPOTrainer,
         ODCGRPOConfig,

@@ -105,6 +105,13 @@ SERVED_TRAINERS = (
         trl_module="trl.trainer.kto_trainer",
         help="Kahneman-Tversky Optimization",
     ),
+    ServedTrainer(
+        name="distillation",
+        trl_config="DistillationConfig",
+        trl_trainer="DistillationTrainer",
+        trl_module="trl.trainer.distillation_trainer",
+        help="on-policy knowledge distillation from a teacher model",
+    ),
 )
 
 _PER_MICROBATCH_MEAN = (
@@ -113,13 +120,6 @@ _PER_MICROBATCH_MEAN = (
 )
 
 REFUSED_TRAINERS = (
-    RefusedTrainer(
-        trl_trainer="DistillationTrainer",
-        reason=(
-            "its loss calls full_tensor() on the student's sharded lm_head weight (an all-gather collective) in every "
-            "microbatch, and its teacher model is not sharded by FSDP2, so ODC can serve neither"
-        ),
-    ),
     RefusedTrainer(trl_trainer="ORPOTrainer", reason=_PER_MICROBATCH_MEAN),
     RefusedTrainer(trl_trainer="CPOTrainer", reason=_PER_MICROBATCH_MEAN),
     RefusedTrainer(

@@ -27,6 +27,7 @@ from . import (
     is_patched,
     missing_message,
     patch_attribute,
+    patched_attribute,
     require,
     restore_attribute,
     tested_text,
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "check_launch",
     "default_config_file",
+    "evaluation_models_prepared_by",
     "install",
     "launch_parser",
     "load_config_file",
@@ -547,3 +549,30 @@ def sync_each_batch(accelerator: Any) -> bool:
     ``gradient_accumulation_kwargs``): gradients are asked to be reduced after every microbatch, not only the last."""
     state = _require(accelerator, "gradient_state", "accelerate.Accelerator")
     return bool(_require(state, "plugin_kwargs", "accelerate.state.GradientState").get("sync_each_batch", False))
+
+
+@contextlib.contextmanager
+def evaluation_models_prepared_by(prepare: Callable[[Any, Any, Callable[[Any, Any], Any]], Any]) -> Iterator[None]:
+    """Within the block, ``Accelerator.prepare_model(model, evaluation_mode=True)`` returns ``prepare(model,
+    accelerator, trl_prepare)``, where ``trl_prepare(model, accelerator)`` is accelerate's own call (a frozen model a
+    trainer prepares for inference only: TRL's distillation teacher). Other calls are accelerate's."""
+    from accelerate import Accelerator
+
+    where = "accelerate.Accelerator.prepare_model"
+    current = _require(Accelerator, "prepare_model", "accelerate.Accelerator")
+    check_signature(current, ("model", "evaluation_mode"), library=_LIBRARY, where=where)
+
+    def wrap(original: Callable) -> Callable:
+        def own(model: Any, accelerator: Any) -> Any:
+            return original(accelerator, model, evaluation_mode=True)
+
+        @functools.wraps(original)
+        def prepare_model(self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+            if evaluation_mode:
+                return prepare(model, self, own)
+            return original(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        return prepare_model
+
+    with patched_attribute(Accelerator, "prepare_model", wrap, library=_LIBRARY, where=where):
+        yield

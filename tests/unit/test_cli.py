@@ -263,14 +263,9 @@ def test_examples_are_the_package_scripts(name):
     package = importlib.import_module(f"odc_accelerate.scripts.{name}")
     assert example.main is package.main and example.make_parser is package.make_parser
     _, args, _, _ = example.make_parser().parse_args_and_config(["--odc", "true", "--max_steps", "2"])
-    config = {
-        "sft": "ODCSFTConfig",
-        "dpo": "ODCDPOConfig",
-        "grpo": "ODCGRPOConfig",
-        "reward": "ODCRewardConfig",
-        "rloo": "ODCRLOOConfig",
-        "kto": "ODCKTOConfig",
-    }[name]
+    from odc_accelerate.trainers import SERVED_TRAINERS
+
+    config = next(t.odc_config for t in SERVED_TRAINERS if t.name == name)
     assert isinstance(args, getattr(odc_accelerate, config)) and args.odc is True
 
 
@@ -566,20 +561,24 @@ def test_bootstrap_swaps_trls_public_classes_and_guards_train(restore_bootstrap)
     assert trl.SFTTrainer is odc_accelerate.ODCSFTTrainer
 
 
-@pytest.mark.parametrize("trainer", ["DistillationTrainer"])
-def test_bootstrap_refuses_distillation_by_name_before_training(restore_bootstrap, trainer):
-    import trl
+@pytest.mark.parametrize("trainer", ["OnlineDPOTrainer"])
+def test_bootstrap_refuses_a_refused_trainer_by_name_before_training(restore_bootstrap, trainer):
+    import warnings
+
     from transformers import Trainer
 
     from odc_accelerate.cli import bootstrap
 
     bootstrap.install()
-    cls = getattr(trl, trainer)  # TRL's own: not replaced
-    assert cls.__module__.startswith("trl.trainer.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's experimental-API warning
+        from trl.experimental.online_dpo import OnlineDPOTrainer
+    cls = {"OnlineDPOTrainer": OnlineDPOTrainer}[trainer]  # TRL's own: not replaced
+    assert cls.__module__.startswith("trl.experimental.")
     with pytest.raises(RuntimeError) as err:
         Trainer.train(object.__new__(cls))
     message = str(err.value)
-    assert message.startswith(f"ODC does not support TRL's {trainer}: its loss ")
+    assert message.startswith(f"ODC does not support TRL's {trainer}: it generates ")
     assert f"{trainer} was stopped before training" in message
     assert "train it with plain FSDP2 (`odc: false`)" in message and "not an ODC trainer" not in message
 
@@ -589,8 +588,8 @@ def test_replace_public_classes_refuses_what_is_not_a_subclass(restore_bootstrap
 
     with pytest.raises(TypeError, match="trl.SFTTrainer can only be replaced by a subclass of it"):
         trl_classes.replace_public_classes({"SFTTrainer": dict})
-    with pytest.raises(ValueError, match="not DistillationTrainer"):
-        trl_classes.replace_public_classes({"DistillationTrainer": dict})
+    with pytest.raises(ValueError, match="not GKDTrainer"):
+        trl_classes.replace_public_classes({"GKDTrainer": dict})
 
 
 def test_bootstrap_runs_the_script_as_main_with_its_arguments(tmp_path, monkeypatch, restore_bootstrap):

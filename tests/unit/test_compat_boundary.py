@@ -116,6 +116,11 @@ ALLOWED = (
         ("self._metrics", "self._total_train_tokens"),
     ),
     Allowed(
+        "tests/unit/test_distillation.py",
+        "a stand-in for TRL's DistillationTrainer carries the metrics `_compat.trl.train_metrics` reads",
+        ("self._metrics",),
+    ),
+    Allowed(
         "tests/unit/test_grpo.py",
         "a stand-in for TRL's GRPOTrainer carries the metrics `_compat.trl.train_metrics` reads",
         ("trainer._metrics",),

@@ -1,5 +1,5 @@
 """The reward-model trainer's pieces without a launch: pair lengths and the token budget, the loss weight, the step's
-metrics from the deferred gathers (a rank with no pair included); and the refusal of distillation."""
+metrics from the deferred gathers (a rank with no pair included); and the refusal of online DPO by name."""
 
 from __future__ import annotations
 
@@ -164,32 +164,36 @@ def test_step_accuracy_is_weighted_by_pairs_not_by_rank():
 
 
 # ---------------------------------------------------------------------------------------------------------- refusals
-def test_distillation_is_refused_by_name_with_the_reason():
-    from trl.trainer.distillation_trainer import DistillationTrainer
+def test_online_dpo_is_refused_by_name_with_the_reason():
+    import warnings
 
-    distillation = unsupported_trainer_message(object.__new__(DistillationTrainer))
-    assert distillation.startswith("ODC does not support TRL's DistillationTrainer: its loss calls full_tensor()")
-    assert "teacher model is not sharded by FSDP2" in distillation
-    assert "train it with plain FSDP2 (`odc: false`)" in distillation and distillation.endswith(PLAIN_FSDP2 + ".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's experimental-API warning
+        from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    class MyDistillation(DistillationTrainer):  # built on TRL's DistillationTrainer: refused, naming both
+    online = unsupported_trainer_message(object.__new__(OnlineDPOTrainer))
+    assert online.startswith("ODC does not support TRL's OnlineDPOTrainer: it generates completions")
+    assert "gather_object of the prompts" in online
+    assert "train it with plain FSDP2 (`odc: false`)" in online and online.endswith(PLAIN_FSDP2 + ".")
+
+    class MyOnlineDPO(OnlineDPOTrainer):  # built on TRL's OnlineDPOTrainer: refused, naming both
         pass
 
-    mine = unsupported_trainer_message(MyDistillation)
+    mine = unsupported_trainer_message(MyOnlineDPO)
     assert (
-        f"{__name__}.test_distillation_is_refused_by_name_with_the_reason.<locals>.MyDistillation (built on TRL's "
-        "DistillationTrainer)" in mine
+        f"{__name__}.test_online_dpo_is_refused_by_name_with_the_reason.<locals>.MyOnlineDPO (built on TRL's "
+        "OnlineDPOTrainer)" in mine
     )
 
 
 def test_supported_and_foreign_trainers_are_not_refused_by_name():
     from transformers import Trainer
-    from trl import DPOTrainer, KTOTrainer, RewardTrainer
+    from trl import DistillationTrainer, DPOTrainer, KTOTrainer, RewardTrainer
 
-    for cls in (RewardTrainer, DPOTrainer, KTOTrainer, Trainer, ODCRewardTrainer):
+    for cls in (RewardTrainer, DPOTrainer, KTOTrainer, DistillationTrainer, Trainer, ODCRewardTrainer):
         assert unsupported_trainer_message(cls) is None, cls
 
-    class DistillationTrainer:  # the name alone, outside TRL
+    class OnlineDPOTrainer:  # the name alone, outside TRL
         pass
 
-    assert unsupported_trainer_message(DistillationTrainer) is None
+    assert unsupported_trainer_message(OnlineDPOTrainer) is None

@@ -92,6 +92,12 @@ def generate_and_score_completions(trainer: Any, inputs: list[dict[str, Any]]) -
     return method(inputs)
 
 
+def pad_token_id(trainer: Any) -> int:
+    """The pad token id the online trainers (GRPO, RLOO, distillation) pad completions with (their ``_tokenizer``)."""
+    tokenizer = require(trainer, "_tokenizer", library=_LIBRARY, where=type(trainer).__name__)
+    return int(tokenizer.pad_token_id)
+
+
 def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     """The ``accelerator.reduce`` / ``gather`` calls GRPOTrainer._compute_loss makes per training microbatch, in call
     order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max")."""

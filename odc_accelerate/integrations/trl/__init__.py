@@ -25,6 +25,7 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from _LAZY)
     from .configs import (  # noqa: F401
+        ODCDistillationConfig,
         ODCDPOConfig,
         ODCGRPOConfig,
         ODCKTOConfig,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers; __all__ is built from
         ODCSFTConfig,
         ODCTrainingArgumentsMixin,
     )
+    from .distillation import ODCDistillationTrainer  # noqa: F401
     from .dpo import ODCDPOTrainer  # noqa: F401
     from .grpo import ODCGRPOTrainer  # noqa: F401
     from .kto import ODCKTOTrainer  # noqa: F401

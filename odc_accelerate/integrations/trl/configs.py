@@ -1,5 +1,4 @@
-"""The ODC training arguments of the TRL trainers: `ODCSFTConfig`, `ODCDPOConfig`, `ODCGRPOConfig`, `ODCRewardConfig`,
-`ODCRLOOConfig`.
+"""The ODC training arguments of the TRL trainers: one ``ODC<Name>Config`` per row of `odc_accelerate.trainers`.
 
 Each is TRL's config plus one field per `odc_accelerate.config.ODCConfig` option, named by its key (``--odc``,
 ``--odc_plan``, ...), generated from `ODCConfig` so that each option is defined once. The fields parse from the
@@ -12,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, make_dataclass
 from typing import Any
 
-from trl import DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
+from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 from ...config import training_args_fields
 from ..accelerate import enable
 
 __all__ = [
+    "ODCDistillationConfig",
     "ODCDPOConfig",
     "ODCGRPOConfig",
     "ODCKTOConfig",
@@ -129,3 +129,8 @@ class ODCRLOOConfig(ODCTRLConfigMixin, RLOOConfig):
 @dataclass
 class ODCKTOConfig(ODCTRLConfigMixin, KTOConfig):
     """`trl.KTOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+
+
+@dataclass
+class ODCDistillationConfig(ODCTRLConfigMixin, DistillationConfig):
+    """`trl.DistillationConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""

@@ -88,7 +88,8 @@ class ODCOnlineTrainerMixin:
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(dataset)
         if self.odc_config.balanced:
-            trl_grpo.grpo_sample_each_step_once(sampler, self.num_iterations)
+            # distillation has no num_iterations: each generation batch trains once
+            trl_grpo.grpo_sample_each_step_once(sampler, getattr(self, "num_iterations", 1))
         return sampler
 
     # ------------------------------------------------------------------ generation
@@ -189,6 +190,8 @@ class ODCOnlineTrainerMixin:
     def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """Generate and score the step's completions as TRL does, once per optimizer step."""
         args = self.args
+        if getattr(args, "steps_per_generation", None) is None:  # distillation: nothing reads the accumulation there
+            return trl_grpo.generate_and_score_completions(self, inputs)
         # TRL (GRPO) computes the old policy's log-probs when generation and optimizer steps are misaligned; here they
         # align (one generation batch per optimizer step), which TRL sees with its own accumulation count.
         folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
@@ -225,7 +228,7 @@ class ODCOnlineTrainerMixin:
             padded=True,
         )
         plan = planner.plan(lengths)
-        pad = int(self._tokenizer.pad_token_id)
+        pad = trl_grpo.pad_token_id(self)
         device = self.accelerator.device
         total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)

@@ -1,4 +1,4 @@
-"""The reference model of the DPO and GRPO trainers under ODC.
+"""The reference model of the DPO, GRPO, RLOO and KTO trainers (and distillation's teacher) under ODC.
 
 TRL prepares its reference model under FSDP2 by sharding the root module only, so each reference forward is one
 whole-model all-gather (a collective in every microbatch). Here the reference is sharded per layer like the policy
@@ -31,7 +31,11 @@ def check_reference_settings(args: Any, config: ODCConfig) -> None:
 
 
 class ODCReferenceModelMixin:
-    """Prepares a TRL trainer's reference model for ODC (see the module docstring); for trainers with ``ref_model``."""
+    """Prepares a TRL trainer's reference model for ODC (see the module docstring); for trainers with ``ref_model``
+    (distillation: ``teacher_model``, named by ``odc_frozen_model_attribute``)."""
+
+    #: The trainer attribute holding the frozen model (DPO, GRPO, RLOO, KTO: the reference; distillation: the teacher).
+    odc_frozen_model_attribute = "ref_model"
 
     def _odc_prepare_reference(self, model: Any, accelerator: Any, trl_prepare: Any) -> Any:
         """Called by TRL's trainer in place of its own ``prepare_fsdp`` (``trl_prepare``, used for FSDP1)."""
@@ -42,14 +46,14 @@ class ODCReferenceModelMixin:
 
     def _odc_release_dropped_reference(self) -> None:
         """Free what served the reference model once TRL dropped it (after precomputing its log-probs)."""
-        if getattr(self, "ref_model", None) is None:
+        if getattr(self, self.odc_frozen_model_attribute, None) is None:
             for engine in get_frozen_engines(self.accelerator):
                 release_frozen_model(self.accelerator, engine.model)
 
     @property
     def odc_reference_engine(self) -> Any:
-        """The gather-only `ODCEngine` serving the reference model, or `None`."""
-        ref = getattr(self, "ref_model", None)
+        """The gather-only `ODCEngine` serving the reference model (distillation: the teacher), or `None`."""
+        ref = getattr(self, self.odc_frozen_model_attribute, None)
         accelerator = getattr(self, "accelerator", None)
         if ref is None or accelerator is None:
             return None

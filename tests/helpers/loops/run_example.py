@@ -128,13 +128,13 @@ class RunReport:
             "dynamic_loads": list(getattr(trainer, "odc_dynamic_loads", [0, 0.0])),
             "claimed": self.claimed,  # with ODC_TEST_CLAIMS_DIR
         }
-        if hasattr(trainer, "odc_reference_engine"):  # DPO
+        if hasattr(trainer, "odc_reference_engine"):  # DPO, GRPO, RLOO, KTO; distillation: the teacher
             ref_engine = trainer.odc_reference_engine
             report.update(
                 reference_engine=type(ref_engine).__name__ if ref_engine is not None else None,
                 reference_frozen=bool(ref_engine.frozen) if ref_engine is not None else None,
                 reference_gathers=ref_engine.stats.gathers if ref_engine is not None else 0,
-                reference_kept=trainer.ref_model is not None,
+                reference_kept=getattr(trainer, trainer.odc_frozen_model_attribute) is not None,
                 precompute_ref_log_probs=bool(getattr(trainer.args, "precompute_ref_log_probs", False)),
             )
         out = trainer.args.output_dir
