@@ -10,6 +10,7 @@ import numpy as np
 
 from ...loss import batch_mean_weight
 from ..trainer.budget import BudgetRule
+from ..trainer.data import microbatch_rows
 
 __all__ = ["ODCPairTrainerMixin", "pair_budget_tokens", "pair_lengths", "pair_loss_weight"]
 
@@ -53,7 +54,8 @@ class ODCPairTrainerMixin:
         )
 
     def _odc_num_items(self, microbatches: list[Any]) -> int:
-        return sum(int(mb["input_ids"].shape[0]) // 2 for mb in microbatches)  # pairs: [chosen; rejected] rows
+        # pairs: [chosen; rejected] rows, or sequences of a packed row (DPO's padding_free)
+        return sum(microbatch_rows(mb) // 2 for mb in microbatches)
 
     def _odc_queue_items(self, step: Any) -> int:
         # A dynamic step's pairs are its samples: counted from the queue, nothing is collated before the claims.
@@ -61,5 +63,5 @@ class ODCPairTrainerMixin:
 
     def _odc_pair_weight(self, inputs: Any, num_items_in_batch: Any) -> float:
         """The loss weight of the microbatch ``inputs`` (``num_items_in_batch``: the step's pairs, all ranks)."""
-        pairs = int(inputs["input_ids"].shape[0]) // 2
+        pairs = microbatch_rows(inputs) // 2
         return pair_loss_weight(pairs, float(num_items_in_batch), self.accelerator.num_processes)
