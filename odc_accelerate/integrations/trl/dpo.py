@@ -84,9 +84,8 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
     """
 
     odc_pair_sample = "pair (prompt + chosen and prompt + rejected, both padded to the longer)"
-    #: Whether each microbatch's pairs are packed into one row (``padding_free=True`` and nothing in the way), and the
-    #: forwards (policy and reference) that ran packed so far.
-    odc_packs_pairs = False
+    #: The forwards (policy and reference) that ran packed so far (``odc_packs_pairs``: ``padding_free=True`` and
+    #: nothing in the way).
     odc_packed_forwards = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -140,11 +139,6 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
 
     def _odc_padded(self) -> bool:
         return not self.odc_packs_pairs and super()._odc_padded()
-
-    def _odc_budget_tokens(self, lengths: Any) -> np.ndarray:
-        if self.odc_packs_pairs:  # chosen and rejected, each its own length
-            return np.asarray(lengths).sum(axis=1)
-        return super()._odc_budget_tokens(lengths)
 
     def _odc_collator(self) -> Any:
         collator = super()._odc_collator()

@@ -20,10 +20,11 @@ def pair_lengths(chosen: Any, rejected: Any) -> np.ndarray:
     return np.stack([np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)], axis=1)
 
 
-def pair_budget_tokens(lengths: Any) -> np.ndarray:
+def pair_budget_tokens(lengths: Any, packed: bool = False) -> np.ndarray:
     """The tokens each pair holds in a microbatch: both rows padded to the longer, so a pair alone is 2 x its longer
-    sequence."""
-    return 2 * np.asarray(lengths).max(axis=1)
+    sequence; packed into one row (DPO's ``padding_free``), the sum of its two."""
+    lengths = np.asarray(lengths)
+    return lengths.sum(axis=1) if packed else 2 * lengths.max(axis=1)
 
 
 def pair_loss_weight(pairs: int, total_pairs: float, world_size: int) -> float:
@@ -40,9 +41,11 @@ class ODCPairTrainerMixin:
     #: A pair, and what else fits it in the token budget, for the budget's messages (`..trainer.budget`).
     odc_pair_sample: ClassVar[str] = "pair (chosen and rejected, both padded to the longer)"
     odc_pair_remedy: ClassVar[str] = "lower --max_length"
+    #: Whether a microbatch's pairs are packed into one row (the DPO trainer's ``padding_free``), not padded.
+    odc_packs_pairs: bool = False
 
     def _odc_budget_tokens(self, lengths: Any) -> np.ndarray:
-        return pair_budget_tokens(lengths)
+        return pair_budget_tokens(lengths, packed=self.odc_packs_pairs)
 
     def _odc_budget_rule(self, lengths: Any) -> BudgetRule:
         max_length = getattr(self.args, "max_length", None)
