@@ -157,3 +157,18 @@ def test_trls_warning_that_it_pads_is_left_out_only_while_odc_packs(caplog):
         logger.warning(message)
     assert [r.getMessage().endswith(message) for r in caplog.records] == [False, True]
     assert "log_probs" in trl_dpo.fused_per_token_fields()
+
+
+def test_the_odc_dpo_config_describes_padding_free_as_served():
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from odc_accelerate.integrations.trl import ODCDPOConfig
+
+    (args,) = HfArgumentParser(ODCDPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--padding_free", "true"]
+    )
+    assert args.padding_free is True
+    (field,) = [f for f in dataclasses.fields(ODCDPOConfig) if f.name == "padding_free"]
+    assert "ODC's serves it" in field.metadata["help"] and "Temporarily unavailable" not in field.metadata["help"]
