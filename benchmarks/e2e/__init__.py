@@ -25,6 +25,8 @@ the step is split over ranks and the communication change:
   with the default step memory policy (``neither``: a gather per use, a scatter-add per microbatch);
 * ``odc_grads`` / ``odc_both``: ``odc`` with ``--odc_memory_policy grads`` (unsharded gradients kept until the step
   boundary, as the Trainer accumulates) / ``both`` (also parameters gathered once per step);
+* ``odc_packed`` (DPO): ``odc`` with ``--padding_free true``: each microbatch's pairs packed into one row, chosen and
+  rejected each its own sequence (TRL 1.16 pads every pair), against the padded arms;
 * ``limit``: the physical limit, mean per-rank compute with zero communication, MEASURED: W independent single
   processes (no process group, no FSDP) run at the same time, each the whole global step of the ``free`` plan's
   sampler (same samples per step); a rank's share is the step time / W. Running W of them at once keeps the machine
@@ -32,7 +34,9 @@ the step is split over ranks and the communication change:
 
 The planned arms pack several samples into one microbatch; on SFT they collate padding-free (``--padding_free
 true``: one packed row, no padding computed), while the random / batch_rebalance arms run one sample per microbatch
-(unpadded either way). TRL 1.16 has no padding-free DPO, so planned DPO microbatches are padded.
+(unpadded either way). TRL 1.16 has no padding-free DPO: its DPO microbatches, and those of the DPO arms but
+``odc_packed``, are padded. The table's ``padding %`` is the share of the tokens the model computed that were padding
+(every microbatch's ``rows x width`` against its real tokens, from the step traces).
 
 Every process records its steps' microbatch shapes (``ODC_TRACE_DIR``, `odc_accelerate.telemetry.StepTrace`); they are
 kept in ``results.json`` for ``python -m benchmarks.sim validate-e2e``.

@@ -59,6 +59,8 @@ def aggregate(runs: dict[str, list[dict]], world: int, slow: dict | None = None)
             "tokens_per_s_runs": [s["tokens_per_s"] for s in sums],
             "step_s_runs": [s["step_s_median"] for s in sums],
         }
+        padding = [s.get("padding_pct") for s in sums]
+        med["padding_pct"] = statistics.median(padding) if padding and None not in padding else None
         med["label"] = ARMS[name].label
         arms[name] = med
     for a in arms.values():

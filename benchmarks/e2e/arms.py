@@ -88,6 +88,15 @@ ARMS: dict[str, Arm] = {
             ("--odc", "true", "--odc_reduction", "ordered"),
             planned=True,
         ),
+        # DPO without padding: each microbatch's pairs packed into one row (TRL 1.16 pads every pair). Same plan and
+        # communication as "odc"; on the DPO workload it is compared with the padded arms.
+        Arm(
+            "odc_packed",
+            "ODC + plan free, packed",
+            "odc_cpu.yaml",
+            ("--odc", "true", "--padding_free", "true"),
+            planned=True,
+        ),
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
     )
 }
@@ -150,6 +159,7 @@ WORKLOADS: dict[str, Workload] = {
         # attending to itself) computes no padding. The FSDP2 random / batch_rebalance arms run one sample per
         # microbatch, which has no padding either way.
         planned_args=("--padding_free", "true"),
+        unsupported={"odc_packed": "the planned SFT arms already collate padding-free: it would be the odc arm"},
     ),
     "dpo": Workload(
         "dpo",
@@ -159,7 +169,7 @@ WORKLOADS: dict[str, Workload] = {
         grad_accum=2,
         max_length=512,
         max_steps=5,
-        arms=("fsdp2_random", "fsdp2_lockstep", "odc", "odc_dynamic"),
+        arms=("fsdp2_random", "fsdp2_lockstep", "odc", "odc_dynamic", "odc_packed"),
         replaced={"max_length": 1024, "per_device_train_batch_size": 8},
         unsupported={
             "fsdp2_rebalance": "transformers' BatchRebalanceSampler reads lengths from an `input_ids` or `length` "
@@ -182,6 +192,7 @@ WORKLOADS: dict[str, Workload] = {
         replaced={"max_length": 1024, "per_device_train_batch_size": 8},
         args=("--remove_unused_columns", "false"),
         data="reward_pairs",
+        unsupported={"odc_packed": "the reward trainer pads a pair's rows; packing them is the DPO trainer's"},
     ),
 }
 # The SFT example on a 2-D mesh (2 replicas x 2 shards, 4 processes): FSDP2's HSDP under the three samplers vs ODC

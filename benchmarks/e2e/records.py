@@ -104,6 +104,23 @@ def read_rss(directory: Path) -> list[float]:
     return [json.loads(p.read_text())["peak_rss_mb"] for p in files]
 
 
+def padding_pct(traces: list[list[list[dict]]], warmup: int) -> float | None:
+    """The share (%) of the tokens the model computed that were padding, over the measured steps (the first
+    ``warmup`` dropped) of every process and rank: ``1 - real tokens / (rows x width)`` of each microbatch, from the
+    step traces (``[process][rank][step]``, `read_trace`); `None` without traces. A packed row (one row of several
+    sequences) has none."""
+    computed = real = 0
+    for ranks in traces:
+        for steps in ranks:
+            for step in steps:
+                if int(step["step"]) <= warmup:
+                    continue
+                for mb in step["microbatches"]:
+                    computed += int(mb["rows"]) * int(mb["width"])
+                    real += sum(int(t) for t in mb["row_tokens"])
+    return 100.0 * (1.0 - real / computed) if computed else None
+
+
 def read_trace(directory: Path) -> list[list[dict]]:
     """``[rank][step]`` rows of the `odc_accelerate.telemetry.StepTrace` files in ``directory`` (empty if none)."""
     files = sorted(directory.glob("trace_rank*.jsonl"), key=lambda f: int(f.stem[len("trace_rank") :]))

@@ -16,7 +16,9 @@ def _fmt_list(values: list[float], fmt: str) -> str:
 def table_rows(result: dict) -> list[list[str]]:
     """Header and one row per arm (in `ARMS` order) of an aggregated result."""
     arms = result["arms"]
-    head = ["arm", "step s", "real tok/s", "bubble %", "busy s/rank", "wait s/rank", "peak RSS MB/rank"]
+    padding = any(a.get("padding_pct") is not None for a in arms.values())
+    head = ["arm", "step s", "real tok/s", "bubble %", *(["padding %"] if padding else [])]
+    head += ["busy s/rank", "wait s/rank", "peak RSS MB/rank"]
     head += [f"vs {ARMS[b].label.split(' + ')[1]}" for b in BASELINES if b in arms]
     head += ["of limit"] if "limit" in arms else []
     ideal = "ideal" in result
@@ -30,6 +32,7 @@ def table_rows(result: dict) -> list[list[str]]:
             f"{a['step_s']:.2f}",
             f"{a['tokens_per_s']:.1f}",
             f"{a['bubble_pct']:.1f}",
+            *([_padding_cell(a.get("padding_pct"))] if padding else []),
             _fmt_list(a["busy_s"], ".2f"),
             _fmt_list(a["wait_s"], ".2f"),
             _fmt_list(a["peak_rss_mb"], ".0f") + (" (1 proc, unsharded)" if limit else ""),
@@ -39,6 +42,10 @@ def table_rows(result: dict) -> list[list[str]]:
         row += ["" if limit else f"{a['step_over_ideal']:.2f}"] if ideal else []
         rows.append(row)
     return rows
+
+
+def _padding_cell(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def text_table(rows: list[list[str]]) -> str:

@@ -20,7 +20,7 @@ from benchmarks import REPO
 from benchmarks.e2e.aggregate import aggregate
 from benchmarks.e2e.arms import ARMS, Arm, Workload
 from benchmarks.e2e.environment import allocator_env, run_env
-from benchmarks.e2e.records import make_record, parse_log_history, read_rss, read_trace
+from benchmarks.e2e.records import make_record, padding_pct, parse_log_history, read_rss, read_trace
 
 RUN_EXAMPLE = REPO / "tests" / "helpers" / "loops" / "run_example.py"
 """Runs an example script unchanged; with ``ODC_BENCH_RSS_DIR`` set it writes ``rss_rank<RANK>.json`` there at exit."""
@@ -174,6 +174,8 @@ def run_arm(workload: Workload, arm: Arm, opts: argparse.Namespace, world: int, 
     # per process, per rank: the steps' microbatch shapes and times (telemetry.StepTrace), replayed by
     # `python -m benchmarks.sim validate-e2e`
     record["trace"] = [read_trace(p["out"] / "trace") for p in procs]
+    # the share of the computed tokens that were padding (TRL's padded DPO pads both rows of a pair)
+    record["summary"]["padding_pct"] = padding_pct(record["trace"], opts.warmup)
     return record
 
 
@@ -210,7 +212,7 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
             s = result["summary"]
             print(
                 f"          {s['step_s_median']:.2f} s/step, {s['tokens_per_s']:.1f} tok/s, bubble "
-                f"{s['bubble_pct']:.1f}%, wall {result['wall_s']:.0f} s",
+                f"{s['bubble_pct']:.1f}%, padding {_pct(s.get('padding_pct'))}, wall {result['wall_s']:.0f} s",
                 flush=True,
             )
     slow = slow_condition(opts, world)
@@ -237,6 +239,10 @@ def run(workload: Workload, opts: argparse.Namespace, argv: list[str]) -> dict:
     result["conditions"] = run_conditions(loads, started, opts.allocator)
     result["runs"] = runs
     return result
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
 
 
 def slow_condition(opts: argparse.Namespace, world: int) -> dict | None:

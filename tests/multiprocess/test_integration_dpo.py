@@ -20,7 +20,10 @@ Module-scoped runs (2 optimizer steps each, fp32 unless named):
 * ``plain_lockstep_moe`` / ``odc_lockstep_moe``: plain FSDP2 vs ODC on the MoE with its auxiliary loss, one step of
   two pairs per rank (lockstep plan).
 * ``odc_hybrid``: ``odc``, one step of short pairs, on a Qwen3.5-MoE hybrid (3 Gated DeltaNet layers, 1 full
-  attention; DPO's padded rows), against TRL's trainer in one process (``single_hybrid``).
+  attention) with ``--padding_free true``, which without the linear-attention kernels trains DPO's padded rows, against
+  TRL's trainer in one process (``single_hybrid``).
+* ``odc_packed``: ``odc`` with ``--padding_free true`` at ``--max_length 96`` (pairs of unequal lengths), each
+  microbatch's pairs packed into one row, against TRL's padded trainer in one process (``single_packed``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ COMMON = [
 ]
 UNEQUAL = ["--odc_samples_per_step", "5"]
 HYBRID_SHORT = ["--max_steps", "1", "--max_length", "32", "--odc_max_tokens_per_microbatch", "96"]  # later values win
+# Long enough that some sequences are shorter than max_length (TRL pads them), a budget of several pairs per row
+PACKED = [*COMMON, "--max_length", "96", "--odc_max_tokens_per_microbatch", "384", *UNEQUAL]
+PADDING_FREE = ["--padding_free", "true"]
 DUMP = {"ODC_DUMP_PARAMS": "1"}
 COUNT = {"ODC_COUNT_DIST_CALLS": "1"}
 PEFT = ["--use_peft", "--lora_r", "8", "--learning_rate", "0.05"]  # the later --learning_rate wins
@@ -98,16 +104,21 @@ def runs(tmp_path_factory, references, tiny_model):
     names = ("odc", "single", "odc_pre", "plain_bf16", "odc_bf16", "plain_fp32", "odc_fp32", "odc_peft")
     names += ("odc_ordered", "odc_ordered_slowed", "plain_lockstep_moe", "odc_lockstep_moe")
     names += tuple(_name(n, kind) for kind in MODEL_KINDS[1:] for n in ("odc", "single", "odc_peft"))
-    names += ("odc_hybrid", "single_hybrid")
+    names += ("odc_hybrid", "single_hybrid", "odc_packed", "single_packed")
     out = {name: root / name for name in names}
     procs = {}
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true"]
     plain = [CONFIGS / "fsdp2_cpu.yaml", TRAIN]
     hybrid = [*COMMON, *model_args(tiny_model, HYBRID), *HYBRID_SHORT]
     procs["odc_hybrid"] = background(
-        accelerate_launch, *odc, *hybrid, *UNEQUAL, "--output_dir", out["odc_hybrid"], **DUMP
+        accelerate_launch, *odc, *hybrid, *UNEQUAL, *PADDING_FREE, "--output_dir", out["odc_hybrid"], **DUMP
     )
     procs["single_hybrid"], out["single_hybrid"] = references.start("dpo", 5, *hybrid)
+    trace = {"ODC_TRACE_DIR": str(out["odc_packed"] / "trace")}
+    procs["odc_packed"] = background(
+        accelerate_launch, *odc, *PACKED, *PADDING_FREE, "--output_dir", out["odc_packed"], **trace, **DUMP
+    )
+    procs["single_packed"], out["single_packed"] = references.start("dpo", 5, *PACKED)
     for kind in MODEL_KINDS[1:]:  # first: these and their references take longest
         model = model_args(tiny_model, kind)
         name, single, peft = _name("odc", kind), _name("single", kind), _name("odc_peft", kind)
@@ -260,12 +271,54 @@ def test_hybrid_linear_attention_model_matches_trls_own_trainer_in_one_process(r
     assert a_step["grad_norm"] == pytest.approx(b_step["grad_norm"], rel=1e-4)
     assert_dpo_metrics_match(a_step, b_step)
     assert a_step["num_tokens"] == b_step["num_tokens"]
+    # padding_free=True: without the linear-attention kernels the pairs stay padded, and the run says why
+    assert [r["packs_pairs"] for r in reports(odc, "odc_run_rank")] == [False, False]
+    assert "ODC trains these DPO pairs padded, one row per sequence, because its recurrent" in (
+        runs["procs"]["odc_hybrid"].stderr
+    )
     a, b = final_params(odc), final_params(single)
     assert any(".linear_attn." in k for k in a)  # the Gated DeltaNet layers trained too
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     update = _update(single)
     assert update > 0 and diff / update <= 1e-4, (diff, update)
     print(f"hybrid DPO: |diff| / |update| = {diff / update:.2e}, max rel {max_rel(a, b):.2e}")
+
+
+def test_packed_pairs_match_trls_padded_dpo_in_one_process(runs):
+    """``--padding_free true``: each planned microbatch is one packed row of its pairs' sequences, and training equals
+    TRL's padded DPO on the same pairs (per-sequence log-prob sums, loss, gradients, weights)."""
+    check_ok(runs["procs"]["odc_packed"])
+    check_ok(runs["procs"]["single_packed"])
+    odc, single = runs["out"]["odc_packed"], runs["out"]["single_packed"]
+    assert "temporarily unavailable" not in runs["procs"]["odc_packed"].stderr  # TRL's "falling back to padding"
+    every = []
+    for r in reports(odc, "odc_run_rank"):
+        assert r["packs_pairs"] is True
+        traced = [
+            json.loads(line) for line in (odc / "trace" / f"trace_rank{r['rank']}.jsonl").read_text().splitlines()
+        ]
+        microbatches = [mb for step in traced for mb in step["microbatches"]]
+        # one row, chosen and rejected each a sequence of its own length; the policy's and the reference's forwards
+        # of every microbatch ran packed
+        assert all(mb["rows"] == 1 and len(mb["segments"]) % 2 == 0 for mb in microbatches), microbatches
+        assert r["packed_forwards"] == 2 * len(microbatches)
+        every += microbatches
+    assert any(len(mb["segments"]) >= 4 for mb in every)  # several pairs in one row
+    assert any(len(set(mb["segments"])) > 1 for mb in every)  # of unequal lengths: TRL pads them
+    for a, b in zip(logged_steps(odc), logged_steps(single), strict=True):
+        # the step's means of the per-sequence log-prob sums, chosen and rejected
+        assert a["logps/chosen"] == pytest.approx(b["logps/chosen"], rel=1e-5)
+        assert a["logps/rejected"] == pytest.approx(b["logps/rejected"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert_dpo_metrics_match(a, b)
+        assert a["num_tokens"] == b["num_tokens"]
+    assert logged_steps(single)[1]["rewards/margins"] != 0.0
+    a, b = final_params(odc), final_params(single)
+    diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+    update = _update(single)
+    assert update > 0 and diff / update <= 1e-4, (diff, update)
+    print(f"packed DPO: |diff| / |update| = {diff / update:.2e}, max rel {max_rel(a, b):.2e}")
 
 
 def test_ordered_reduction_repeats_bit_for_bit_with_a_slowed_rank_and_matches_one_process(runs):

@@ -17,7 +17,7 @@ from benchmarks.e2e.aggregate import aggregate
 from benchmarks.e2e.arms import ARMS, WORKLOADS
 from benchmarks.e2e.cli import parse_args
 from benchmarks.e2e.environment import allocator_env, run_env
-from benchmarks.e2e.records import make_record, parse_log_history
+from benchmarks.e2e.records import make_record, padding_pct, parse_log_history
 from benchmarks.e2e.report import write_outputs
 from benchmarks.e2e.runner import RUN_EXAMPLE, commands
 
@@ -161,7 +161,11 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
             samples[name] = training.per_device_train_batch_size * training.gradient_accumulation_steps * 2
         assert training.max_length == 300 and training.logging_steps == 1 and training.max_steps == opts.max_steps
         assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else "random")
-        assert training.odc is (True if name in ("odc", "odc_dynamic") else None)
+        assert training.odc is (True if name in ("odc", "odc_dynamic", "odc_packed") else None)
+        # DPO pairs packed into one row in the packed arm only (the planned SFT arms collate padding-free)
+        assert getattr(training, "padding_free", False) is (
+            name == "odc_packed" or (workload.name == "sft" and arm.planned)
+        )
         assert training.odc_plan == {"fsdp2_lockstep": "lockstep", "limit": "free", "odc_dynamic": "dynamic"}.get(name)
         if name != "limit":
             assert procs[0]["cmd"][procs[0]["cmd"].index("--config_file") + 1].endswith(arm.config)
@@ -196,6 +200,35 @@ def test_reward_pairs_carry_the_length_batch_rebalance_reads(tmp_path):
         assert row["length"] == max(sides)
     lengths = sorted(row["length"] for row in rows)
     assert lengths[-1] > 3 * lengths[len(lengths) // 2]  # long-tailed
+
+
+def test_padding_share_counts_the_padded_rows_of_the_measured_steps_and_the_table_shows_it(tmp_path):
+    def step(index, microbatches):
+        return {"step": index, "microbatches": microbatches}
+
+    padded = {"rows": 2, "width": 10, "row_tokens": [10, 6]}  # a pair, the shorter row padded by 4
+    packed = {"rows": 1, "width": 16, "row_tokens": [16], "segments": [10, 6]}  # the same pair packed
+    warm = {"rows": 4, "width": 100, "row_tokens": [1, 1, 1, 1]}  # a warm-up step: left out
+    # [process][rank][step]: rank 0 runs the padded pair, rank 1 the packed one, in step 2
+    traces = [[[step(1, [warm]), step(2, [padded])], [step(1, [warm]), step(2, [packed])]]]
+    assert padding_pct(traces, warmup=1) == pytest.approx(100 * 4 / 36)
+    assert padding_pct([[[step(2, [packed])]]], warmup=1) == 0.0
+    assert padding_pct([[]], warmup=1) is None
+
+    runs = _synthetic_runs()
+    for name, arm_runs in runs.items():
+        for r in arm_runs:
+            r["summary"]["padding_pct"] = 0.0 if name == "odc" else 20.0
+    result = aggregate(runs, world=2)
+    assert result["arms"]["odc"]["padding_pct"] == 0.0 and result["arms"]["fsdp2_random"]["padding_pct"] == 20.0
+    result["config"] = dict(
+        workload="dpo", command="python -m benchmarks.e2e dpo", world_size=2, max_length=512,
+        samples_per_step=8, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=3, warmup=1,
+        repeats=2,
+    )  # fmt: skip
+    result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today")
+    snippet = write_outputs(result, tmp_path)["snippet"].read_text()
+    assert "| bubble % | padding % |" in snippet and "| ODC + plan free | 4.00 | 310.0 | 3.8 | 0.0 |" in snippet
 
 
 def test_full_runs_write_to_the_stored_results_and_quick_runs_never_do():

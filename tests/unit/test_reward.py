@@ -28,6 +28,7 @@ def _stub(max_length, trainer=ODCRewardTrainer):
     stub = SimpleNamespace(args=SimpleNamespace(max_length=max_length))
     stub._odc_budget_tokens = lambda lengths: trainer._odc_budget_tokens(stub, lengths)
     stub.odc_pair_sample, stub.odc_pair_remedy = trainer.odc_pair_sample, trainer.odc_pair_remedy
+    stub.odc_packs_pairs = trainer.odc_packs_pairs
     return stub
 
 
@@ -41,7 +42,7 @@ def test_pair_lengths_are_chosen_and_rejected_and_the_budget_counts_both_padded_
     assert pair_lengths([5, 2], [3, 7]).tolist() == [[5, 3], [2, 7]]
     # a pair alone is a [2, longer] batch
     assert pair_budget_tokens(lengths).tolist() == [10, 14, 18]
-    assert ODCRewardTrainer._odc_budget_tokens(None, lengths).tolist() == [10, 14, 18]
+    assert ODCRewardTrainer._odc_budget_tokens(_stub(16), lengths).tolist() == [10, 14, 18]
 
 
 def test_default_budget_is_one_longest_pair_and_an_oversize_pair_stops_the_run():
@@ -66,6 +67,9 @@ def test_dpo_and_the_reward_trainer_share_the_pair_hooks_and_name_their_own_pair
     assert (dpo.default, reward.default) == (32, 32)
     assert dpo.sample.startswith("pair (prompt + chosen") and reward.sample.startswith("pair (chosen and rejected")
     assert "longer pairs are dropped" in reward.remedy and "dropped" not in dpo.remedy
+    # DPO's padding_free: a pair packed into one row holds its two lengths, not twice the longer
+    assert pair_budget_tokens(lengths).tolist() == [10, 14, 18]
+    assert pair_budget_tokens(lengths, packed=True).tolist() == [8, 9, 18]
 
 
 def test_a_step_counts_pairs():

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .. import require, warn_if_untested
+from .. import CompatError, require, warn_if_untested
 from . import _LIBRARY, _reference_preparer
 
 # What DPOTrainer._compute_loss passes to accelerator.gather / gather_for_metrics per training microbatch, in call
@@ -78,3 +78,41 @@ def dpo_reference_preparer(prepare: Any) -> Iterator[None]:
 
     with _reference_preparer(dpo_trainer, "trl.trainer.dpo_trainer", prepare):
         yield
+
+
+#: The warning with which TRL 1.16's DPOTrainer turns ``padding_free=True`` off.
+_PADDING_FREE_WARNING = "`padding_free=True` is temporarily unavailable"
+
+
+@contextlib.contextmanager
+def padding_free_warning_silenced() -> Iterator[None]:
+    """Within the block (``DPOTrainer.__init__`` of a trainer that packs its pairs itself), TRL's warning that it falls
+    back to padding is left out: the pairs are packed, so it would say the opposite of what happens."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return _PADDING_FREE_WARNING not in str(record.getMessage())
+
+    logger = logging.getLogger("trl.trainer.dpo_trainer")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def fused_per_token_fields() -> tuple[str, ...]:
+    """The per-token fields of TRL's fused LM head output (``FusedCausalLMOutput``: log-probs, entropy, ...), each of
+    shape ``(rows, width - 1)``: what a packed forward scatters back to the padded rows."""
+    import dataclasses
+
+    from trl.trainer import utils
+
+    output = require(utils, "FusedCausalLMOutput", library=_LIBRARY, where="trl.trainer.utils")
+    names = tuple(f.name for f in dataclasses.fields(output) if f.name not in ("loss", "aux_loss"))
+    if "log_probs" not in names:
+        raise CompatError(
+            "trl.trainer.utils.FusedCausalLMOutput has no log_probs field: the installed TRL changed its fused LM head, "
+            "which the packed DPO forward reads. Pass --padding_free false."
+        )
+    return names

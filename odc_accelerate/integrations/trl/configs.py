@@ -8,7 +8,7 @@ command line and from a TRL ``--config recipe.yaml``; `None` means "not set here
 
 from __future__ import annotations
 
-from dataclasses import dataclass, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
@@ -108,7 +108,19 @@ class ODCSFTConfig(ODCTRLConfigMixin, SFTConfig):
 
 @dataclass
 class ODCDPOConfig(ODCTRLConfigMixin, DPOConfig):
-    """`trl.DPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`)."""
+    """`trl.DPOConfig` plus the ODC options (same CPU precision defaults as `ODCSFTConfig`). ``padding_free``, which
+    TRL 1.16's own trainer turns off, is served by `ODCDPOTrainer` (docs/integrations.md, "TRL DPO")."""
+
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack each microbatch's pairs into one row, chosen and rejected each its own sequence, instead of "
+            "padding them (TRL 1.16's own DPOTrainer turns this off; ODC's serves it). Where the attention kernel "
+            "cannot keep packed sequences apart (an attention implementation other than eager, sdpa, flex_attention "
+            "or flash attention, linear-attention layers without their kernels, images, prompt-learning PEFT), the "
+            "pairs stay padded and the run says why."
+        },
+    )
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any
 
 import numpy as np
@@ -13,8 +15,11 @@ from ..._compat.trl import lm_head as trl_lm_head
 from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from .metrics import check_gathers, drop_microbatch_values, ratio
+from .packing import PackedPairs, packed_forward, padded_view, pair_packing_obstacle
 from .pairs import ODCPairTrainerMixin, pair_lengths
 from .reference import ODCReferenceModelMixin, check_reference_settings
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BATCH_COUPLED_LOSS_TYPES",
@@ -65,6 +70,11 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
       prompt + rejected (each truncated to ``max_length``). TRL's collator pads every row of a microbatch to its
       longest sequence, so the plan is made on padded shapes (`odc_accelerate.planning.padded`): pairs of similar lengths share
       a microbatch, which costs ``rows x cost(longest)`` and holds at most the token budget of padded tokens.
+    * **Without padding** (``padding_free=True``, which TRL 1.16's own trainer turns off): each microbatch's pairs are
+      packed into one row, chosen and rejected each its own sequence (`.packing`), and the plan counts their real
+      tokens. Where packing cannot keep the sequences apart (`.packing.pair_packing_obstacle`: another attention
+      implementation, recurrent layers without their kernels, images, prompt-learning PEFT) the pairs are padded, with
+      a warning saying why.
     * **Exact loss.** TRL averages the loss over the pairs of each microbatch; here each microbatch's mean is
       reweighted by ``pairs in the microbatch x world size / pairs of the whole step``, so the step's gradient is that
       of the mean over every pair of the global batch, whatever the per-rank split.
@@ -74,6 +84,9 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
     """
 
     odc_pair_sample = "pair (prompt + chosen and prompt + rejected, both padded to the longer)"
+    #: The forwards (policy and reference) that ran packed so far (``odc_packs_pairs``: ``padding_free=True`` and
+    #: nothing in the way).
+    odc_packed_forwards = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         training_args = kwargs.get("args")
@@ -81,13 +94,28 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
             for key in ("train_dataset", "eval_dataset"):
                 if kwargs.get(key) is not None:
                     kwargs[key] = _shared_on_disk(kwargs[key], training_args, key)
+        padding_free = bool(getattr(training_args, "padding_free", False))
         with (
             trl_dpo.dpo_reference_preparer(self._odc_prepare_reference),
             trl_lm_head.fused_lm_head_torch_path("dpo"),  # TRL 1.15 on CPU
+            trl_dpo.padding_free_warning_silenced() if padding_free else contextlib.nullcontext(),
         ):
             super().__init__(*args, **kwargs)
         trl_dpo.check_dpo(self)
         self._odc_release_dropped_reference()
+        if padding_free:
+            self._odc_choose_packing()
+
+    def _odc_choose_packing(self) -> None:
+        """Pack the pairs (``padding_free=True``) unless `pair_packing_obstacle` says why not; then warn and pad."""
+        obstacle = pair_packing_obstacle(self)
+        if obstacle is None:
+            self.odc_packs_pairs = True
+            self.odc_pair_sample = "pair (prompt + chosen and prompt + rejected, packed into one row)"
+        elif self.is_world_process_zero():
+            logger.warning(
+                "padding_free=True: ODC trains these DPO pairs padded, one row per sequence, because %s.", obstacle
+            )
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
@@ -109,6 +137,33 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
             chosen, rejected = np.minimum(chosen, max_length), np.minimum(rejected, max_length)
         return pair_lengths(chosen, rejected)
 
+    def _odc_padded(self) -> bool:
+        return not self.odc_packs_pairs and super()._odc_padded()
+
+    def _odc_collator(self) -> Any:
+        collator = super()._odc_collator()
+        if not self.odc_packs_pairs:
+            return collator
+        cached = self.__dict__.get("_odc_packed_collator")
+        if cached is None or cached.collator is not collator:
+            cached = self._odc_packed_collator = PackedPairs(collator)
+        return cached
+
+    @contextlib.contextmanager
+    def _odc_packed_forward(self, model: Any) -> Any:
+        """Where the pairs are packed, the policy's and the reference's forwards run packed (`packed_forward`)."""
+        if not self.odc_packs_pairs:
+            yield
+            return
+        from ...hybrid import recurrent_model
+
+        modules = (model, self.model, getattr(self, "ref_model", None))
+        with packed_forward(modules, boundaries=recurrent_model(self.model)) as ran:
+            try:
+                yield
+            finally:
+                self.odc_packed_forwards += len(ran)
+
     # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`);
     # TRL gathers it first.
     _odc_serves_router_aux_loss = True
@@ -116,12 +171,16 @@ class ODCDPOTrainer(ODCReferenceModelMixin, ODCPairTrainerMixin, ODCTrainerMixin
 
     # ------------------------------------------------------------------ loss and metrics
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        # TRL's loss reads padded rows: a packed microbatch is handed to it as its padded view, and its forwards are
+        # packed again (`.packing`).
+        inputs = padded_view(inputs) if self.odc_packs_pairs else inputs
         if not (self._odc_looping and num_items_in_batch is not None):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            with self._odc_packed_forward(model):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         weight = self._odc_pair_weight(inputs, num_items_in_batch)
         # TRL adds coef x aux to the pairs' mean, which the weight then multiplies: the router term's weighted share of
         # the step needs coef x share x W / weight (`moe`).
-        with self._odc_router_coef(self.accelerator.num_processes / weight):
+        with self._odc_router_coef(self.accelerator.num_processes / weight), self._odc_packed_forward(model):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return (out[0] * weight, *out[1:])
