@@ -289,3 +289,8 @@ def restore_trainer() -> None:
     for module_name, original in _TRAINER_REPLACED.items():
         sys.modules[module_name].Trainer = original
     _TRAINER_REPLACED.clear()
+
+
+def attention_implementation(config: Any) -> str | None:
+    """The attention implementation a model config selects (``"sdpa"``, ``"eager"``, ...; `None` when unset)."""
+    return require(config, "_attn_implementation", library=_LIBRARY, where=type(config).__name__)

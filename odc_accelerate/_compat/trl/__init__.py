@@ -55,3 +55,8 @@ def count_train_tokens(trainer: Any, global_tokens: float, local_tokens: float) 
     total = require(trainer, "_total_train_tokens", library=_LIBRARY, where=type(trainer).__name__)
     trainer._total_train_tokens = total + int(global_tokens) // tp - int(local_tokens) // tp
     train_metrics(trainer)["num_tokens"] = [trainer._total_train_tokens]
+
+
+def is_vision_dataset(trainer: Any) -> bool:
+    """Whether TRL's trainer (DPO, KTO) found images in its training set (its collator then lays out each row)."""
+    return bool(require(trainer, "_is_vision_dataset", library=_LIBRARY, where=type(trainer).__name__))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import check_signature, import_attr, require, warn_if_untested
-from . import _LIBRARY, _reference_preparer
+from . import _LIBRARY, _reference_preparer, is_vision_dataset
 
 __all__ = [
     "KTO_PER_MICROBATCH",
@@ -98,11 +98,6 @@ def kto_reference_preparer(prepare: Any) -> Iterator[None]:
 
     with _reference_preparer(kto_trainer, "trl.trainer.kto_trainer", prepare):
         yield
-
-
-def is_vision_dataset(trainer: Any) -> bool:
-    """Whether KTOTrainer found a vision dataset (its collator then builds the KL pairs within each microbatch)."""
-    return bool(require(trainer, "_is_vision_dataset", library=_LIBRARY, where="trl.KTOTrainer"))
 
 
 def policy_kl_logps(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:

@@ -43,17 +43,19 @@ _FORWARD_KEYS = frozenset(
 
 def pair_packing_obstacle(trainer: Any) -> str | None:
     """Why ``trainer``'s pairs cannot be packed into one row per microbatch, or `None` when they can."""
+    from ..._compat.transformers import attention_implementation
+    from ..._compat.trl import is_vision_dataset
     from ...hybrid import missing_packing_kernels
 
     model = trainer.model
-    if getattr(trainer, "_is_vision_dataset", False):
+    if is_vision_dataset(trainer):
         return "the training set has images, which TRL's vision collator places by row"
     peft_config = getattr(model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):
         return "prompt-learning PEFT prepends its virtual tokens to every row"
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    implementation = getattr(text_config, "_attn_implementation", None)
+    implementation = attention_implementation(text_config) if text_config is not None else None
     if implementation not in PACKING_ATTENTION:
         return (
             f"attention implementation {implementation!r} is not one known to keep packed sequences apart "
