@@ -15,6 +15,12 @@ from . import _LIBRARY
 SFT_TRAIN_GATHERS = ("num_valid", "entropy_sum", "num_correct", "num_tokens")
 
 
+def is_vision_dataset(trainer: Any) -> bool:
+    """Whether SFTTrainer found a vision dataset (rows with ``image`` / ``images``): its collator then tokenizes and
+    processes each microbatch's samples on the fly, expanding each image placeholder to the image's tokens."""
+    return bool(require(trainer, "_is_vision_dataset", library=_LIBRARY, where="trl.SFTTrainer"))
+
+
 def check_sft(trainer: Any) -> None:
     """Raise `~odc_accelerate._compat.CompatError` if the SFT trainer lacks the metric attributes the ODC deferral
     rewrites.
