@@ -73,3 +73,57 @@ def test_plan_counts_each_samples_image_tokens(tmp_path, vlm):
     assert lengths.tolist() == expected
     assert min(image_tokens) >= 1 and len(set(image_tokens)) > 1
     assert trainer._odc_padded()  # TRL's vision collator pads each microbatch's rows: the plan counts padded shapes
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_online_trainers_refuse_prompts_with_images_under_a_plan_at_set_up(tmp_path, vlm, monkeypatch, trainer):
+    """GRPO / RLOO re-batch the generated completions under a plan, which cannot carry their images yet: refused by
+    name in the set-up, before gradient accumulation is folded, any model sharded or any engine built."""
+    from odc_accelerate.integrations.trl import (
+        ODCGRPOConfig,
+        ODCGRPOTrainer,
+        ODCRLOOConfig,
+        ODCRLOOTrainer,
+        online_checks,
+    )
+
+    path, dataset = vlm
+    prompts = dataset.map(lambda row: {"prompt": row["messages"][:1]}, remove_columns=["messages"])
+    config_class, trainer_class = {"GRPO": (ODCGRPOConfig, ODCGRPOTrainer), "RLOO": (ODCRLOOConfig, ODCRLOOTrainer)}[
+        trainer
+    ]
+    args = config_class(
+        output_dir=str(tmp_path),
+        odc=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        report_to="none",
+        bf16=False,
+    )
+    checked = []
+    original = online_checks.check_no_images
+    monkeypatch.setattr(
+        f"odc_accelerate.integrations.trl.{trainer.lower()}.check_no_images",
+        lambda *a: checked.append(a[1]) or original(*a),
+    )
+    with pytest.raises(ValueError, match=f"{trainer} on prompts with images is not supported under an ODC plan") as e:
+        trainer_class(
+            model=str(path),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=prompts,
+        )
+    assert "Run without --odc / --odc_plan" in str(e.value) and "pixel_values" in str(e.value)
+    assert checked == [trainer]  # in the set-up's checks, once
+
+
+def test_has_images_reads_every_vision_format():
+    from odc_accelerate.integrations.trl.online_checks import has_images
+
+    image_part = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    assert has_images({"prompt": "text", "image": object()})
+    assert has_images({"prompt": "text", "images": [object()]})
+    assert has_images({"prompt": image_part})
+    assert not has_images({"prompt": [{"role": "user", "content": "text only"}], "images": []})
+    assert not has_images({"prompt": "text"})
