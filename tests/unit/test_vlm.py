@@ -127,3 +127,19 @@ def test_has_images_reads_every_vision_format():
     assert has_images({"prompt": image_part})
     assert not has_images({"prompt": [{"role": "user", "content": "text only"}], "images": []})
     assert not has_images({"prompt": "text"})
+
+
+def test_fsdp2_groups_a_vlms_lm_head_with_its_language_models_final_norm():
+    """accelerate puts the LM head in one FSDP2 group with the final norm it finds among the base model's children,
+    so that the norm's forward unshards the head before TRL's fused LM head reads its weight. A Qwen3-VL's base model
+    holds ``visual`` and ``language_model``: the norm is the language model's. Without it the head would be gathered
+    with ``full_tensor()`` in every microbatch (a collective) and get its gradient through that gather."""
+    from accelerate.utils import fsdp_utils
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from odc_accelerate.integrations.accelerate import enable
+    from odc_accelerate.testing.models import tiny_vlm_config
+
+    enable()
+    model = Qwen3VLForConditionalGeneration(tiny_vlm_config(hidden_size=16))
+    assert fsdp_utils._find_final_norm(model) is model.model.language_model.norm
