@@ -25,7 +25,6 @@ def test_saved_tiny_vlm_loads_offline_and_trains_on_images(vlm):
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
-    assert set(model._no_split_modules) == {"Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"}
     batch = DataCollatorForVisionLanguageModeling(processor)([dict(dataset[i]) for i in range(3)])
     grid = batch["image_grid_thw"]
     # pixel_values: one row per patch of every image of the batch; each image's tokens are its patches / merge^2
