@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -207,9 +207,12 @@ def microbatch_shape(batch: Any) -> dict[str, Any]:
     (non-padding) tokens of each row.
 
     Padding-free batches (one row of packed sequences with ``position_ids``) give the packed sequences' lengths as
-    ``segments`` (attention cost is per sequence, not per row).
+    ``segments`` (attention cost is per sequence, not per row). Batches with images (``image_grid_thw``, as
+    Qwen-VL processors give) add ``images``, their ``patches`` (the rows of ``pixel_values`` they need) and
+    ``pixel_rows`` (the rows of ``pixel_values`` the batch holds).
     """
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    # A processor's output (TRL's vision collator) is a `transformers.BatchFeature`: a mapping, not a dict.
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if ids is None or ids.dim() != 2:
         return {"rows": 0, "width": 0, "row_tokens": []}
     rows, width = int(ids.shape[0]), int(ids.shape[1])
@@ -220,6 +223,12 @@ def microbatch_shape(batch: Any) -> dict[str, Any]:
     if mask is None and positions is not None and positions.dim() == 2 and rows == 1:
         starts = (positions[0] == 0).nonzero().flatten().tolist() + [width]
         out["segments"] = [int(b - a) for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
+    grid = batch.get("image_grid_thw")
+    if grid is not None and grid.dim() == 2:
+        pixels = batch.get("pixel_values")
+        out["images"] = int(grid.shape[0])
+        out["patches"] = int(grid.prod(dim=-1).sum())
+        out["pixel_rows"] = int(pixels.shape[0]) if pixels is not None else 0
     return out
 
 

@@ -338,12 +338,25 @@ def _wrap_find_final_norm(original: Callable) -> Callable:
     # the LM head before TRL's fused LM head reads ``lm_head.weight`` directly. ``_find_final_norm`` only looks at
     # ``model.<base_model_prefix>``'s children, which on a ``PeftModel`` is the ``*ForCausalLM`` (no norm there): the
     # head then sits alone in a group no forward ever unshards, and every fused-head forward all-gathers it with
-    # ``DTensor.full_tensor()`` (a collective per microbatch; with ODC's unequal microbatch counts, a hang). The
-    # wrapper looks through ``get_base_model()`` first.
+    # ``DTensor.full_tensor()`` (a collective per microbatch; with ODC's unequal microbatch counts, a hang), and its
+    # gradient comes back through that gather, not through FSDP2's (or ODC's) reduction: wrong. The wrapper looks
+    # through ``get_base_model()`` first. A vision-language model's final norm is its language model's
+    # (``model.language_model.norm`` in Qwen3-VL, whose base model holds ``visual`` and ``language_model``): where the
+    # base model has none, the decoder's (``get_decoder()``) children are searched the same way.
     @functools.wraps(original)
     def _find_final_norm(model: Any) -> Any:
+        import torch
+
         unwrap = getattr(model, "get_base_model", None)
-        return original(model=unwrap() if callable(unwrap) else model)
+        model = unwrap() if callable(unwrap) else model
+        found = original(model=model)
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if found is None and callable(get_decoder) else None
+        if isinstance(decoder, torch.nn.Module) and decoder is not model:
+            for module in decoder.children():
+                if "Norm" in type(module).__name__:  # accelerate's own test, on the decoder's children
+                    found = module
+        return found
 
     return _find_final_norm
 

@@ -1,6 +1,6 @@
-"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; and tiny Hugging
+"""A small transformer-like language model for tests and benchmarks, plus FSDP2 wrapping and data; tiny Hugging
 Face causal LMs (untied, tied, mixture of experts, hybrid linear attention) built from configs for the offline
-vocabulary.
+vocabulary; and a tiny Qwen3-VL-shaped vision-language model with its processor and synthetic image+text samples.
 """
 
 from __future__ import annotations
@@ -262,3 +262,159 @@ def save_tiny_reward_model(kind: str, path: str | os.PathLike, seed: int = 0, hi
     tiny_reward_model(kind, seed, hidden_size).save_pretrained(out)
     load_offline_tokenizer().save_pretrained(out)
     return out
+
+
+# ------------------------------------------------------------------------------------------ tiny vision-language model
+#: The special tokens a Qwen3-VL processor reads, added to the offline tokenizer (ids after its own specials).
+VLM_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+#: A ChatML template that renders an ``{"type": "image"}`` part as Qwen-VL does (one placeholder, which the processor
+#: expands to the image's tokens).
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: Patch and merge sizes of the tiny vision tower (Qwen3-VL's are 16 and 2): an image of H x W pixels gives
+#: (H/8) x (W/8) patches, ``pixel_values`` rows, and a quarter as many image tokens in the text.
+VLM_PATCH, VLM_MERGE = 8, 2
+
+
+def tiny_vlm_processor_class() -> type:
+    """`TinyQwen3VLProcessor`: transformers' `Qwen3VLProcessor` without its video processor.
+
+    transformers builds a Qwen3-VL processor only with its video processor, which needs ``torchvision``; images alone
+    need neither. A folder saved with this class loads with `transformers.AutoProcessor` once
+    `register_tiny_vlm_processor` ran in the process.
+    """
+    global _TINY_VLM_PROCESSOR
+    if _TINY_VLM_PROCESSOR is None:
+        from transformers import Qwen3VLProcessor
+
+        class TinyQwen3VLProcessor(Qwen3VLProcessor):
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw):
+                # ProcessorMixin pairs the positional sub-processors with this signature's: the video one is dropped.
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kw)
+
+        TinyQwen3VLProcessor.__module__ = __name__
+        _TINY_VLM_PROCESSOR = TinyQwen3VLProcessor
+    return _TINY_VLM_PROCESSOR
+
+
+_TINY_VLM_PROCESSOR: type | None = None
+
+
+def register_tiny_vlm_processor() -> None:
+    """Make `transformers.AutoProcessor` load folders saved by `save_tiny_vlm` (their processor class)."""
+    from transformers import AutoProcessor, Qwen3VLConfig
+
+    AutoProcessor.register(Qwen3VLConfig, tiny_vlm_processor_class(), exist_ok=True)
+
+
+def tiny_vlm_processor() -> Any:
+    """The tiny VLM's processor: the offline tokenizer with `VLM_SPECIAL_TOKENS` and `VLM_CHAT_TEMPLATE`, and a
+    `Qwen2VLImageProcessorPil` (Qwen3-VL's image processor, PIL backend) that resizes images to at most 64 x 64."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from odc_accelerate.demo import load_offline_tokenizer
+
+    tokenizer = load_offline_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VLM_SPECIAL_TOKENS]})
+    side = VLM_PATCH * VLM_MERGE
+    images = Qwen2VLImageProcessorPil(
+        patch_size=VLM_PATCH,
+        temporal_patch_size=2,
+        merge_size=VLM_MERGE,
+        size={"shortest_edge": side * side, "longest_edge": 64 * 64},
+    )
+    return tiny_vlm_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=VLM_CHAT_TEMPLATE)
+
+
+def tiny_vlm_config(hidden_size: int = 64, processor: Any = None) -> Any:
+    """A `Qwen3VLConfig` shaped as Qwen3-VL (a vision tower of 2 blocks with a deepstack merger, multimodal RoPE, a
+    text model of 2 decoder layers), for `tiny_vlm_processor`'s token ids."""
+    from transformers import Qwen3VLConfig
+
+    from odc_accelerate.demo import offline_vocab_size
+
+    tokenizer = (processor or tiny_vlm_processor()).tokenizer
+    ids = dict(zip(VLM_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(VLM_SPECIAL_TOKENS)), strict=True))
+    text = dict(
+        vocab_size=max(offline_vocab_size(), len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5e5,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=VLM_PATCH,
+        temporal_patch_size=2,
+        spatial_merge_size=VLM_MERGE,
+        out_hidden_size=hidden_size,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def save_tiny_vlm(path: str | os.PathLike, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Build the tiny `Qwen3VLForConditionalGeneration` (`tiny_vlm_config`) in fp32 with ``seed`` and save it with
+    `tiny_vlm_processor` to ``path``, a folder TRL's SFT script loads with ``--model_name_or_path path`` once
+    `register_tiny_vlm_processor` ran. Returns the folder."""
+    from transformers import Qwen3VLForConditionalGeneration, set_seed
+
+    processor = tiny_vlm_processor()
+    set_seed(seed)
+    model = Qwen3VLForConditionalGeneration(tiny_vlm_config(hidden_size, processor)).to(torch.float32)
+    out = Path(path)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def tiny_vlm_dataset(rows: int = 16, seed: int = 0) -> Any:
+    """``rows`` conversational image+text samples (TRL's vision format: an ``images`` list and ``messages``): each a
+    random RGB image (from ``seed``) of 16 to 64 pixels a side in steps of 16 (1 to 16 image tokens), a question, and
+    an answer from the offline text of 4 to 40 words. Returns a `datasets.Dataset` (images as its `Image` feature)."""
+    import numpy as np
+    from datasets import Dataset, Features, Image, List, Value
+    from PIL import Image as PILImage
+
+    from odc_accelerate.demo import offline_texts
+
+    rng = np.random.default_rng(seed)
+    words = " ".join(offline_texts()).split()
+    images, messages = [], []
+    for _ in range(rows):
+        height, width = (int(x) * 16 for x in rng.integers(1, 5, size=2))
+        images.append([PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))])
+        start, count = int(rng.integers(0, len(words) - 40)), int(rng.integers(4, 41))
+        question = [{"type": "image", "text": None}, {"type": "text", "text": "Describe the picture."}]
+        answer = [{"type": "text", "text": " ".join(words[start : start + count])}]
+        messages.append([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
+    part = {"type": Value("string"), "text": Value("string")}
+    features = Features(images=List(Image()), messages=List({"role": Value("string"), "content": List(part)}))
+    return Dataset.from_dict({"images": images, "messages": messages}, features=features)

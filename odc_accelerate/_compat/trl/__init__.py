@@ -58,5 +58,6 @@ def count_train_tokens(trainer: Any, global_tokens: float, local_tokens: float) 
 
 
 def is_vision_dataset(trainer: Any) -> bool:
-    """Whether TRL's trainer (DPO, KTO) found images in its training set (its collator then lays out each row)."""
+    """Whether TRL's trainer (SFT, DPO, KTO) found images (``image`` / ``images``) in its training set: its collator then
+    tokenizes and processes each microbatch's samples on the fly, expanding each image placeholder to its tokens."""
     return bool(require(trainer, "_is_vision_dataset", library=_LIBRARY, where=type(trainer).__name__))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import check_signature, patched_attribute, require, warn_if_untested
-from . import _LIBRARY
+from . import _LIBRARY, is_vision_dataset  # noqa: F401  (SFT's collator tokenizes vision samples per batch)
 
 # Scalars SFTTrainer.compute_loss gathers per training microbatch, in call order.
 SFT_TRAIN_GATHERS = ("num_valid", "entropy_sum", "num_correct", "num_tokens")

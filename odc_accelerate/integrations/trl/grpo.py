@@ -22,7 +22,7 @@ from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from .metrics import check_gathers, drop_microbatch_values, one_step_time, step_value
 from .online import ODCOnlineTrainerMixin
-from .online_checks import check_grpo_args, check_grpo_settings
+from .online_checks import check_grpo_args, check_grpo_settings, check_no_images
 from .reference import ODCReferenceModelMixin
 from .rollouts import GRPO_KEYS, loss_tokens
 
@@ -52,7 +52,7 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
     * **Exact loss** for every loss type of TRL (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo): each
       microbatch's loss is rescaled so that the step's gradient equals one process's over the whole global batch.
       What cannot be made exact is refused under a plan: the entropy bonus and the top-entropy mask (per-microbatch
-      statistics), a MoE router's auxiliary loss, several iterations per generation, multimodal inputs.
+      statistics), a MoE router's auxiliary loss, several iterations per generation, prompts with images (refused by name at set-up).
     * **Reference model** (``beta > 0``): sharded per layer and, under ODC, served by a gather-only engine: a reference
       forward makes no collective.
     * **Metrics**: TRL's per-microbatch reductions (kl, entropy, clip ratios) are answered locally and reduced once per
@@ -77,6 +77,7 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
     def _odc_check_settings(self, config: ODCConfig) -> None:
         # Before the mixin folds gradient accumulation and before any model is sharded or any completion generated.
         check_grpo_settings(self.args, self.model, config)
+        check_no_images(getattr(self, "_odc_prompts", None), "GRPO", config)
 
     # ------------------------------------------------------------------ step
     def _odc_sequence_keys(self) -> tuple[str, ...]:

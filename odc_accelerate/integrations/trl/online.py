@@ -41,6 +41,9 @@ class ODCOnlineTrainerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
         self._odc_totals = (0, 0.0)  # completions and loss tokens of the step over all ranks (balanced path)
+        # TRL's online trainers take (model, reward_funcs, args, train_dataset, ...): the prompts are checked in the
+        # set-up (`_odc_check_settings`), before TRL builds any vLLM engine.
+        self._odc_prompts = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
         with self._odc_init_context():
             super().__init__(*args, **kwargs)
         self._odc_check_trainer()

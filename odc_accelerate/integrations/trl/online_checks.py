@@ -1,7 +1,7 @@
 """What ODC refuses of an online (GRPO, RLOO) run, before any work: GRPO's loss types and options whose loss cannot be
 made exact under a plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve
 (`check_vllm_args`), a model that sync would get wrong (`check_vllm_sync_settings`), and more than one generation batch
-per optimizer step (`check_one_generation_per_step`)."""
+per optimizer step (`check_one_generation_per_step`), and prompts with images under a plan (`check_no_images`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .reference import check_reference_settings
 __all__ = [
     "check_grpo_args",
     "check_grpo_settings",
+    "check_no_images",
     "check_one_generation_per_step",
     "check_vllm_args",
     "check_vllm_sync_settings",
@@ -110,4 +111,40 @@ def check_vllm_args(args: Any) -> None:
             f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
             "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
             "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
+        )
+
+
+def has_images(row: Any) -> bool:
+    """Whether a prompt row carries images: an ``image`` / ``images`` column (TRL's vision format), or an image part
+    in a conversational prompt."""
+    if not isinstance(row, dict):
+        return False
+    if row.get("image") is not None or row.get("images"):
+        return True
+    prompt = row.get("prompt")
+    if isinstance(prompt, list):
+        for message in prompt:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+                return True
+    return False
+
+
+def check_no_images(dataset: Any, trainer: str, config: ODCConfig) -> None:
+    """Refuse, under a balanced plan and before any work, a prompt dataset with images (its first row, as TRL reads
+    it): the plan re-batches the generated completions across ranks, and an image's ``pixel_values`` and
+    ``image_grid_thw`` cannot yet travel with its completions (`.rollouts.split_rollouts` would stop the first
+    step, after generation)."""
+    if not config.balanced or dataset is None or not hasattr(dataset, "__getitem__"):
+        return  # a stream is refused under a plan on its own (`ODCOnlineTrainerMixin.get_train_dataloader`)
+    try:
+        first = dataset[0] if len(dataset) else None
+    except (TypeError, KeyError, IndexError):
+        return
+    if has_images(first):
+        raise ValueError(
+            f"{trainer} on prompts with images is not supported under an ODC plan: the plan re-batches the "
+            "generated completions across ranks, and their images (pixel_values, image_grid_thw) cannot yet go "
+            "with them. Run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches), or train on "
+            "text prompts."
         )

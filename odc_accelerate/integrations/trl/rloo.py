@@ -21,7 +21,7 @@ from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from .metrics import check_gathers, drop_microbatch_values, one_step_time, step_value
 from .online import ODCOnlineTrainerMixin
-from .online_checks import check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
+from .online_checks import check_no_images, check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
 from .reference import ODCReferenceModelMixin, check_reference_settings
 from .rollouts import RolloutKeys
 
@@ -65,6 +65,7 @@ class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
         # Before the mixin folds gradient accumulation and before any model is sharded or any completion generated.
         check_rloo_args(self.args, config)
         check_vllm_sync_settings(self.args, self.model, config)
+        check_no_images(getattr(self, "_odc_prompts", None), "RLOO", config)
 
     def _odc_loss_weight(self, inputs: dict[str, Any], rows: int) -> float:
         total_rows, _ = self._odc_totals

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from trl import SFTTrainer
@@ -15,7 +16,15 @@ from ..trainer.metrics import StepMetrics
 from ..trainer.plain import check_average_tokens
 from .metrics import drop_microbatch_values, ratio
 
-__all__ = ["ODCSFTTrainer", "check_sft_packing", "finalize_sft_metrics"]
+__all__ = ["ODCSFTTrainer", "check_sft_packing", "finalize_sft_metrics", "vision_sample_length"]
+
+
+def vision_sample_length(collator: Any, row: Any) -> int:
+    """The tokens of one image+text sample as the model sees them: the sample collated alone by TRL's vision collator,
+    whose processor expands each image placeholder to the image's tokens (and truncates to ``max_length``)."""
+    from ..trainer.data import input_tokens
+
+    return input_tokens(collator([dict(row)]))  # a copy: TRL's collator renames the row's "image" key in place
 
 
 def check_sft_packing(trainer: Any) -> None:
@@ -72,6 +81,15 @@ class ODCSFTTrainer(ODCTrainerMixin, SFTTrainer):
         scale = self.accelerator.num_processes * self.current_gradient_accumulation_steps
         with self._odc_router_coef(scale):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _odc_lengths(self, dataset: Any) -> Any:
+        if not trl_sft.is_vision_dataset(self):
+            return super()._odc_lengths(dataset)
+        # An image+text sample's tokens are known only once the processor expanded its image placeholders: the plan
+        # (cost and token budget) counts them by collating each sample alone, once.
+        from ...planning import dataset_lengths
+
+        return dataset_lengths(dataset, length_fn=functools.partial(vision_sample_length, self.data_collator))
 
     def _odc_check_settings(self, config: Any) -> None:
         super()._odc_check_settings(config)

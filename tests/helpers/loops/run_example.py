@@ -43,6 +43,9 @@ with ``ODC_TEST_VLLM_CHECK=1``, a GRPO trainer with ``use_vllm=True`` gets the c
 engine, made to compute in float32 and run eagerly, compared with HF greedy decoding of the gathered model after every
 sync, its rollouts recorded, its shutdown recorded);
 
+with ``ODC_TEST_TINY_VLM=1``, `transformers.AutoProcessor` loads the processor of folders saved by
+`odc_accelerate.testing.models.save_tiny_vlm` (a Qwen3-VL processor without its video part, which needs torchvision);
+
 with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let the ranks (any number) share one GPU over gloo
 (`shared_gpu.py`: the barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through
 CPU), applied before the script runs;
@@ -110,6 +113,10 @@ class RunReport:
             "engine_param_groups": len(engine.param_groups) if engine is not None else None,
             # distinct DeviceMesh objects the trained parameters are sharded on (1: one mesh for every fully_shard)
             "fsdp_meshes": len({id(p.device_mesh) for p in trainer.model.parameters() if hasattr(p, "device_mesh")}),
+            # the classes of the modules fully_shard wrapped (the layer classes of the wrap policy, and the root)
+            "fsdp_module_classes": sorted(
+                {type(m).__name__ for m in trainer.model.modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)}
+            ),
             "replicas": getattr(engine, "replicas", None),  # HSDP: replicas of each shard
             "reduction": str(engine.reduction) if engine is not None else None,  # the gradient reduction that ran
             "replicate_buckets": getattr(engine, "replicate_buckets", None),
@@ -476,6 +483,10 @@ def main() -> None:
         if os.environ.get("ODC_TEST_FREE_MEMORY"):
             fixed_free_memory(os.environ["ODC_TEST_FREE_MEMORY"])
         instrument_trainers()
+        if _flag("ODC_TEST_TINY_VLM"):
+            from odc_accelerate.testing.models import register_tiny_vlm_processor
+
+            register_tiny_vlm_processor()
         if _flag("ODC_TEST_VLLM_CHECK"):
             from tests.helpers.loops.vllm_trainer_check import float32_eager_engines
 

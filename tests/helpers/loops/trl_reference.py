@@ -4,7 +4,10 @@
         (any SFTConfig / DPOConfig / RewardConfig / KTOConfig argument; the first argument is sft, dpo, reward or kto)
 
 It trains TRL's unmodified `SFTTrainer` / `DPOTrainer` (offline default model, tokenizer and data, built as the
-examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
+examples build them; ``--model_name_or_path DIR``: the model saved there, as the scripts load it, a vision-language model with its processor;
+SFT's ``--dataset_name DIR``: a local dataset folder; ``--one_microbatch``: each step as one microbatch, for a
+model whose forward takes no loss keyword arguments, such as Qwen3-VL, with which TRL's gradient accumulation averages
+the microbatches' token means instead of taking the step's token mean, the loss ODC trains) with ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``, so
 each optimizer step accumulates ``samples_per_step`` samples through TRL's own gradient accumulation and
 normalisation. ``reward`` trains TRL's `RewardTrainer` (the offline default reward model: the tiny Qwen2 as a sequence
 classifier with one output; the DPO pairs) with ``per_device_train_batch_size=samples_per_step`` and no accumulation:
@@ -36,7 +39,18 @@ from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM, set_seed
 
 
+def _is_vlm(path: str | None) -> bool:
+    """Whether ``path`` holds a vision-language model (`odc_accelerate.testing.models.save_tiny_vlm`)."""
+    import json
+
+    return path is not None and "vision_config" in json.loads(open(os.path.join(path, "config.json")).read())
+
+
 def _model(seed: int, path: str | None = None) -> AutoModelForCausalLM:
+    if _is_vlm(path):  # as TRL's SFTTrainer loads a vision-language model from its name
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if path is not None:  # as the scripts load --model_name_or_path (TRL's default dtype for a path is float32)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     from odc_accelerate.demo import tiny_qwen2_config
@@ -91,6 +105,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("trainer", choices=["sft", "dpo", "reward", "kto"])
     parser.add_argument("--samples_per_step", type=int, required=True)
     parser.add_argument("--model_name_or_path", default=None, help="a saved model and tokenizer (default: offline)")
+    parser.add_argument("--dataset_name", default=None, help="SFT: a local dataset folder, as load_dataset reads it")
+    parser.add_argument(
+        "--one_microbatch",
+        action="store_true",
+        help="SFT: each optimizer step as one microbatch (a model whose forward takes no loss keyword arguments)",
+    )
     parser.add_argument(
         "--aux_token_share",
         action="store_true",
@@ -106,7 +126,7 @@ def main(argv: list[str]) -> None:
     # fp32 unless asked (TRL defaults to bf16, which its argument checks refuse on CPU); a later --bf16 wins
     (args,) = HfArgumentParser(config_class).parse_args_into_dataclasses(["--bf16", "false", *rest])
     kl_block = args.per_device_train_batch_size  # the ODC run's: TRL's KL pairs are rotated within such blocks
-    if own.trainer in ("reward", "kto"):  # the global batch as one microbatch (see the module docstring)
+    if own.trainer in ("reward", "kto") or own.one_microbatch:  # the global batch as one microbatch (see above)
         args.per_device_train_batch_size = own.samples_per_step
         args.gradient_accumulation_steps = 1
     else:
@@ -149,11 +169,25 @@ def main(argv: list[str]) -> None:
                 processing_class=tokenizer,
             )
         elif own.trainer == "sft":
+            processing_class = tokenizer
+            if _is_vlm(own.model_name_or_path):  # its processor, as TRL loads it (`save_tiny_vlm`)
+                from transformers import AutoProcessor
+
+                from odc_accelerate.testing.models import register_tiny_vlm_processor
+
+                register_tiny_vlm_processor()
+                processing_class = AutoProcessor.from_pretrained(own.model_name_or_path)
+            if own.dataset_name is not None:
+                from datasets import load_dataset
+
+                train_dataset = load_dataset(own.dataset_name)["train"]
+            else:
+                train_dataset = offline_sft_dataset()
             trainer = InStepOrder(
                 model=_model(args.seed, own.model_name_or_path),
                 args=args,
-                train_dataset=offline_sft_dataset(),
-                processing_class=tokenizer,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
             )
         elif own.trainer == "kto":
             policy, reference = (_model(args.seed, own.model_name_or_path) for _ in range(2))
