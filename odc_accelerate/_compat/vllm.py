@@ -23,7 +23,9 @@ from . import TESTED_OPTIONAL, check_signature, import_attr, patched_attribute, 
 __all__ = [
     "MOE_BACKENDS_SET_UP_AGAIN",
     "MULTIPROCESSING_ENV",
+    "SERVER_RELOAD_ENDPOINT",
     "check_release",
+    "reload_server_weights",
     "reload_weights",
     "shutdown_engine",
     "worker_of",
@@ -61,6 +63,12 @@ def _check_signature(func: Callable, params: tuple[str, ...], where: str) -> Non
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _PARALLEL_STATE = "vllm.distributed.parallel_state"
 _RELOAD_PARAMS = ("weights_iterator", "is_checkpoint_format")
+# What a server's in-place reload from a directory relies on: vLLM's reload_weights takes a weights_path (of
+# safetensors files), loads them as a checkpoint (is_checkpoint_format=True, its default) through the model's layerwise
+# reload, as the colocated sync does, and points the model config at that path.
+_SERVER_RELOAD_PARAMS = ("weights_path", "is_checkpoint_format")
+#: vLLM's development endpoint (``VLLM_SERVER_DEV_MODE=1``) that calls a method of every worker of a server.
+SERVER_RELOAD_ENDPOINT = "/collective_rpc"
 
 _FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 _UNQUANTIZED_MOE = f"{_FUSED_MOE}.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
@@ -90,6 +98,7 @@ def _check_private_functions() -> None:
     """What can be checked without an engine: a renamed parameter or function fails here, at import."""
     reload = _require(_GPUModelRunner, "reload_weights", f"{_RUNNER_MODULE}.GPUModelRunner")
     _check_signature(reload, _RELOAD_PARAMS, f"{_RUNNER_MODULE}.GPUModelRunner.reload_weights")
+    _check_signature(reload, _SERVER_RELOAD_PARAMS, f"{_RUNNER_MODULE}.GPUModelRunner.reload_weights")
     _require(_parallel_state, "destroy_distributed_environment", _PARALLEL_STATE)
     _require(_parallel_state, "_WORLD", _PARALLEL_STATE)
     _require(_InprocClient, "shutdown", "vllm.v1.engine.core_client.InprocClient")
@@ -196,6 +205,37 @@ def reload_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tup
             if quant_method.moe_kernel is None:  # the reload failed before this layer: keep its kernel
                 quant_method.moe_kernel = kernel
     return loaded, parameters, len(reset)
+
+
+def reload_server_weights(session: Any, base_url: str, weights_path: str, timeout: float | None = None) -> None:
+    """Have every worker of the vLLM server at ``base_url`` reload its weights in place from ``weights_path`` (a
+    directory of safetensors files in checkpoint form, readable by the server): ``reload_weights(weights_path=...)``
+    through the server's ``/collective_rpc`` development endpoint. vLLM reports nothing of what was loaded.
+
+    Args:
+        session (`requests.Session`): the HTTP session to post with (TRL's client's).
+        base_url (`str`): the server, e.g. ``http://127.0.0.1:8000``.
+        weights_path (`str`): the directory, as the server sees it.
+        timeout (`float`, *optional*): seconds the server waits for its workers.
+
+    Raises:
+        RuntimeError: the server has no development endpoints (started without ``VLLM_SERVER_DEV_MODE=1``) or its
+            reload failed (the server's answer in the message).
+    """
+    body: dict[str, Any] = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
+    if timeout is not None:
+        body["timeout"] = timeout
+    response = session.post(f"{base_url}{SERVER_RELOAD_ENDPOINT}", json=body)
+    if response.status_code == 404:
+        raise RuntimeError(
+            f"The vLLM server at {base_url} has no {SERVER_RELOAD_ENDPOINT} endpoint, which ODC's weight sync "
+            "uses without a CUDA device. Restart it with VLLM_SERVER_DEV_MODE=1 in its environment."
+        )
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"The vLLM server at {base_url} failed to reload its weights from {weights_path}: "
+            f"{response.status_code} {response.text[:2000]}"
+        )
 
 
 def _moe_layers_to_set_up_again(model: torch.nn.Module) -> list[Any]:

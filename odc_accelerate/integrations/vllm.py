@@ -27,6 +27,7 @@ __all__ = [
     "VLLMSyncStats",
     "check_vllm_sync_model",
     "hf_parameter_name",
+    "iter_checkpoint_units",
     "iter_checkpoint_weights",
     "iter_full_parameters",
     "shutdown_vllm",
@@ -292,6 +293,16 @@ def iter_checkpoint_weights(
         NotImplementedError: the model carries PEFT modules the sync cannot merge (see `check_vllm_sync_model`).
         CompatError: the installed transformers lacks its reverse weight conversion.
     """
+    for weights in iter_checkpoint_units(engine, stats):
+        yield from weights
+
+
+@torch.no_grad()
+def iter_checkpoint_units(
+    engine: ODCEngine, stats: VLLMSyncStats | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`iter_checkpoint_weights`, one FSDP unit's weights per item: what a consumer that sends or writes weights in
+    batches takes (one batch held at a time)."""
     base = peft.base_model_of(engine.model)
     for tensors, aliases in _iter_units(engine, stats):
         weights = dict(tensors)
@@ -300,7 +311,7 @@ def iter_checkpoint_weights(
                 weights[other] = weights[name]
         converted = list(transformers_compat.checkpoint_weights(base, weights).items())
         _count(stats, converted)
-        yield from converted
+        yield converted
 
 
 def sync_vllm_weights(llm: Any, engine: ODCEngine) -> VLLMSyncStats:

@@ -175,7 +175,6 @@ BALANCED = ODCConfig(enable=True, plan="free")
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"use_vllm": True, "vllm_mode": "server"}, "Use --vllm_mode colocate"),
         ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         ({"sync_ref_model": True}, "--sync_ref_model false"),
         ({"loss_type": "made_up"}, r"Use one of \['bnpo'"),
@@ -197,11 +196,12 @@ def test_vllm_colocate_runs_under_odc_with_its_plan():
     check_grpo_args(_args(use_vllm=True, vllm_mode="colocate"), ODCConfig(enable=True, plan="lockstep"))
 
 
-@pytest.mark.parametrize("config", [BALANCED, ODCConfig(enable=True, plan="dynamic")])
-def test_vllm_server_mode_is_refused_under_odc_with_what_to_use(config):
-    with pytest.raises(ValueError, match="vllm_mode='server' is not supported with ODC") as err:
-        check_grpo_args(_args(use_vllm=True, vllm_mode="server"), config)
-    assert "--vllm_mode colocate" in str(err.value) and "without --odc" in str(err.value)
+@pytest.mark.parametrize("config", [BALANCED, ODCConfig(enable=True, plan="dynamic"), ODCConfig(enable=True)])
+def test_vllm_server_mode_runs_under_odc_with_the_servers_own_parallelism(config):
+    # rank 0 pushes the full weights to the server (odc_accelerate.integrations.vllm_server); the server's tensor
+    # parallelism is its own, so vllm_tensor_parallel_size (a colocate setting) is not refused there
+    check_grpo_args(_args(use_vllm=True, vllm_mode="server"), config)
+    check_grpo_args(_args(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2), config)
 
 
 def test_vllm_server_mode_and_tensor_parallelism_stay_trls_without_odc():
@@ -279,7 +279,7 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
     assert recorded["step_time"] == [5.0, 0.75]
 
 
-@pytest.mark.parametrize("refused", ["server", "tensor_parallel", "alora"])
+@pytest.mark.parametrize("refused", ["tensor_parallel", "alora"])
 def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
     """The real trainer stops in its set-up, before TRL would create an engine: here vLLM is not even installed. A
     PEFT adapter the weight sync cannot merge is refused there too, by name."""
@@ -298,14 +298,13 @@ def test_the_trainer_refuses_vllm_settings_before_any_engine(tmp_path, refused):
         output_dir=str(tmp_path),
         odc=True,
         use_vllm=True,
-        vllm_mode="server" if refused == "server" else "colocate",
+        vllm_mode="colocate",
         vllm_tensor_parallel_size=2 if refused == "tensor_parallel" else 1,
         per_device_train_batch_size=4,
         num_generations=4,
         report_to="none",
     )
     error, match = {
-        "server": (ValueError, "vllm_mode='server' is not supported with ODC"),
         "tensor_parallel": (ValueError, "vllm_tensor_parallel_size=2"),
         "alora": (NotImplementedError, "q_proj: adapter 'default' is the LoRA variant ALoraLinearVariant"),
     }[refused]

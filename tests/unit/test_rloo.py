@@ -46,7 +46,6 @@ def _args(**overrides):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"use_vllm": True, "vllm_mode": "server"}, "Use --vllm_mode colocate"),
         ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         ({"sync_ref_model": True}, "--sync_ref_model false"),
         ({"num_iterations": 2}, "--num_iterations 1"),
@@ -58,6 +57,10 @@ def test_refusals_name_the_fix(overrides, match):
     check_rloo_args(_args(normalize_advantages=True, use_vllm=True), BALANCED)  # exact: TRL's global batch
     with pytest.raises(ValueError, match=match):
         check_rloo_args(_args(**overrides), BALANCED)
+
+
+def test_vllm_server_mode_runs_under_odc():
+    check_rloo_args(_args(use_vllm=True, vllm_mode="server"), BALANCED)
 
 
 def test_plain_fsdp2_without_a_plan_keeps_trls_options():

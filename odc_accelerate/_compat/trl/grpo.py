@@ -16,6 +16,7 @@ from .. import (
     import_attr,
     installed_version,
     patch_attribute,
+    patched_attribute,
     require,
     version_tuple,
     warn_if_untested,
@@ -151,16 +152,19 @@ def grpo_reference_preparer(prepare: Any) -> Iterator[None]:
 # model's ``load_weights`` (after FSDP2's ``full_tensor()``, a collective per parameter) and ends with
 # ``llm.reset_prefix_cache()``.
 _VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
-_VLLM_GENERATION_ATTRS = ("llm", "mode", "enable_sleep_mode", "sync_weights", "generate")
+_VLLM_GENERATION_ATTRS = ("mode", "enable_sleep_mode", "sync_weights", "generate")
 
 
 def grpo_vllm_generation(trainer: Any) -> Any:
     """The trainer's `trl.generation.vllm_generation.VLLMGeneration` (``use_vllm=True``), checked for what the ODC
-    trainer reads (its colocated engine ``llm``, ``mode``, ``enable_sleep_mode``, ``sync_weights``, ``generate``)."""
+    trainer reads (``mode``, ``enable_sleep_mode``, ``sync_weights``, ``generate``, and in colocate mode its engine
+    ``llm``)."""
     where = "trl.generation.vllm_generation.VLLMGeneration"
     generation = require(trainer, "vllm_generation", library=_LIBRARY, where="trl.GRPOTrainer")
     for attr in _VLLM_GENERATION_ATTRS:
         require(generation, attr, library=_LIBRARY, where=where)
+    if generation.mode == "colocate":
+        require(generation, "llm", library=_LIBRARY, where=where)
     check_signature(
         type(generation).generate,
         ("prompts", "images", "num_generations", "profiler"),
@@ -225,3 +229,55 @@ def reset_vllm_prefix_cache(generation: Any) -> None:
     """What TRL's ``VLLMGeneration.sync_weights`` does after loading: drop the prefix cache computed with the old
     weights."""
     grpo_vllm_engine(generation).reset_prefix_cache()
+
+
+# ------------------------------------------------------------------------------------------ GRPO with vLLM (server)
+# In server mode TRL's ``VLLMGeneration._init_vllm`` creates, on the main process only, ``vllm_client`` (a
+# `trl.generation.vllm_client.VLLMClient`: ``session``, ``base_url``, ``weight_update()``, ``update_named_params``,
+# ``reset_prefix_cache``, ``get_server_info``) and calls its ``init_communicator(device=accelerator.device)``, which joins
+# the server's NCCL weight-transfer engine and raises NotImplementedError on any device but CUDA. ``generate`` gathers
+# every rank's prompts and images (two ``gather_object``) and broadcasts the completions from the main process
+# (``broadcast_object_list``): collectives made once per generation call, by every rank. ``sync_weights`` gathers every
+# parameter with ``full_tensor()`` on every rank and streams it from the main process; under ODC it is replaced.
+_VLLM_CLIENT_MODULE = "trl.generation.vllm_client"
+_VLLM_CLIENT_ATTRS = ("session", "base_url", "weight_update", "update_named_params", "reset_prefix_cache")
+
+
+def grpo_vllm_client(generation: Any) -> Any:
+    """TRL's client of the vLLM server (server mode, main process), checked for what ODC's sync uses."""
+    where = "trl.generation.vllm_client.VLLMClient"
+    client = require(
+        generation, "vllm_client", library=_LIBRARY, where="trl.generation.vllm_generation.VLLMGeneration"
+    )
+    for attr in _VLLM_CLIENT_ATTRS:
+        require(client, attr, library=_LIBRARY, where=where)
+    return client
+
+
+def vllm_client_weight_update(client: Any) -> Any:
+    """TRL's ``client.weight_update()``: the server prepares its model once for the updates inside."""
+    return client.weight_update()
+
+
+@contextlib.contextmanager
+def vllm_server_without_communicator(skip: Any) -> Iterator[None]:
+    """While TRL's ``__init__`` runs: where ``skip(device)`` is true, ``VLLMClient.init_communicator`` checks that the
+    server exposes vLLM's development endpoints (its ``/server_info``, as TRL's does first) instead of joining an
+    NCCL weight-transfer group, which needs CUDA: ODC's sync without CUDA reloads the server from files
+    (`odc_accelerate.integrations.vllm_server`). Elsewhere TRL's own ``init_communicator`` runs."""
+    client_class = import_attr(_VLLM_CLIENT_MODULE, "VLLMClient", library=_LIBRARY)
+    where = f"{_VLLM_CLIENT_MODULE}.VLLMClient"
+    require(client_class, "get_server_info", library=_LIBRARY, where=where)
+
+    def replace(original: Any) -> Any:
+        @functools.wraps(original)
+        def init_communicator(self: Any, device: Any = 0) -> None:
+            if not skip(device):
+                return original(self, device)
+            self.get_server_info()  # raises, naming VLLM_SERVER_DEV_MODE=1, where the server lacks dev endpoints
+            return None
+
+        return init_communicator
+
+    with patched_attribute(client_class, "init_communicator", replace, library=_LIBRARY, where=where):
+        yield

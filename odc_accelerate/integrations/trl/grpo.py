@@ -43,7 +43,11 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
       collective), then generates this rank's prompts; the sync and vLLM's ``generate`` count as generation time.
       TRL's importance-sampling correction on vLLM's log-probs is re-batched per completion with the plan. The engine
       is shut down, keeping the job's process group, when the run ends. With PEFT, the engine gets the merged
-      weights (as TRL syncs them). Server mode and tensor-parallel engines are refused under ODC.
+      weights (as TRL syncs them). Tensor-parallel colocated engines are refused under ODC.
+    * **vLLM server mode** (``vllm_mode="server"``) under ODC: rank 0 alone reads the full weights from the
+      published shards and pushes them to the server (`odc_accelerate.integrations.vllm_server`: TRL's NCCL client on
+      CUDA, safetensors files the server reloads elsewhere); the other ranks take no part in the sync. Generation is
+      TRL's: the step's prompts gathered to rank 0, the completions broadcast, once per step.
     * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step is one generation
       batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL). Its
       completions are gathered once and planned over all ranks under the token budget

@@ -10,6 +10,7 @@ puts `ODCOnlineTrainerMixin` first in its bases and supplies ``odc_rollout_keys`
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -44,17 +45,22 @@ class ODCOnlineTrainerMixin:
         # TRL's online trainers take (model, reward_funcs, args, train_dataset, ...): the prompts are checked in the
         # set-up (`_odc_check_settings`), before TRL builds any vLLM engine.
         self._odc_prompts = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
-        with self._odc_init_context():
+        # Server mode without CUDA: TRL's client joins no NCCL weight-transfer group (ODC's sync reloads the server
+        # from files, `_odc_sync_vllm_server`); TRL builds the client inside its __init__.
+        with self._odc_init_context(), trl_grpo.vllm_server_without_communicator(self._odc_reloads_server_from_files):
             super().__init__(*args, **kwargs)
         self._odc_check_trainer()
-        self.odc_vllm_syncs: list[Any] = []  # `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC)
+        #: `VLLMSyncStats` of each weight sync of this rank's vLLM engine (ODC; in server mode, rank 0's pushes)
+        self.odc_vllm_syncs: list[Any] = []
         self._odc_in_generation = False
         if self.use_vllm and self.odc_config.enable:
-            # Each rank's own engine, refreshed from ODC's published shards (no collective) instead of TRL's sync.
+            # Each rank's own engine (colocate), or the server from rank 0 alone, refreshed from ODC's published
+            # shards (no collective) instead of TRL's sync.
             trl_grpo.grpo_vllm_hooks(self, sync=self._odc_sync_vllm, around=self._odc_generation_block)
-            # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
-            # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
-            call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
+            if self.args.vllm_mode == "colocate":
+                # vLLM's own tear-down would destroy the job's process group (the engine joined it): the engine goes
+                # first, keeping the group, when the run ends (trainer.end() / accelerator.end_training()).
+                call_before_end_training(self.accelerator, self._odc_shutdown_vllm)
         elif self.use_vllm and getattr(self.args, "vllm_mode", "colocate") == "colocate":
             # TRL's own sync and generation, timed as ODC's are (odc/generation_s: sync and vLLM's generate)
             trl_grpo.grpo_vllm_hooks(self, sync=None, around=self._odc_generation_block)
@@ -118,7 +124,46 @@ class ODCOnlineTrainerMixin:
         finally:
             self._odc_in_generation = False
 
+    def _odc_reloads_server_from_files(self, device: Any) -> bool:
+        """Whether ODC's server-mode sync uses the ``"file"`` channel for a client on ``device`` (ODC on, no CUDA)."""
+        from ..vllm_server import server_channel
+
+        config = getattr(self, "odc_config", None)
+        return bool(config is not None and config.enable and server_channel(torch.device(device)) == "file")
+
     def _odc_sync_vllm(self) -> None:
+        if self.args.vllm_mode == "server":
+            self._odc_sync_vllm_server()
+        else:
+            self._odc_sync_vllm_colocate()
+
+    def _odc_sync_vllm_server(self) -> None:
+        """Push the current weights to TRL's vLLM server from the main process alone, in place of TRL's
+        ``sync_weights`` (whose ``full_tensor()`` gathers run on every rank): the full weights come from ODC's
+        published shards (`odc_accelerate.integrations.vllm_server.push_weights_to_server`, no torch.distributed
+        call). The other ranks do nothing here; they wait for the main process at the step's prompt gather."""
+        from ..vllm_server import WEIGHTS_DIR, push_weights_to_server, server_channel
+
+        engine = self._odc_engine_for_sync()
+        if not self.accelerator.is_main_process:
+            return
+        client = trl_grpo.grpo_vllm_client(trl_grpo.grpo_vllm_generation(self))
+        channel = server_channel(self.accelerator.device)
+        weights_dir = os.path.join(self.args.output_dir, WEIGHTS_DIR)
+        with self._odc_generation_block():
+            stats = push_weights_to_server(client, engine, channel, weights_dir=weights_dir)
+        self.odc_vllm_syncs.append(stats)
+
+    def _odc_engine_for_sync(self) -> Any:
+        engine = self.odc_engine
+        if engine is None:
+            raise RuntimeError(
+                "ODC's vLLM weight sync runs once the model is prepared (trainer.train()); the ODC engine does not "
+                "exist yet."
+            )
+        return engine
+
+    def _odc_sync_vllm_colocate(self) -> None:
         """Refresh this rank's vLLM engine with the current weights, in place of TRL's ``sync_weights``: the full
         parameters come from ODC's published shards through the transport's reads, one FSDP unit at a time
         (`odc_accelerate.integrations.vllm.sync_vllm_weights`), with no torch.distributed call, so each rank syncs
@@ -127,12 +172,7 @@ class ODCOnlineTrainerMixin:
         from ..vllm import sync_vllm_weights
 
         generation = trl_grpo.grpo_vllm_generation(self)
-        engine = self.odc_engine
-        if engine is None:
-            raise RuntimeError(
-                "ODC's vLLM weight sync runs once the model is prepared (trainer.train()); the ODC engine does not "
-                "exist yet."
-            )
+        engine = self._odc_engine_for_sync()
         with self._odc_generation_block():
             trl_grpo.wake_vllm_weights(generation)
             stats = sync_vllm_weights(trl_grpo.grpo_vllm_engine(generation), engine)

@@ -1,5 +1,5 @@
 """What ODC refuses of an online (GRPO, RLOO) run, before any work: GRPO's loss types and options whose loss cannot be
-made exact under a plan (`check_grpo_args`), the vLLM settings ODC's per-rank weight sync cannot serve
+made exact under a plan (`check_grpo_args`), the vLLM settings ODC's weight sync cannot serve
 (`check_vllm_args`), a model that sync would get wrong (`check_vllm_sync_settings`), and more than one generation batch
 per optimizer step (`check_one_generation_per_step`), and prompts with images under a plan (`check_no_images`)."""
 
@@ -93,24 +93,19 @@ def check_one_generation_per_step(args: Any, alternatives: str) -> None:
 
 
 def check_vllm_args(args: Any) -> None:
-    """Refuse the vLLM settings ODC's per-rank weight sync cannot serve: it refreshes one colocated engine per rank
-    (``vllm_mode="colocate"``, ``vllm_tensor_parallel_size=1``) with the full weights of the model (LoRA adapters
-    merged, see `odc_accelerate.integrations.vllm.iter_full_parameters`)."""
+    """Refuse the vLLM settings ODC's weight sync cannot serve. In colocate mode it refreshes one engine per rank,
+    which must hold the whole model (``vllm_tensor_parallel_size=1``); in server mode rank 0 pushes the full weights
+    to the server (`odc_accelerate.integrations.vllm_server`), whose own parallelism is the server's. Either way the
+    weights are the model's in full (LoRA adapters merged, see `odc_accelerate.integrations.vllm.iter_full_parameters`).
+    """
     mode = getattr(args, "vllm_mode", "colocate")
-    if mode == "server":
-        raise ValueError(
-            "vllm_mode='server' is not supported with ODC: TRL's server mode syncs the weights by gathering the full "
-            "model with collectives on every rank and broadcasting it from rank 0 to the server, and sends every "
-            "rank's prompts through rank 0, so each step's generation waits for every rank. Use --vllm_mode "
-            "colocate (each rank then refreshes its own engine from ODC's shards and generates its own prompts, "
-            "without collectives), or run without --odc."
-        )
     tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
     if mode == "colocate" and tp != 1:
         raise ValueError(
             f"vllm_tensor_parallel_size={tp} is not supported with ODC: each rank refreshes its own colocated vLLM "
             "engine, which must hold the whole model (a tensor-parallel engine spans ranks, and generates in "
-            "lockstep with them). Set --vllm_tensor_parallel_size 1, or run without --odc."
+            "lockstep with them). Set --vllm_tensor_parallel_size 1, use --vllm_mode server (the server's own "
+            "tensor parallelism), or run without --odc."
         )
 
 

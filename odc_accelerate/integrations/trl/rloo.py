@@ -39,7 +39,9 @@ class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
     """`trl.RLOOTrainer` with ODC (see the module docstring).
 
     * **Generation** makes no collective under ODC (``generate`` without ``synced_gpus``; with ``use_vllm=True`` and
-      ``vllm_mode="colocate"`` each rank's engine is refreshed from ODC's shards); each rank's generation time is
+      ``vllm_mode="colocate"`` each rank's engine is refreshed from ODC's shards; with ``vllm_mode="server"`` rank 0
+      pushes the weights read from them to the server, `odc_accelerate.integrations.vllm_server`, and TRL gathers the
+      prompts once per step); each rank's generation time is
       logged as ``odc/generation_s`` and counts as busy.
     * **Planning** (``--odc_plan free``, the default with ODC, ``lockstep`` or ``dynamic``): one optimizer step is one
       generation batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank); its
@@ -103,7 +105,7 @@ def check_rloo_args(args: Any, config: ODCConfig) -> None:
     ODC plan is the step's global batch, as in TRL (``normalize_advantages`` included).
 
     Raises:
-        ValueError: vLLM's server mode or a tensor-parallel engine under ODC, ``sync_ref_model`` under ODC, or, under a
+        ValueError: a tensor-parallel colocated vLLM engine under ODC, ``sync_ref_model`` under ODC, or, under a
             balanced plan, ``num_iterations != 1`` or ``steps_per_generation`` other than
             ``gradient_accumulation_steps``.
     """

@@ -76,6 +76,23 @@ def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
+def server_prompt_logprobs(client: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """`vllm_prompt_logprobs` from a vLLM server, through TRL's client (``/v1/completions`` with ``prompt_logprobs``)."""
+    payload = {"model": client.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    choices = client.session.post(f"{client.base_url}/v1/completions", json=payload).json()["choices"]
+    return [
+        [c["prompt_logprobs"][t][str(p[t])]["logprob"] for t in range(1, len(p))]
+        for c, p in zip(choices, prompts, strict=True)
+    ]
+
+
+def _server_greedy(client: Any, prompts: list[list[int]]) -> list[list[int]]:
+    out = client.generate(
+        prompts, temperature=0.0, max_tokens=CHECK_TOKENS, logprobs=None, generation_kwargs={"ignore_eos": True}
+    )
+    return [list(c) for c in out["completion_ids"]]
+
+
 def _vllm_greedy(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -137,19 +154,35 @@ class VLLMTrainerCheck:
         _load_all(self._reference, full)
         return self._reference
 
+    def _engine(self) -> tuple[Any, Any, Any] | None:
+        """This rank's engine as (engine, greedy, prompt log-probs), or None: in server mode only the main process
+        holds TRL's client of the one server."""
+        generation = self.trainer.vllm_generation
+        if generation.mode == "server":
+            client = getattr(generation, "vllm_client", None)
+            return None if client is None else (client, _server_greedy, server_prompt_logprobs)
+        return generation.llm, _vllm_greedy, vllm_prompt_logprobs
+
     def sync(self, original: Any, count: Any) -> None:
-        llm = self.trainer.vllm_generation.llm
+        engine = self._engine()
+        if engine is None:  # a rank without the server's client: its sync, counted, and its part of the gather
+            with count() as calls:
+                original()
+            self.sync_dist_calls.append(dict(calls))
+            self._gathered_model()
+            return
+        llm, greedy, prompt_logprobs = engine
         # Between two syncs the engine's weights do not change: the previous check's tokens are its tokens before.
-        before = self.checks[-1]["vllm"] if self.checks else _vllm_greedy(llm, self._prompts)
-        stale = vllm_prompt_logprobs(llm, self._prompts)
+        before = self.checks[-1]["vllm"] if self.checks else greedy(llm, self._prompts)
+        stale = prompt_logprobs(llm, self._prompts)
         with count() as calls:
             original()
         self.sync_dist_calls.append(dict(calls))
-        after = _vllm_greedy(llm, self._prompts)
+        after = greedy(llm, self._prompts)
         reference = self._gathered_model()
         hf = _hf_greedy(reference, self._prompts)
         trained = hf_prompt_logprobs(reference, self._prompts)
-        logprobs = max_logprob_difference(vllm_prompt_logprobs(llm, self._prompts), trained)
+        logprobs = max_logprob_difference(prompt_logprobs(llm, self._prompts), trained)
         self.checks.append(
             {
                 "step": int(self.trainer.state.global_step),
@@ -208,6 +241,18 @@ def instrument(trainer: Any) -> None:
     sync, generate = generation.sync_weights, generation.generate
     generation.sync_weights = lambda: check.sync(sync, count_dist_calls)
     generation.generate = lambda *a, **k: check.generate(generate, count_dist_calls, *a, **k)
+
+    if generation.mode == "server":
+        # no engine in this process: the report is written when training ends
+        from transformers import TrainerCallback
+
+        class WriteAtTrainEnd(TrainerCallback):
+            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                check.write()
+
+        trainer.add_callback(WriteAtTrainEnd())
+        trainer.odc_vllm_check = check
+        return
 
     shutdown = trainer._odc_shutdown_vllm  # what end_training calls first (registered at __init__)
 
