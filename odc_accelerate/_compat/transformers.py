@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import CompatError, check_signature, import_attr, missing_message, patch_attribute, require, warn_if_untested
@@ -93,7 +93,7 @@ def counts_loss_items(trainer: Any, batch: Any) -> bool:
     ``_get_num_items_in_batch`` counts only when the batch has ``labels`` and the model takes the loss keyword arguments
     (or a ``compute_loss_func`` is set); otherwise it passes `None`."""
     return (
-        isinstance(batch, dict)
+        isinstance(batch, Mapping)  # a collator's BatchEncoding too, as the Trainer reads it
         and "labels" in batch
         and bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
     )

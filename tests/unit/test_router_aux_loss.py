@@ -283,3 +283,20 @@ def test_the_logged_aux_loss_is_the_share_weighted_sum_over_the_step():
     metrics = reduce_step_metrics(deferred, None, "cpu")
     assert metrics.global_sums[0] == pytest.approx(2.0 * 0.75 + 3.0 * 0.25)
     assert metrics.global_sums[1] == 8.0  # the other gathers as they were
+
+
+def test_a_collators_batch_encoding_counts_its_label_tokens_as_the_trainer_does():
+    """`DataCollatorForLanguageModeling` returns a `BatchEncoding` (a mapping, not a dict): the Trainer counts its
+    labels and passes ``num_items_in_batch``, so the plan's microbatches must too (else each microbatch's loss becomes a
+    mean over its own tokens, and a MoE's router term is weighted as such)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from odc_accelerate._compat.transformers import counts_loss_items
+    from odc_accelerate.demo import load_offline_tokenizer
+
+    tokenizer = load_offline_tokenizer()
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer("one two"), tokenizer("three")])
+    trainer = SimpleNamespace(model_accepts_loss_kwargs=True, compute_loss_func=None)
+    assert not isinstance(batch, dict) and counts_loss_items(trainer, batch)
+    assert not counts_loss_items(trainer, {k: v for k, v in batch.items() if k != "labels"})
+    assert not counts_loss_items(SimpleNamespace(model_accepts_loss_kwargs=False, compute_loss_func=None), batch)
