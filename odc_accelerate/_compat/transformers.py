@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import check_signature, import_attr, patch_attribute, require, warn_if_untested
+from . import CompatError, check_signature, import_attr, missing_message, patch_attribute, require, warn_if_untested
 
 _LIBRARY = "transformers"
 
@@ -93,7 +93,7 @@ def counts_loss_items(trainer: Any, batch: Any) -> bool:
     ``_get_num_items_in_batch`` counts only when the batch has ``labels`` and the model takes the loss keyword arguments
     (or a ``compute_loss_func`` is set); otherwise it passes `None`."""
     return (
-        isinstance(batch, dict)
+        isinstance(batch, Mapping)  # a collator's BatchEncoding too, as the Trainer reads it
         and "labels" in batch
         and bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
     )
@@ -110,6 +110,44 @@ def loss_is_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:
     return bool(
         (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or trainer.compute_loss_func is not None
     )
+
+
+@contextlib.contextmanager
+def scaled_router_aux_loss_coef(model: Any, factor: float) -> Iterator[None]:
+    """Within the block the forward of ``model`` (a transformers mixture-of-experts model, wrapped or not) adds its
+    router's auxiliary loss to the loss it returns with ``factor`` times its coefficient.
+
+    transformers' MoE causal LMs add ``self.router_aux_loss_coef * aux_loss`` when given labels (the attribute copied
+    from the config in ``__init__``); composite (vision-language) ones read ``config.text_config.router_aux_loss_coef``.
+    Both are scaled.
+
+    Raises:
+        `CompatError`: ``model`` holds neither (the release computes the term elsewhere).
+    """
+    holders = [m for m in model.modules() if isinstance(vars(m).get("router_aux_loss_coef"), (int, float))]
+    configs = []
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for c in (config, text):
+            if isinstance(getattr(c, "router_aux_loss_coef", None), (int, float)) and all(c is not k for k in configs):
+                configs.append(c)
+    if not holders and not configs:
+        raise CompatError(
+            missing_message(
+                f"{type(model).__name__}.router_aux_loss_coef (or its config's)",
+                library=_LIBRARY,
+                advice="Load the model with output_router_logits=False to train without its router's auxiliary loss.",
+            )
+        )
+    saved = [(m, vars(m)["router_aux_loss_coef"]) for m in holders] + [(c, c.router_aux_loss_coef) for c in configs]
+    for obj, coef in saved:
+        obj.router_aux_loss_coef = coef * factor
+    try:
+        yield
+    finally:
+        for obj, coef in saved:
+            obj.router_aux_loss_coef = coef
 
 
 def passthrough_skip_first_batches() -> None:

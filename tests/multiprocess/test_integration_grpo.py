@@ -13,7 +13,9 @@ Module-scoped runs:
   tolerance (no KL term).
 * ``parity_single``: plain `trl.GRPOTrainer`, one process, the same completions as one microbatch: the ground truth.
 * ``parity_odc_tied`` / ``parity_single_tied``, ``parity_odc_moe`` / ``parity_single_moe``: the same pair, loss type
-  grpo only, on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the session's `tiny_model`);
+  grpo only, on a Llama 3.2-shaped model with tied embeddings and on a Qwen3-MoE (the session's `tiny_model`), the
+  MoE with its router's auxiliary loss, one completion per microbatch, its reference weighting each completion's
+  term by its share of the step's tokens (``--aux_token_share``);
   ``parity_odc_hybrid`` / ``parity_single_hybrid``: one step of it on a Qwen3.5-MoE hybrid (3 Gated DeltaNet layers,
   1 full attention), shorter completions.
 * ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
@@ -30,6 +32,7 @@ from integration_utils import (
     GRPO_GRAD_NORM_REL,
     HYBRID,
     MODEL_KINDS,
+    MOE_AUX_COEF,
     ROOT,
     RUN_EXAMPLE,
     accelerate_launch,
@@ -97,6 +100,15 @@ PARITY_RUNS += [("ordered", "grpo"), (HYBRID, "grpo")]
 HYBRID_SHORT = ["--max_steps", "1", "--max_completion_length", "24"]
 
 
+# The MoE trains with its router's auxiliary loss, under a budget that holds one completion per microbatch (every
+# prompt and completion is at least 11 tokens): the reference weights each completion's own term by its token share.
+MOE_BUDGET = "20"
+
+
+def _aux(kind: str) -> float:
+    return MOE_AUX_COEF if kind == "moe" else 0.0
+
+
 def _parity_names(kind: str) -> tuple[str, str]:
     """The run names of the ODC run and of its one-process reference for ``kind``."""
     if kind == "untied":
@@ -157,7 +169,7 @@ def runs(tmp_path_factory, tiny_model):
     # samples per step.
     parities = {"": PARITY}
     parities.update(
-        {f"_{kind}": [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32)]
+        {f"_{kind}": [*_one_loss_type(PARITY, "grpo"), *model_args(tiny_model, kind, hidden_size=32, aux=_aux(kind))]
          for kind in MODEL_KINDS[1:]}
     )  # fmt: skip
     parities["_ordered"] = [*_one_loss_type(PARITY, "grpo"), "--odc_reduction", "ordered"]
@@ -171,7 +183,7 @@ def runs(tmp_path_factory, tiny_model):
             "--odc",
             "true",
             "--odc_max_tokens_per_microbatch",
-            "40",
+            MOE_BUDGET if suffix == "_moe" else "40",
             "--per_device_train_batch_size",
             "8",
             *parity,
@@ -182,6 +194,8 @@ def runs(tmp_path_factory, tiny_model):
         if suffix == "_ordered":  # compared with the offline default's reference of grpo
             continue
         reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *parity]
+        if suffix == "_moe":  # the router term of each completion weighted by its share of the step's tokens
+            reference += ["--aux_token_share", "true"]
         procs[f"parity_single{suffix}"] = background(
             run, [*reference, "--output_dir", out[f"parity_single{suffix}"]], env=base_env()
         )
@@ -256,12 +270,19 @@ def test_unequal_microbatches_match_one_process(runs, kind, loss_type):
     ref = json.loads((ref_dir / "losses.json").read_text())["log_history"]
     odc, ref = [h for h in odc if "loss" in h], [h for h in ref if "loss" in h]
     assert len(odc) == len(ref) == (1 if kind == HYBRID else 2)
-    assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
+    if kind != "moe":  # the MoE's one completion per microbatch: the counts follow the lengths (8 and 8 seen)
+        assert any(h["odc/microbatches_min"] != h["odc/microbatches_max"] for h in odc), "ranks ran equal microbatches"
     for mine, truth in zip(odc, ref, strict=True):
         assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
         assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=GRPO_GRAD_NORM_REL)
         for key in ("kl", "entropy", "reward", "completions/mean_length", "clip_ratio/region_mean"):
             assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
+        if kind == "moe":
+            # The router term on, one completion per microbatch (16 per step over the ranks), weighted by its share
+            # of the step's tokens as in the reference; logged as the step's weighted sum (about 2 for top-2 of 4)
+            assert mine["odc/microbatches_min"] + mine["odc/microbatches_max"] == 16, mine
+            assert mine["aux_loss"] > 1.0
+            assert mine["aux_loss"] == pytest.approx(truth["aux_loss"], rel=1e-5)
     a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
     init = torch.load(ref_dir / "initial_params.pt")
     # Gated DeltaNet's decay parameters (A_log, dt_bias) get gradients of order 1e-6 on the tiny hybrid, where Adam's

@@ -6,20 +6,24 @@ data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))``, no ODC c
 of its own (collating with ``DataCollatorWithFlattening``) and with ``class MyTrainer(ODCTrainerMixin, Trainer)``
 written in. Each trains 5 samples per step (the ranks run unequal microbatch counts on the free plan) as the same
 script's plain ``Trainer`` does in one process on the same samples per step (`tests/helpers/loops/trainer_reference.py`),
-and as plain FSDP2 (ODC off) does on the lockstep plan, to fp32 summation order. Plain FSDP2 runs with a budget of one
-128-token block per microbatch: 3 slots per rank for 5 samples, so one rank's third slot cannot be filled and runs as
-a zero-weight microbatch that keeps FSDP2's collectives paired (no hang, nothing added to the step).
+and as plain FSDP2 (ODC off) does on the lockstep plan, to fp32 summation order. The mixin's run and plain FSDP2's
+train a Qwen3-MoE whose forward adds its router's auxiliary loss, on samples of up to 256 tokens of different lengths,
+one sample per microbatch, against the reference weighting each microbatch's term by its share of the step's tokens.
+Plain FSDP2 has 3 slots per rank for 5 samples, so one rank's third slot cannot be filled and runs as a zero-weight
+microbatch that keeps FSDP2's collectives paired (no hang, nothing added to the step).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from integration_utils import (
     CONFIGS,
+    MOE_AUX_COEF,
     RUN_EXAMPLE,
     background,
     base_env,
@@ -61,14 +65,30 @@ def _variant(source: str, base: str, imports: str = "") -> str:
     return f"{head}\nclass MyTrainer({base}):\n    pass\n\n\ndef main() -> None:{main}"
 
 
+def _moe_with_router_loss(tiny_model, root: Path) -> Path:
+    """The session's tiny Qwen3-MoE, saved with ``output_router_logits=True`` (its forward then adds the router's
+    auxiliary loss to the loss it returns, the plain Trainer's case) at coefficient ``MOE_AUX_COEF``."""
+    folder = root / "moe_router_loss"
+    shutil.copytree(tiny_model("moe"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=MOE_AUX_COEF)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("trainer")
     source = RUN_CLM.read_text()
     subclass, mixin = root / "subclass_clm.py", root / "mixin_clm.py"
     subclass.write_text(_variant(source, "Trainer"))
     mixin.write_text(_variant(source, "ODCTrainerMixin, Trainer", "from odc_accelerate import ODCTrainerMixin\n"))
-    out = {name: root / name for name in ("odc", "subclass", "mixin", "fsdp2", "reference")}
+    out = {name: root / name for name in ("odc", "subclass", "mixin", "fsdp2", "reference", "reference_moe")}
+    # The mixin and plain FSDP2 runs train the MoE with its router's auxiliary loss on samples of up to 256 tokens
+    # (lengths differ: token shares are not row shares), one sample per microbatch (a 256-token budget; every sample of
+    # these steps is over 128 tokens), against a reference weighting each microbatch's term by its share of the step's
+    # tokens.
+    moe = ["--model_name_or_path", str(_moe_with_router_loss(tiny_model, root)), "--block_size", "256"]
     env = dict(PLAN_ENV)  # the offline text is built in memory: no Hub, no datasets cache
     odc_launch = [sys.executable, "-m", "odc_accelerate.cli", "launch", "--config_file", CONFIGS / "odc_cpu.yaml"]
     odc_launch += ["--main_process_port", "0", RUN_EXAMPLE]
@@ -92,11 +112,32 @@ def runs(tmp_path_factory):
             env=base_env(**env),
             timeout=400,
         ),
+        "reference_moe": background(
+            run,
+            [
+                sys.executable,
+                REFERENCE,
+                "--samples_per_step",
+                SAMPLES_PER_STEP,
+                "--aux_token_share",
+                RUN_CLM,
+                *PARITY,
+                *moe,
+                "--output_dir",
+                out["reference_moe"],
+            ],  # fmt: skip
+            env=base_env(**env),
+            timeout=400,
+        ),
         "odc": background(launched, [*odc_launch, RUN_CLM, *PARITY, "--output_dir", out["odc"]]),
         "subclass": background(
             launched, [*odc_launch, subclass, *PARITY, "--collator", "flattening", "--output_dir", out["subclass"]]
         ),
-        "mixin": background(launched, [*odc_launch, mixin, *PARITY, "--output_dir", out["mixin"]]),
+        "mixin": background(
+            launched,
+            [*odc_launch, mixin, *PARITY, *moe, "--output_dir", out["mixin"]],
+            ODC_MAX_TOKENS_PER_MICROBATCH="256",
+        ),
         # plain FSDP2 on the lockstep plan: the script through the bootstrap (which gives it the ODC trainer) with
         # ODC off, as the launcher starts it when ODC is on
         "fsdp2": background(
@@ -114,25 +155,26 @@ def runs(tmp_path_factory):
                 RUN_EXAMPLE,
                 RUN_CLM,
                 *PARITY,
+                *moe,
                 "--output_dir",
                 out["fsdp2"],
             ],  # fmt: skip
             ODC_PLAN="lockstep",
-            # one 128-token block per microbatch: 6 slots for 5 samples, one of them empty on one rank
-            ODC_MAX_TOKENS_PER_MICROBATCH="128",
+            # one sample per microbatch: 6 slots for 5 samples, one of them empty on one rank
+            ODC_MAX_TOKENS_PER_MICROBATCH="256",
         ),
     }
     return {"procs": results(jobs), "out": out}
 
 
-def _assert_trains_as_one_process(runs, name: str) -> list[dict]:
-    """Run ``name`` logged the reference's loss and gradient norm at both steps and ended with its weights."""
+def _assert_trains_as_one_process(runs, name: str, reference: str = "reference") -> list[dict]:
+    """Run ``name`` logged the ``reference``'s loss and gradient norm at both steps and ended with its weights."""
     import torch
 
-    check_ok(runs["procs"]["reference"])
+    check_ok(runs["procs"][reference])
     proc = runs["procs"][name]
     check_ok(proc)
-    out, ref = runs["out"][name], runs["out"]["reference"]
+    out, ref = runs["out"][name], runs["out"][reference]
     init = torch.load(ref / "initial_params.pt")
     assert max_rel(torch.load(out / "initial_params.pt"), init) == 0.0  # the same starting weights
     steps = logged_steps(out)
@@ -169,17 +211,21 @@ def test_a_script_defined_trainer_subclass_trains_with_odc_as_one_process(runs):
     _assert_odc(runs, "subclass")
 
 
-def test_the_mixin_written_in_trains_with_odc_as_one_process(runs):
-    _assert_trains_as_one_process(runs, "mixin")
+def test_the_mixin_written_in_trains_a_moe_with_its_router_loss_with_odc_as_one_process(runs):
+    """The model's forward adds its router's auxiliary loss to the loss: each microbatch's term weighted by its share of
+    the step's routed tokens (one sample per microbatch, unequal counts per rank), as the reference weights it."""
+    steps = _assert_trains_as_one_process(runs, "mixin", "reference_moe")
     _assert_odc(runs, "mixin")
+    assert all(step["odc/microbatches_min"] + step["odc/microbatches_max"] == SAMPLES_PER_STEP for step in steps)
 
 
 def test_plain_fsdp2_on_the_lockstep_plan_trains_as_one_process(runs):
-    steps = _assert_trains_as_one_process(runs, "fsdp2")
+    """Plain FSDP2 on the lockstep plan, the MoE's router term weighted as under ODC."""
+    steps = _assert_trains_as_one_process(runs, "fsdp2", "reference_moe")
     for report in reports(runs["out"]["fsdp2"], "odc_run_rank"):
         assert report["engine"] is None and report["distributed_type"] == "DistributedType.FSDP", report
         assert report["odc_config"]["plan"] == "lockstep" and not report["odc_config"]["enable"], report
-        assert report["odc_config"]["max_tokens_per_microbatch"] == 128, report
+        assert report["odc_config"]["max_tokens_per_microbatch"] == 256, report
     assert "ODC on:" not in runs["procs"]["fsdp2"].stderr
     assert len(steps) == 2
     # 3 microbatches on each rank (the zero-weight one included) for 5 samples of one microbatch each

@@ -256,11 +256,16 @@ def _replay(microbatches):
     return deferred
 
 
-def test_finalize_replaces_per_microbatch_values_with_the_steps():
+@pytest.mark.parametrize("aux", [False, True])
+def test_finalize_replaces_per_microbatch_values_with_the_steps(aux):
+    """Each metric's step value over every rank; a MoE router's ``aux_loss`` (gathered first, each microbatch's value
+    weighted by its share of the step's routed tokens) is their sum."""
     trainer = _trainer("grpo")
     trainer.beta = 0.1
+    trainer.aux_loss_enabled = aux
     calls = trl_grpo.grpo_metric_calls(trainer)
-    assert [name for name, _ in calls[:2]] == ["kl", "entropy"]
+    first = ["aux_loss", "kl", "entropy"] if aux else ["kl", "entropy"]
+    assert [name for name, _ in calls[: len(first)]] == first
     recorded = {name: [99.0, 1.0, 2.0] for name, _ in calls}  # 99: an earlier step's value
     recorded["step_time"] = [5.0, 0.5, 0.25]
     trainer._metrics = {"train": recorded}
@@ -274,7 +279,7 @@ def test_finalize_replaces_per_microbatch_values_with_the_steps():
     )
     finalize_grpo_metrics(trainer, metrics)
     for i, (name, how) in enumerate(calls):
-        expected = {"ratio": (i + 1) / 2.0, "min": -float(i), "max": 10.0 + i}[how]
+        expected = {"ratio": (i + 1) / 2.0, "min": -float(i), "max": 10.0 + i, "sum": float(i + 1)}[how]
         assert recorded[name] == [99.0, expected], name
     assert recorded["step_time"] == [5.0, 0.75]
 

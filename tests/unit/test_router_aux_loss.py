@@ -1,9 +1,10 @@
 """A mixture-of-experts router's auxiliary loss under ODC's plans: when a trainer adds it, which tokens weight it,
 and where it is refused; transformers' own expert parallelism, refused.
 
-Under a plan the ODC SFT and DPO trainers weight each microbatch's load-balancing term by its share of the step's
-routed tokens (`odc_accelerate.integrations.trainer.moe`; the multiprocess SFT and DPO tests check the updates); the
-other trainers refuse it in their set-up, naming the model and the setting to change. Whether the loss is on is TRL's
+Under a plan the ODC SFT, DPO, GRPO and RLOO trainers and a plain Trainer's own loss weight each microbatch's
+load-balancing term by its share of the step's routed tokens (`odc_accelerate.integrations.trainer.moe`; the
+multiprocess tests check the updates); the other trainers refuse it in their set-up, naming the model and the setting
+to change. Whether the loss is on is TRL's
 decision (and, for `transformers.Trainer`, the model's own forward's): the tests compare with those.
 """
 
@@ -77,25 +78,36 @@ def test_a_dense_model_or_no_model_has_none():
     assert router_aux_loss_coef(None, args) == 0.0
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "rloo", "kto"])
 def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
-    """SFT and DPO weight the loss under a plan: their set-up goes on to the launch's refusal (one process, no FSDP).
-    GRPO does not weight it yet: refused before the accelerator exists, naming the model, the trainer and the fix;
-    with ``router_aux_loss_coef=0`` it goes on to the launch's refusal too."""
+    """SFT, DPO, GRPO and RLOO weight the loss under a plan: their set-up goes on to the launch's refusal (one process,
+    no FSDP). KTO does not weight it: refused before the accelerator exists, naming the model, the trainer and the
+    fix; with ``router_aux_loss_coef=0`` it goes on to the launch's refusal too."""
     from odc_accelerate import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
     from odc_accelerate.demo import load_offline_tokenizer
-    from odc_accelerate.integrations.trl import ODCGRPOConfig, ODCGRPOTrainer
+    from odc_accelerate.integrations.trl import (
+        ODCGRPOConfig,
+        ODCGRPOTrainer,
+        ODCKTOConfig,
+        ODCKTOTrainer,
+        ODCRLOOConfig,
+        ODCRLOOTrainer,
+    )
 
     config_class, trainer_class = {
         "sft": (ODCSFTConfig, ODCSFTTrainer),
         "dpo": (ODCDPOConfig, ODCDPOTrainer),
         "grpo": (ODCGRPOConfig, ODCGRPOTrainer),
+        "rloo": (ODCRLOOConfig, ODCRLOOTrainer),
+        "kto": (ODCKTOConfig, ODCKTOTrainer),
     }[trainer]
-    sizes = {"num_generations": 4, "per_device_train_batch_size": 4} if trainer == "grpo" else {}
-    rewards = {"reward_funcs": lambda completions, **kwargs: [0.0] * len(completions)} if trainer == "grpo" else {}
+    online = trainer in ("grpo", "rloo")
+    sizes = {"num_generations": 4, "per_device_train_batch_size": 4} if online else {}
+    rewards = {"reward_funcs": lambda completions, **kwargs: [0.0] * len(completions)} if online else {}
+    data = _dataset("dpo" if trainer == "kto" else trainer)
     no_fsdp = "ODC needs FSDP2, but this run does not use FSDP"
     for coef in (None, 0.0):
-        match = MOE_AUX if trainer == "grpo" and coef is None else no_fsdp
+        match = MOE_AUX if trainer == "kto" and coef is None else no_fsdp
         args = config_class(
             output_dir=str(tmp_path), odc=True, router_aux_loss_coef=coef, report_to="none", bf16=False, **sizes
         )
@@ -103,15 +115,79 @@ def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
             trainer_class(
                 model=_model("moe"),
                 args=args,
-                train_dataset=_dataset(trainer),
+                train_dataset=data,
                 processing_class=load_offline_tokenizer(),
                 **rewards,
             )
         if match == MOE_AUX:  # the coefficient TRL would use, the trainer, and what to change
-            assert "(router_aux_loss_coef=0.001) once per microbatch, and ODCGRPOTrainer does not" in str(
-                refused.value
-            )
+            assert "(router_aux_loss_coef=0.001) once per microbatch, and ODCKTOTrainer does not" in str(refused.value)
             assert "Pass --router_aux_loss_coef 0 to train without it" in str(refused.value)
+
+
+class _OwnLoss:
+    """A plain Trainer subclass's own ``compute_loss`` (mixed in before `ODCTrainer`)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("loss", ["trainer", "compute_loss_func", "subclass", "off"])
+def test_a_plain_trainer_weights_its_own_loss_and_refuses_another_by_name(tmp_path, loss):
+    """The plain Trainer's own ``compute_loss`` has the term the model's forward adds weighted (its set-up goes on to
+    the launch's refusal); a ``compute_loss_func`` or a subclass's ``compute_loss`` computes a loss ODC cannot
+    reweight: refused by name before any work, and not when the model's config leaves the term off."""
+    from transformers import DataCollatorForLanguageModeling, TrainingArguments
+
+    from odc_accelerate import ODCTrainer
+    from odc_accelerate.demo import load_offline_tokenizer
+
+    tokenizer = load_offline_tokenizer()
+    model = _model("moe")
+    model.config.output_router_logits = loss != "off"
+    data = _dataset("sft").map(lambda row: tokenizer(row["text"]), remove_columns=["text"])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", fsdp_config={"odc": True, "odc_plan": "free"}, use_cpu=True
+    )
+    cls = type("MyTrainer", (_OwnLoss, ODCTrainer), {}) if loss == "subclass" else ODCTrainer
+    func = {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}
+    with pytest.raises(ValueError) as refused:
+        cls(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            **(func if loss == "compute_loss_func" else {}),
+        )
+    message = str(refused.value)
+    if loss in ("trainer", "off"):
+        assert "ODC needs FSDP2, but this run does not use FSDP" in message, message
+        return
+    named = "compute_loss_func" if loss == "compute_loss_func" else "_OwnLoss.compute_loss"
+    assert f"{MOE_AUX} (router_aux_loss_coef=0.001) once per microbatch" in message, message
+    assert f"MyTrainer's loss is computed by {named}" in message or f"ODCTrainer's loss is computed by {named}" in (
+        message
+    ), message
+    assert "Load the model with output_router_logits=False to train without it" in message
+
+
+def test_the_models_coefficient_is_scaled_only_inside_the_block():
+    """What the plain Trainer's microbatches train: the forward's loss with ``factor`` times its router term."""
+    from odc_accelerate._compat.transformers import scaled_router_aux_loss_coef
+
+    model = _model("moe")
+    model.config.output_router_logits = True
+    coef = model.config.router_aux_loss_coef
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        nll = model(input_ids=ids, labels=ids, output_router_logits=False).loss
+        out = model(input_ids=ids, labels=ids)
+        with scaled_router_aux_loss_coef(model, 0.25):
+            scaled = model(input_ids=ids, labels=ids).loss
+        again = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(out.loss, nll + coef * out.aux_loss)
+    torch.testing.assert_close(scaled, nll + 0.25 * coef * out.aux_loss)
+    torch.testing.assert_close(again, out.loss)  # restored
+    assert model.config.router_aux_loss_coef == coef
 
 
 def test_routed_tokens_are_the_ones_the_router_statistics_average_over():
@@ -207,3 +283,20 @@ def test_the_logged_aux_loss_is_the_share_weighted_sum_over_the_step():
     metrics = reduce_step_metrics(deferred, None, "cpu")
     assert metrics.global_sums[0] == pytest.approx(2.0 * 0.75 + 3.0 * 0.25)
     assert metrics.global_sums[1] == 8.0  # the other gathers as they were
+
+
+def test_a_collators_batch_encoding_counts_its_label_tokens_as_the_trainer_does():
+    """`DataCollatorForLanguageModeling` returns a `BatchEncoding` (a mapping, not a dict): the Trainer counts its
+    labels and passes ``num_items_in_batch``, so the plan's microbatches must too (else each microbatch's loss becomes a
+    mean over its own tokens, and a MoE's router term is weighted as such)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from odc_accelerate._compat.transformers import counts_loss_items
+    from odc_accelerate.demo import load_offline_tokenizer
+
+    tokenizer = load_offline_tokenizer()
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer("one two"), tokenizer("three")])
+    trainer = SimpleNamespace(model_accepts_loss_kwargs=True, compute_loss_func=None)
+    assert not isinstance(batch, dict) and counts_loss_items(trainer, batch)
+    assert not counts_loss_items(trainer, {k: v for k, v in batch.items() if k != "labels"})
+    assert not counts_loss_items(SimpleNamespace(model_accepts_loss_kwargs=False, compute_loss_func=None), batch)

@@ -101,8 +101,12 @@ def pad_token_id(trainer: Any) -> int:
 
 def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     """The ``accelerator.reduce`` / ``gather`` calls GRPOTrainer._compute_loss makes per training microbatch, in call
-    order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max")."""
+    order, as (metric name, how the step's value is formed: "ratio" of summed pairs, "min" or "max", "sum" of the
+    values). With a MoE router's auxiliary loss a ``gather_for_metrics`` of it comes first: under an ODC plan each
+    microbatch's value is weighted by its share of the step's routed tokens, the step's value their sum."""
     calls: list[tuple[str, str]] = []
+    if getattr(trainer, "aux_loss_enabled", False):
+        calls.append(("aux_loss", "sum"))
     if trainer.beta != 0.0:
         calls.append(("kl", "ratio"))
     calls.append(("entropy", "ratio"))

@@ -90,11 +90,12 @@ def rloo_metric_calls(trainer: Any) -> tuple[tuple[tuple[str, str], ...], ...]:
 
     The entropy is a ``reduce`` of a ``[sum, count]`` pair; each clip indicator is a gather of one value per sequence
     (``is_low_clipped`` feeds both ``clip_ratio/low_mean`` and ``clip_ratio/low_min``). With a MoE router's auxiliary
-    loss a ``gather_for_metrics`` of it comes first (refused under an ODC plan).
+    loss a ``gather_for_metrics`` of it comes first: under an ODC plan each microbatch's value is weighted by its share
+    of the step's routed tokens, the step's value their "sum".
     """
     calls: list[tuple[tuple[str, str], ...]] = []
     if getattr(trainer, "aux_loss_enabled", False):
-        calls.append((("aux_loss", "ratio"),))
+        calls.append((("aux_loss", "sum"),))
     calls += [
         (("entropy", "ratio"),),
         (("clip_ratio/low_mean", "ratio"), ("clip_ratio/low_min", "min")),

@@ -17,7 +17,7 @@ from ..trl.unsupported import check_mixin_trainer
 from .callback import ODCCallback
 from .loaders import ODCStepLoaders
 from .moe import check_router_aux_loss
-from .plain import check_token_mean_loss
+from .plain import check_token_mean_loss, is_trl_trainer
 from .resume import ODCResume
 from .setup import ODCAcceleratorSetup
 from .step import ODCStepLoop
@@ -54,6 +54,7 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
         self._odc_step_rows = 0  # rows (samples) of the current step over all ranks (per-batch-mean loss weights)
         self._odc_step_routed = 0  # routed tokens of the current step over all ranks (a router's auxiliary loss)
         self._odc_aux_share = None  # the current microbatch's share of them, while its loss is computed
+        self._odc_compute_loss_func = kwargs.get("compute_loss_func")  # a plain Trainer's, before the Trainer sets it
         self._odc_budget_warned = False  # the over-budget warning is given once per trainer
         self._odc_dynamic_dataset, self._odc_dynamic_rows = None, False  # where a dynamic step's claims load from
         self.odc_dynamic_loads = [0, 0.0]  # dynamic plan: microbatches fetched and collated, and the seconds it took
@@ -67,8 +68,12 @@ class ODCTrainerMixin(ODCAcceleratorSetup, ODCStepLoaders, ODCStreamLoaders, ODC
                 self.odc_config,
                 type(self),
                 coef=getattr(self, "router_aux_loss_coef", None),
-                served=self._odc_serves_router_aux_loss,
+                served=self._odc_router_aux_served(),
             )
+        elif self.odc_config.balanced and not is_trl_trainer(self):
+            # A plain Trainer's compute_loss_func passed by position is known only now.
+            loss = self._odc_plain_loss_owner()
+            check_router_aux_loss(self.model, self.args, self.odc_config, type(self), served=loss is None, loss=loss)
         if self.odc_config.balanced and self.odc_plans_from_dataset:
             check_token_mean_loss(self)  # a plain Trainer's loss that no microbatch weight makes exact
         self.add_callback(ODCCallback(self))

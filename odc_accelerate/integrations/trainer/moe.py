@@ -6,8 +6,10 @@
   with weight ``1 / (W x G)``, so its value depends on how samples are grouped there too. Under a plan each
   microbatch's term is weighted by its share of the step's routed tokens (`routed_tokens`: the tokens its router
   statistics average over, over all ranks), the weights summing to one per step: a token counts the same whichever
-  microbatch it ran in, as for the token loss. The trainers that serve it scale TRL's coefficient per microbatch
-  (`ODCTrainerMixin._odc_router_coef`); the others refuse it by name (`check_router_aux_loss`).
+  microbatch it ran in, as for the token loss. The TRL trainers that serve it scale TRL's coefficient per
+  microbatch (`ODCTrainerMixin._odc_router_coef`); a plain Trainer's own loss (to which the model's forward adds the
+  term) scales the model's (`ODCTrainerMixin._odc_plain_router_coef`); the others refuse it by name
+  (`check_router_aux_loss`).
 * **Expert parallelism** of transformers (``DistributedConfig(ep_size=..., enable_expert_parallel=True)`` or any
   ``distributed_config`` that shards, passed to ``from_pretrained``) has transformers call ``fully_shard`` and shard
   the experts itself, outside accelerate: refused at set-up (`check_transformers_distributed`).
@@ -24,8 +26,11 @@ __all__ = ["check_router_aux_loss", "check_transformers_distributed", "router_au
 def routed_tokens(batch: Any) -> int:
     """The tokens a microbatch's router statistics average over: its non-padding tokens where it has an
     ``attention_mask`` (transformers' ``load_balancing_loss_func`` leaves padding out with it), else every token of
-    its rows (a packed row has no padding)."""
+    its rows (a packed row has no padding). A generation batch's microbatch (GRPO, RLOO) runs its forward with the
+    prompt and completion masks side by side as the attention mask: their ones."""
     if isinstance(batch, Mapping):
+        if batch.get("prompt_mask") is not None and batch.get("completion_mask") is not None:
+            return int(batch["prompt_mask"].sum()) + int(batch["completion_mask"].sum())
         mask = batch.get("attention_mask")
         if mask is not None and getattr(mask, "dim", lambda: 0)() == 2:
             return int(mask.sum())
@@ -67,10 +72,17 @@ def _model_name(model: Any) -> str:
 
 
 def check_router_aux_loss(
-    model: Any, args: Any, config: Any, trainer: type, coef: float | None = None, served: bool = False
+    model: Any,
+    args: Any,
+    config: Any,
+    trainer: type,
+    coef: float | None = None,
+    served: bool = False,
+    loss: str | None = None,
 ) -> None:
     """Refuse a router auxiliary loss under a plan in a trainer that does not weight it, naming the model, the
-    trainer and what to change. The ODC SFT and DPO trainers weight it (``served``): nothing to refuse.
+    trainer and what to change. The ODC SFT, DPO, GRPO and RLOO trainers and a plain Trainer's own loss weight it
+    (``served``): nothing to refuse.
 
     Args:
         model (`transformers.PreTrainedModel` or `peft.PeftModel`, *optional*):
@@ -86,6 +98,8 @@ def check_router_aux_loss(
             `router_aux_loss_coef` of ``model`` and ``args``.
         served (`bool`):
             Whether ``trainer`` weights the loss by each microbatch's share of the step's routed tokens.
+        loss (`str`, *optional*):
+            What computes a plain Trainer's loss instead of its own ``compute_loss`` (named in the message).
 
     Raises:
         `ValueError`: the loss is on and not served; the message names the model and the setting that turns it off.
@@ -98,11 +112,19 @@ def check_router_aux_loss(
         if hasattr(args, "router_aux_loss_coef")
         else "Load the model with output_router_logits=False to train without it"
     )
+    if loss is not None:
+        raise ValueError(
+            f"{_model_name(model)} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) "
+            f"once per microbatch, and {trainer.__name__}'s loss is computed by {loss}, so ODC cannot weight that term "
+            f"by each microbatch's share of the step's tokens under the {config.plan!r} plan (it does for the "
+            f"Trainer's own compute_loss, the model's loss as its forward returns it). {fix}, use the Trainer's own "
+            "compute_loss, or run without --odc / --odc_plan to keep it."
+        )
     raise ValueError(
         f"{_model_name(model)} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) once "
         f"per microbatch, and {trainer.__name__} does not weight it by each microbatch's share of the step's tokens "
-        f"under the {config.plan!r} plan (ODCSFTTrainer and ODCDPOTrainer do). {fix}, train with ODCSFTTrainer / "
-        "ODCDPOTrainer, or run without --odc / --odc_plan to keep it."
+        f"under the {config.plan!r} plan (ODCSFTTrainer, ODCDPOTrainer, ODCGRPOTrainer, ODCRLOOTrainer and the "
+        f"Trainer's own loss do). {fix}, train with one of those, or run without --odc / --odc_plan to keep it."
     )
 
 

@@ -34,12 +34,13 @@ COLLATOR_REMEDY = (
 LABEL_COLUMNS = ("labels", "label", "label_ids")
 
 
-def _is_trl_trainer(trainer: Any) -> bool:
+def is_trl_trainer(trainer: Any) -> bool:
     """Whether a TRL trainer class is among the trainer's bases (TRL's trainers compute and ODC weights their loss)."""
     return any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__)
 
 
-def _uses_trainer_loss(trainer: Any) -> bool:
+def uses_trainer_loss(trainer: Any) -> bool:
+    """Whether the trainer's ``compute_loss`` is `transformers.Trainer`'s own."""
     return getattr(type(trainer), "compute_loss", None) is tcompat.original_trainer().compute_loss
 
 
@@ -87,11 +88,11 @@ def check_token_mean_loss(trainer: Any) -> None:
     Raises:
         `ValueError`: naming the setting or the model, and what to change.
     """
-    if _is_trl_trainer(trainer):
+    if is_trl_trainer(trainer):
         return
     counted = bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
     if not tcompat.loss_is_scaled_for_ga(trainer, 1 if counted else None):
-        if _uses_trainer_loss(trainer):
+        if uses_trainer_loss(trainer):
             model = trainer.accelerator.unwrap_model(trainer.model)
             raise ValueError(
                 f"{type(model).__name__}.forward takes no loss keyword arguments (**kwargs), so the Trainer cannot "
@@ -102,7 +103,7 @@ def check_token_mean_loss(trainer: Any) -> None:
         return  # a script's per-batch mean: weighted by rows in the step loop
     what = (
         "the Trainer's own loss"
-        if _uses_trainer_loss(trainer)
+        if uses_trainer_loss(trainer)
         else f"the loss of {_name(_owner(trainer, 'compute_loss'))}.compute_loss (normalised by num_items_in_batch)"
     )
     check_average_tokens(trainer, what)
@@ -112,14 +113,14 @@ def weights_batch_mean_loss(trainer: Any, num_items_in_batch: Any) -> bool:
     """Whether a microbatch's loss is a mean over that microbatch, which the step loop weights by
     `odc_accelerate.loss.batch_mean_weight`: a plain Trainer (no TRL trainer among its bases) whose ``training_step``
     would divide the loss by the accumulation steps (`tcompat.loss_is_scaled_for_ga`)."""
-    return not _is_trl_trainer(trainer) and not tcompat.loss_is_scaled_for_ga(trainer, num_items_in_batch)
+    return not is_trl_trainer(trainer) and not tcompat.loss_is_scaled_for_ga(trainer, num_items_in_batch)
 
 
 def step_items(trainer: Any, batch: Any, num_items_in_batch: Any) -> Any:
     """The ``num_items_in_batch`` a microbatch is trained with: the step's count, or `None` where the plain Trainer
     passes none (a batch without ``labels``, a model without loss keyword arguments and no ``compute_loss_func``), so
     that its ``compute_loss`` and ``training_step`` decide as they do without a plan. TRL's trainers always get it."""
-    if _is_trl_trainer(trainer) or tcompat.counts_loss_items(trainer, batch):
+    if is_trl_trainer(trainer) or tcompat.counts_loss_items(trainer, batch):
         return num_items_in_batch
     return None
 

@@ -60,7 +60,14 @@ class ODCAcceleratorSetup:
         model = getattr(self, "model", None)
         if config.balanced:
             # Before the accelerator exists: nothing is sharded, no log-prob precomputed, no completion generated.
-            check_router_aux_loss(model, self.args, config, type(self), served=self._odc_serves_router_aux_loss)
+            check_router_aux_loss(
+                model,
+                self.args,
+                config,
+                type(self),
+                served=self._odc_router_aux_served(),
+                loss=self._odc_plain_loss_owner(),
+            )
         if config.enable and model is not None:
             check_transformers_distributed(model)  # every rank loaded the same model: every rank refuses
         with resolved_options(config):

@@ -22,8 +22,8 @@ from ...loss import batch_mean_weight
 from .data import ZeroWeightMicrobatch, merge_for_counting, microbatch_rows
 from .dynamic import ClaimedStep, ClaimQueue
 from .metrics import DeferredGather, StepMetrics, reduce_step_metrics
-from .moe import routed_tokens
-from .plain import step_items, weights_batch_mean_loss
+from .moe import routed_tokens, router_aux_loss_coef
+from .plain import is_trl_trainer, step_items, uses_trainer_loss, weights_batch_mean_loss
 
 __all__ = ["ODCStepLoop"]
 
@@ -128,10 +128,51 @@ class ODCStepLoop:
     _odc_aux_share: float | None = None
     _odc_step_routed = 0
 
+    def _odc_router_aux_served(self) -> bool:
+        """Whether the trainer's loss has its router term weighted per microbatch: a TRL trainer's ODC class says so
+        (``_odc_serves_router_aux_loss``); a plain Trainer's own ``compute_loss`` (the model's loss, to which its
+        forward adds the term) is weighted through the model's coefficient (`_odc_plain_router_coef`), a
+        ``compute_loss_func`` or a ``compute_loss`` of a subclass is not."""
+        if is_trl_trainer(self):
+            return self._odc_serves_router_aux_loss
+        return self._odc_plain_loss_owner() is None
+
+    def _odc_plain_loss_owner(self) -> str | None:
+        """What computes a plain Trainer's loss instead of the Trainer's own ``compute_loss`` (a subclass's
+        ``compute_loss``, a ``compute_loss_func``), or `None`."""
+        if is_trl_trainer(self):
+            return None
+        if not uses_trainer_loss(self):
+            owner = next(cls for cls in type(self).__mro__ if "compute_loss" in vars(cls))
+            return f"{owner.__qualname__}.compute_loss"
+        # the Trainer sets compute_loss_func after its accelerator: the mixin kept the argument before
+        given = getattr(self, "compute_loss_func", None) or getattr(self, "_odc_compute_loss_func", None)
+        return "compute_loss_func" if given is not None else None
+
     def _odc_weights_router_aux(self) -> bool:
-        return bool(
-            self._odc_serves_router_aux_loss and self.odc_config.balanced and getattr(self, "aux_loss_enabled", False)
+        if not (self.odc_config.balanced and self._odc_router_aux_served()):
+            return False
+        if is_trl_trainer(self):
+            return bool(getattr(self, "aux_loss_enabled", False))
+        return router_aux_loss_coef(self.model, self.args) != 0.0
+
+    def _odc_plain_router_coef(self, model: Any, items: Any, weight: float) -> contextlib.AbstractContextManager:
+        """Within the block (a plain Trainer's microbatch), the model's forward adds its router term times the
+        microbatch's share of the step's routed tokens, over what the Trainer and the step multiply the model's loss
+        by (``W`` where the Trainer averages tokens across devices, and the step's ``weight``): the term's weighted
+        share of the step, as for the TRL trainers."""
+        share = self._odc_aux_share
+        if share is None or is_trl_trainer(self):
+            return contextlib.nullcontext()
+        world = self.accelerator.num_processes
+        # transformers.Trainer.compute_loss multiplies the loss by the world size in this case (its own rule)
+        scaled = bool(
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+            and items is not None
         )
+        factor = share * world / ((world if scaled else 1) * weight) if share and weight else 0.0
+        return tcompat.scaled_router_aux_loss_coef(model, factor)
 
     @contextlib.contextmanager
     def _odc_router_coef(self, scale: float) -> Iterator[None]:
@@ -204,6 +245,7 @@ class ODCStepLoop:
                 with (
                     contextlib.nullcontext() if sync else self.accelerator.no_sync(model=model),
                     _scaled_backward(self.accelerator, weight) if weight != 1.0 else contextlib.nullcontext(),
+                    self._odc_plain_router_coef(model, items, weight),
                     self.odc_step_timer.compute(self.args.device),
                 ):
                     loss = super().training_step(model, mb, items)

@@ -56,7 +56,9 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
     * **Exact loss** for every loss type of TRL (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo): each
       microbatch's loss is rescaled so that the step's gradient equals one process's over the whole global batch.
       What cannot be made exact is refused under a plan: the entropy bonus and the top-entropy mask (per-microbatch
-      statistics), a MoE router's auxiliary loss, several iterations per generation, prompts with images (refused by name at set-up).
+      statistics), several iterations per generation, prompts with images (refused by name at set-up). A MoE
+      router's auxiliary loss is weighted by each microbatch's share of the step's routed tokens
+      (`odc_accelerate.integrations.trainer.moe`).
     * **Reference model** (``beta > 0``): sharded per layer and, under ODC, served by a gather-only engine: a reference
       forward makes no collective.
     * **Metrics**: TRL's per-microbatch reductions (kl, entropy, clip ratios) are answered locally and reduced once per
@@ -105,6 +107,9 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
             total_tokens=total_tokens,
             world_size=self.accelerator.num_processes,
         )
+
+    def _odc_aux_divisor(self) -> float:
+        return float(self.current_gradient_accumulation_steps)  # TRL scales the router's term as its policy loss
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
         expected = len(trl_grpo.grpo_metric_calls(self))

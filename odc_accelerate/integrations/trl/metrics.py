@@ -32,9 +32,12 @@ def drop_microbatch_values(recorded: dict[str, list], keys: Any, microbatches: i
 
 
 def step_value(metrics: StepMetrics, i: int, how: str) -> float:
-    """The step's value of the ``i``-th gather of a microbatch: a ratio of summed values, a minimum or a maximum."""
+    """The step's value of the ``i``-th gather of a microbatch: a ratio of summed values, a minimum, a maximum, or
+    the sum of values weighted per microbatch (``"sum"``)."""
     if how == "ratio":
         return metrics.global_sums[i] / max(metrics.global_counts[i], 1.0)
+    if how == "sum":
+        return metrics.global_sums[i]
     return metrics.global_mins[i] if how == "min" else metrics.global_maxs[i]
 
 

@@ -23,6 +23,7 @@ from ..accelerate import call_before_end_training
 from ..trainer.budget import BudgetRule
 from ..trainer.data import ZeroWeightMicrobatch
 from ..trainer.dynamic import ClaimedStep, ClaimQueue
+from ..trainer.moe import routed_tokens
 from .rollouts import GRPO_KEYS, RolloutKeys, collate_rollouts, loss_tokens, split_rollouts
 
 __all__ = ["ODCOnlineTrainerMixin"]
@@ -275,6 +276,8 @@ class ODCOnlineTrainerMixin:
         device = self.accelerator.device
         total_tokens = float(sum(float(loss_tokens(r).sum()) for r in everyone))
         self._odc_totals = (len(everyone), total_tokens)
+        # Every rank holds the step's completions: the routed tokens of a router's auxiliary loss without a collective
+        self._odc_step_routed = sum(routed_tokens(r) for r in everyone) if self._odc_weights_router_aux() else 0
         # GRPO's loss reads the step's loss tokens from its microbatches (its "global" loss types); RLOO's none.
         num_items = torch.tensor(total_tokens, device=device) if "num_items_in_batch" in batch else None
 
@@ -317,16 +320,30 @@ class ODCOnlineTrainerMixin:
     def _odc_count_claimed(self, batch: Any) -> None:
         self.odc_step_timer.add_work(1, int(batch["prompt_mask"].sum() + batch["completion_mask"].sum()))
 
+    # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`);
+    # TRL's GRPO and RLOO gather it first among a microbatch's metrics.
+    _odc_serves_router_aux_loss = True
+    _odc_aux_gather_position = 0
+
+    def _odc_aux_divisor(self) -> float:
+        """What TRL divides the router's auxiliary term by besides its coefficient (GRPO: the accumulation steps)."""
+        return 1.0
+
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
-        loss = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
         if not self._odc_looping:
-            return loss
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         rows = int(inputs["odc_rows"])
-        if rows == 0:
-            return loss * 0.0
-        return loss * self._odc_loss_weight(inputs, rows)
+        weight = self._odc_loss_weight(inputs, rows) if rows else 0.0
+        # TRL adds coef x aux / divisor to the loss the weight then multiplies: the router term's weighted share of the
+        # step needs coef x share x W x divisor / weight (`moe`; a zero-weight microbatch's share is 0).
+        scale = self.accelerator.num_processes * self._odc_aux_divisor() / weight if weight else 0.0
+        with self._odc_router_coef(scale):
+            loss = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        return loss * weight if rows else loss * 0.0
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # TRL counts prompt and completion tokens itself once they are generated; the loader's items are prompts.

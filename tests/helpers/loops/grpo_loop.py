@@ -43,6 +43,13 @@ class LoopArguments:
         default=None,
         metadata={"help": "A saved model (e.g. `save_tiny_causal_lm`'s); default: the offline tiny Qwen2, seed 0."},
     )
+    aux_token_share: bool = field(
+        default=False,
+        metadata={
+            "help": "Reference only: a MoE router's auxiliary loss of each completion weighted by its share of the "
+            "step's non-padding tokens (the definition ODC trains it with, for microbatches of one completion)."
+        },
+    )
 
 
 def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
@@ -67,6 +74,37 @@ def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
 def length_rule_reward(completions: list[str], **kwargs: Any) -> list[float]:
     """A rule on the text: completions near 60 characters score best."""
     return [-abs(len(c) - 60) / 60.0 for c in completions]
+
+
+def token_share_aux(trainer_cls: type) -> type:
+    """``trainer_cls`` (TRL's GRPO or RLOO trainer, one process, the step as one microbatch) whose router auxiliary
+    loss is the sum over the step's completions of each one's own term (a forward of that row alone) times its share
+    of the step's non-padding tokens, instead of the term of the whole batch."""
+
+    class TokenShareAux(trainer_cls):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kw):
+            if not kw.get("compute_aux_loss"):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, *args, **kw
+                )
+            import torch
+
+            assert not args and all(
+                v is None for k, v in kw.items() if k not in ("compute_entropy", "compute_aux_loss")
+            )
+            rows = [
+                super(TokenShareAux, self)._get_per_token_logps_and_entropies(
+                    model, input_ids[i : i + 1], attention_mask[i : i + 1], logits_to_keep, **kw
+                )
+                for i in range(input_ids.size(0))
+            ]
+            shares = attention_mask.sum(dim=1).float() / attention_mask.sum().float()
+            aux = sum(share * row[2] for share, row in zip(shares, rows, strict=True))
+            entropies = torch.cat([row[1] for row in rows]) if kw.get("compute_entropy") else None
+            return torch.cat([row[0] for row in rows]), entropies, aux
+
+    TokenShareAux.__name__ = TokenShareAux.__qualname__ = f"TokenShareAux{trainer_cls.__name__}"
+    return TokenShareAux
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     dataset = Dataset.from_dict({"prompt": [" ".join(t.split()[:8]) for t in texts]})
 
     if loop_args.reference:
-        trainer_cls = GRPOTrainer
+        trainer_cls = token_share_aux(GRPOTrainer) if loop_args.aux_token_share else GRPOTrainer
     else:
         from odc_accelerate.integrations.trl import ODCGRPOTrainer
 

@@ -21,13 +21,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.helpers.loops.grpo_loop import length_rule_reward, stub_rollout
+from tests.helpers.loops.grpo_loop import length_rule_reward, stub_rollout, token_share_aux
 
 
 @dataclass
 class LoopArguments:
     reference: bool = field(default=False, metadata={"help": "Run plain trl.RLOOTrainer on one process."})
     num_prompts: int = field(default=32, metadata={"help": "Prompts in the dataset."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A saved model (e.g. `save_tiny_causal_lm`'s); default: the offline tiny Qwen2, seed 0."},
+    )
+    aux_token_share: bool = field(
+        default=False,
+        metadata={"help": "Reference only: a MoE router's auxiliary loss as `grpo_loop.token_share_aux` weights it."},
+    )
 
 
 def sometimes_unscorable_reward(completions: list[str], **kwargs: Any) -> list[float | None]:
@@ -61,18 +69,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((LoopArguments, RLOOConfig if reference else ODCRLOOConfig))
     loop_args, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = load_offline_tokenizer()
-    set_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        tiny_qwen2_config(hidden_size=32), dtype=torch.float32, attn_implementation="sdpa"
-    )
-    # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
-    from accelerate import PartialState
+    if loop_args.model_name_or_path:
+        path = loop_args.model_name_or_path
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        set_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            tiny_qwen2_config(hidden_size=32), dtype=torch.float32, attn_implementation="sdpa"
+        )
+        # TRL builds the reference model (beta > 0) from the policy's path: pass a path, written by the main process.
+        from accelerate import PartialState
 
-    state = PartialState()
-    path = os.path.join(args.output_dir, "init_model")
-    with state.main_process_first():
-        if state.is_main_process:
-            model.save_pretrained(path)
+        state = PartialState()
+        path = os.path.join(args.output_dir, "init_model")
+        with state.main_process_first():
+            if state.is_main_process:
+                model.save_pretrained(path)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
 
@@ -81,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = offline_texts(max_words=80, seed=1)[: loop_args.num_prompts]
     dataset = Dataset.from_dict({"prompt": [" ".join(t.split()[:8]) for t in texts]})
     if loop_args.reference:
-        trainer_cls = RLOOTrainer
+        trainer_cls = token_share_aux(RLOOTrainer) if loop_args.aux_token_share else RLOOTrainer
     else:
         from odc_accelerate.integrations.trl import ODCRLOOTrainer
 

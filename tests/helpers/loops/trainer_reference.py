@@ -7,7 +7,9 @@ runs the script unchanged as ``__main__``, with transformers' ``Trainer`` replac
 how it reads the training set: ``per_device_train_batch_size=1`` and ``gradient_accumulation_steps=samples_per_step``
 (each optimizer step accumulates ``samples_per_step`` samples through the Trainer's own accumulation and loss
 normalisation), in the order ODC's sampler draws its steps (`trl_reference._in_step_order`, a sequential sampler).
-``OUT`` gets what the parity tests read from ODC runs: ``initial_params.pt``, ``final_params.pt`` and the script's
+``--aux_token_share``: a MoE router's auxiliary term (which the model's forward adds to its loss) of each
+microbatch weighted by its share of the step's non-padding tokens, the definition ODC trains it with. ``OUT`` gets
+what the parity tests read from ODC runs: ``initial_params.pt``, ``final_params.pt`` and the script's
 ``trainer_state.json``.
 """
 
@@ -29,6 +31,12 @@ def main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples_per_step", type=int, required=True)
+    parser.add_argument(
+        "--aux_token_share",
+        action="store_true",
+        help="the router auxiliary term the model's forward adds weighted by each microbatch's share of the step's "
+        "non-padding tokens (the definition ODC trains it with) instead of once per microbatch",
+    )
     parser.add_argument("script")
     own, rest = parser.parse_known_args(argv)
     samples = own.samples_per_step
@@ -52,6 +60,23 @@ def main(argv: list[str]) -> None:
             result = super().train(*args, **kwargs)
             torch.save(_params(self.model), os.path.join(out, "final_params.pt"))
             return result
+
+        if own.aux_token_share:
+
+            def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+                batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+                self.step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+                return batches, count
+
+            def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+                # The forward adds coef x aux to a loss the Trainer neither divides by the accumulation steps (it is
+                # normalised by num_items_in_batch) nor, in one process, multiplies by a world size.
+                coef = model.router_aux_loss_coef
+                model.router_aux_loss_coef = coef * int(inputs["attention_mask"].sum()) / self.step_tokens
+                try:
+                    return super().training_step(model, inputs, num_items_in_batch)
+                finally:
+                    model.router_aux_loss_coef = coef
 
     tcompat.replace_trainer(InStepOrder)
     script = os.path.abspath(own.script)
