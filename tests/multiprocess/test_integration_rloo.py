@@ -7,6 +7,9 @@ Module-scoped runs:
   microbatches, ``beta=0.1`` (the KL-in-reward term; the reference model on its gather-only engine), with the
   torch.distributed calls counted in every training microbatch;
 * ``parity_single``: plain `trl.RLOOTrainer`, one process, the same completions as one microbatch: the ground truth;
+  both then train ``ITERATIONS`` (into ``OUT/iterations``): ``num_iterations=2`` and ``steps_per_generation=2``, 4
+  steps on one generation batch (each slice twice, against TRL's old log-probs), TRL's shuffle before slicing fixed
+  (``--fixed_slices``) so that the one process trains the same completions in each step as the 2 ranks;
 * ``example_odc``: the RLOO example (``--odc true``, TRL's own generation), 2 steps, with the torch.distributed calls
   counted in every ``generate`` call and training microbatch;
 * ``trl_script``: TRL's own, unmodified ``trl/scripts/rloo.py`` under ``odc-accelerate launch`` with a config file
@@ -48,6 +51,9 @@ PARITY = [
 ]  # fmt: skip
 
 
+ITERATIONS = "iterations:--num_iterations 2 --steps_per_generation 2 --max_steps 4 --fixed_slices true"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     import trl
@@ -65,10 +71,11 @@ def runs(tmp_path_factory):
         RUN_EXAMPLE,
         LOOP,
         "--odc", "true", "--odc_max_tokens_per_microbatch", "40", "--per_device_train_batch_size", "8",
-        *PARITY, "--output_dir", out["parity_odc"],
+        *PARITY, "--extra_runs", ITERATIONS, "--output_dir", out["parity_odc"],
         **COUNT,
     )  # fmt: skip
     reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *PARITY]
+    reference += ["--extra_runs", ITERATIONS]
     procs["parity_single"] = background(run, [*reference, "--output_dir", out["parity_single"]], env=base_env())
     procs["example_odc"] = background(
         accelerate_launch,
@@ -136,6 +143,28 @@ def test_unequal_microbatches_match_one_process(runs):
         calls = r["microbatch_dist_calls"]
         assert len(calls) >= 3 * 5 and all(c == {} for c in calls), calls
     assert shm_leftovers() <= runs["shm_before"], "shared memory left behind"
+
+
+def test_several_updates_per_generation_batch_match_one_process(runs):
+    """Each of the 4 steps of one generation batch trains its slice (slices 0, 1, 0, 1) against TRL's old log-probs:
+    the ratios move away from 1 (clipped sequences) and every step is the one-process run's."""
+    check_ok(runs["procs"]["parity_odc"])
+    check_ok(runs["procs"]["parity_single"])
+    odc_dir, ref_dir = runs["out"]["parity_odc"] / "iterations", runs["out"]["parity_single"] / "iterations"
+    odc, ref = _steps(odc_dir / "losses.json"), _steps(ref_dir / "losses.json")
+    assert len(odc) == len(ref) == 4
+    assert ["reward" in h for h in odc] == ["reward" in h for h in ref] == [True, False, False, False]
+    for mine, truth in zip(odc, ref, strict=True):
+        assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=GRPO_GRAD_NORM_REL)
+        for key in ("entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+            assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
+    assert max(h["clip_ratio/region_mean"] for h in ref[2:]) > 0  # the second pass trains a moved policy
+    a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
+    init = torch.load(ref_dir / "initial_params.pt")
+    update = max(float((b[k] - init[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert update > 1e-4 and diff < 3e-2 * update, (diff, update)
 
 
 def test_the_example_generates_and_trains_without_a_collective(runs):
