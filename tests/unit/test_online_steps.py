@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from trl.trainer.utils import RepeatSampler
+from trl import GRPOTrainer
 
 from odc_accelerate._compat.trl import grpo as trl_grpo
 from odc_accelerate.integrations.trl.online import ODCOnlineTrainerMixin
@@ -33,25 +33,38 @@ def test_steps_per_generation_batch(spg, ga, iterations, slices, steps):
     assert optimizer_steps_per_generation(args, ga) == steps
 
 
+class _Sampling(ODCOnlineTrainerMixin, GRPOTrainer):
+    """GRPOTrainer's prompt sampler, with ODC's `_get_train_sampler` over it."""
+
+
+def _loader_items(balanced: bool, spg: int, ga: int, iterations: int, bs: int = 2) -> list[list[int]]:
+    """The prompt indices of each item of the training loader (one process: ``bs x spg`` per item)."""
+    trainer = object.__new__(_Sampling)
+    trainer.__dict__.update(
+        train_dataset=range(24),
+        num_generations=2,
+        num_iterations=iterations,
+        shuffle_dataset=True,
+        args=SimpleNamespace(
+            generation_batch_size=bs * spg, steps_per_generation=spg, num_iterations=iterations, seed=0
+        ),
+        odc_config=SimpleNamespace(balanced=balanced),
+        odc_run=SimpleNamespace(folded_accumulation=ga),
+    )
+    sampler = trainer._get_train_sampler()
+    indices = list(sampler)
+    assert len(indices) == len(sampler)
+    return [indices[i : i + bs * spg] for i in range(0, len(indices), bs * spg)]
+
+
 @pytest.mark.parametrize(("spg", "ga", "iterations"), [(2, 2, 1), (2, 2, 3), (4, 2, 1), (4, 1, 2), (6, 3, 2)])
 def test_the_sampler_gives_each_step_the_prompts_trl_gives_it(spg, ga, iterations):
     """TRL's loader yields a generation batch once per accumulation step (ga per optimizer step); ODC's yields one item
-    per optimizer step: the item of each ODC step is the first item of the same TRL step."""
-    bs, groups = 2, 2
-
-    def items(repeat: int) -> list[list[int]]:
-        sampler = RepeatSampler(range(24), mini_repeat_count=groups, batch_size=bs * spg // groups, seed=0)
-        sampler.repeat_count = repeat
-        indices = list(sampler)
-        assert len(indices) == len(sampler)
-        return [indices[i : i + bs * spg] for i in range(0, len(indices), bs * spg)]
-
-    trl = items(iterations * spg)
-    odc_sampler = RepeatSampler(range(24), mini_repeat_count=groups, batch_size=bs * spg // groups, seed=0)
-    steps = optimizer_steps_per_generation(SimpleNamespace(steps_per_generation=spg, num_iterations=iterations), ga)
-    trl_grpo.grpo_sample_per_step(odc_sampler, steps)
-    assert odc_sampler.repeat_count == iterations * spg // ga
-    assert items(odc_sampler.repeat_count) == trl[::ga]
+    per optimizer step: the item of each ODC step is the first item of the same TRL step, and an epoch has as many
+    optimizer steps."""
+    trl = _loader_items(False, spg, ga, iterations)
+    assert _loader_items(True, spg, ga, iterations) == trl[::ga]
+    assert len(trl) % ga == 0
 
 
 class _Trainer(ODCOnlineTrainerMixin):

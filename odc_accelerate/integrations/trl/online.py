@@ -2,11 +2,11 @@
 
 Generation: transformers' ``generate`` without ``synced_gpus`` over ODC's one-sided reads, or a colocated vLLM engine
 refreshed from the published shards; TRL scores once per generation batch. Training: a generation batch's completions
-are gathered once and feed ``num_iterations x steps_per_generation / gradient_accumulation_steps`` optimizer steps (each
-of its slices, as TRL slices it, once per iteration), each step's completions planned like SFT samples, each
-microbatch's loss weighted by the trainer. A trainer
-puts `ODCOnlineTrainerMixin` first in its bases and supplies ``odc_rollout_keys``, `_odc_init_context`,
-`_odc_check_trainer`, `_odc_check_settings`, `_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
+are gathered once and feed ``num_iterations x steps_per_generation / gradient_accumulation_steps`` optimizer steps
+(each of its slices, as TRL slices it, once per iteration); each step's completions are planned like SFT samples, each
+microbatch's loss weighted by the trainer. A trainer puts `ODCOnlineTrainerMixin` first in its bases and supplies
+``odc_rollout_keys``, ``odc_trl_module``, `_odc_init_context`, `_odc_check_trainer`, `_odc_check_settings`,
+`_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
 """
 
 from __future__ import annotations
