@@ -18,12 +18,19 @@ Module-scoped runs:
   term by its share of the step's tokens (``--aux_token_share``);
   ``parity_odc_hybrid`` / ``parity_single_hybrid``: one step of it on a Qwen3.5-MoE hybrid (3 Gated DeltaNet layers,
   1 full attention), shorter completions.
+* ``parity_odc`` / ``parity_single`` also train, after those, several updates per generation batch
+  (`ITERATION_RUNS`): GSPO (``importance_sampling_level="sequence"``) with ``num_iterations=2`` and
+  ``steps_per_generation=2`` (4 steps on one generation batch: each slice twice, TRL's old log-probs), and dapo with
+  ``steps_per_generation=4`` over ``gradient_accumulation_steps=2`` (2 steps, each of 2 slices, the reference model
+  on). TRL's shuffle before slicing is fixed (``--fixed_slices``) so that the one-process reference trains the same
+  completions in each step as the 2 ranks.
 * ``bad_entropy``: the example with an option ODC cannot make exact (``--entropy_coef``): refused before training.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import pytest
@@ -96,6 +103,32 @@ def _one_loss_type(args: list[str], loss_type: str) -> list[str]:
 # "ordered": the offline default's model under --odc_reduction ordered, grpo alone, against the default's reference.
 PARITY_RUNS = [("untied", loss_type) for loss_type in LOSS_TYPES] + [(kind, "grpo") for kind in MODEL_KINDS[1:]]
 PARITY_RUNS += [("ordered", "grpo"), (HYBRID, "grpo")]
+# Several updates per generation batch, trained after the loss types in the offline default's parity runs (OUT/<name>):
+# (ODC's arguments on 2 ranks, the one-process reference's; both slice in a fixed order, --fixed_slices). The dapo
+# reference trains each step's 16 completions in one microbatch with steps_per_generation=2: TRL's normaliser
+# (num_items / world x ga / spg) is then ODC's run's (ga=2, spg=4), and so is every logged metric.
+GSPO_ITERATIONS = [
+    "--loss_type", "grpo", "--importance_sampling_level", "sequence", "--beta", "0", "--num_iterations", "2",
+    "--steps_per_generation", "2", "--max_steps", "4",
+]  # fmt: skip
+ITERATION_RUNS = {
+    "gspo_iterations": (GSPO_ITERATIONS, GSPO_ITERATIONS),
+    "dapo_slices": (
+        ["--loss_type", "dapo", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+         "--steps_per_generation", "4"],
+        ["--loss_type", "dapo", "--steps_per_generation", "2"],
+    ),
+}  # fmt: skip
+
+
+def _extra_runs(which: int) -> list[str]:
+    """The loop's arguments for `ITERATION_RUNS` (``which``: 0 for ODC's run, 1 for the reference's)."""
+    spec = ";".join(
+        f"{name}:{shlex.join([*args[which], '--fixed_slices', 'true'])}" for name, args in ITERATION_RUNS.items()
+    )
+    return ["--extra_runs", spec]
+
+
 # The hybrid model's one step (the later values win): its linear-attention layers run transformers' slow fallback.
 HYBRID_SHORT = ["--max_steps", "1", "--max_completion_length", "24"]
 
@@ -187,6 +220,7 @@ def runs(tmp_path_factory, tiny_model):
             "--per_device_train_batch_size",
             "8",
             *parity,
+            *(_extra_runs(0) if suffix == "" else []),
             "--output_dir",
             out[f"parity_odc{suffix}"],
             **COUNT,
@@ -196,6 +230,7 @@ def runs(tmp_path_factory, tiny_model):
         reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *parity]
         if suffix == "_moe":  # the router term of each completion weighted by its share of the step's tokens
             reference += ["--aux_token_share", "true"]
+        reference += _extra_runs(1) if suffix == "" else []
         procs[f"parity_single{suffix}"] = background(
             run, [*reference, "--output_dir", out[f"parity_single{suffix}"]], env=base_env()
         )
@@ -315,6 +350,39 @@ def test_without_the_kl_term_the_gradient_norm_matches_one_process_to_1e_5(runs)
         assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=1e-5)
     for r in reports(odc_dir, "odc_run_rank"):
         assert r["engine"] == "ODCEngine" and r["reference_engine"] is None
+
+
+@pytest.mark.parametrize("name", ITERATION_RUNS)
+def test_several_updates_per_generation_batch_match_one_process(runs, name):
+    """Each optimizer step a generation batch feeds trains its slice of it (the gathered completions), once per
+    iteration, with TRL's old log-probs: the losses, gradient norms, metrics and final weights are the one-process
+    run's on the same completions per step."""
+    check_ok(runs["procs"]["parity_odc"])
+    check_ok(runs["procs"]["parity_single"])
+    odc_dir, ref_dir = runs["out"]["parity_odc"] / name, runs["out"]["parity_single"] / name
+    odc = [h for h in json.loads((odc_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    ref = [h for h in json.loads((ref_dir / "losses.json").read_text())["log_history"] if "loss" in h]
+    assert len(odc) == len(ref) == (4 if name == "gspo_iterations" else 2)
+    # one generation batch for all the steps: TRL logs its rewards at the first step only
+    assert ["reward" in h for h in odc] == ["reward" in h for h in ref] == [True] + [False] * (len(ref) - 1)
+    for mine, truth in zip(odc, ref, strict=True):
+        assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=GRPO_GRAD_NORM_REL)
+        assert mine["grad_norm"] > 0
+        for key in ("kl", "entropy", "reward", "completions/mean_length", "clip_ratio/region_mean"):
+            if key in truth:
+                assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
+    # the later steps train with the policy moved since generation: the importance ratio is not 1, and the loss of
+    # a slice trained again differs from its first pass
+    if name == "gspo_iterations":
+        assert abs(ref[2]["loss"] - ref[0]["loss"]) > 1e-3, [h["loss"] for h in ref]
+    a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
+    init = torch.load(ref_dir / "initial_params.pt")
+    update = max(float((b[k] - init[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert update > 1e-4 and diff < 1e-2 * update, (diff, update)
+    for r in reports(odc_dir, "odc_run_rank"):
+        assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
 
 
 def test_inexact_option_is_refused_before_training(runs):

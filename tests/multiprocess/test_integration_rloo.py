@@ -7,6 +7,9 @@ Module-scoped runs:
   microbatches, ``beta=0.1`` (the KL-in-reward term; the reference model on its gather-only engine), with the
   torch.distributed calls counted in every training microbatch;
 * ``parity_single``: plain `trl.RLOOTrainer`, one process, the same completions as one microbatch: the ground truth;
+  both then train ``ITERATIONS`` (into ``OUT/iterations``): ``num_iterations=2`` and ``steps_per_generation=2``, 4
+  steps on one generation batch (each slice twice, against TRL's old log-probs), TRL's shuffle before slicing fixed
+  (``--fixed_slices``) so that the one process trains the same completions in each step as the 2 ranks;
 * ``parity_odc_moe`` / ``parity_single_moe``: the same pair for one step on a Qwen3-MoE with its router's auxiliary
   loss, one completion per microbatch, the reference weighting each completion's term by its share of the step's
   tokens;
@@ -55,6 +58,7 @@ PARITY = [
 
 # The MoE parity run's one short step (the later values win)
 MOE_SHORT = ["--max_steps", "1", "--max_completion_length", "24"]
+ITERATIONS = "iterations:--num_iterations 2 --steps_per_generation 2 --max_steps 4 --fixed_slices true"
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +79,11 @@ def runs(tmp_path_factory, tiny_model):
         RUN_EXAMPLE,
         LOOP,
         "--odc", "true", "--odc_max_tokens_per_microbatch", "40", "--per_device_train_batch_size", "8",
-        *PARITY, "--output_dir", out["parity_odc"],
+        *PARITY, "--extra_runs", ITERATIONS, "--output_dir", out["parity_odc"],
         **COUNT,
     )  # fmt: skip
     reference = [sys.executable, LOOP, "--reference", "true", "--per_device_train_batch_size", "16", *PARITY]
+    reference += ["--extra_runs", ITERATIONS]
     procs["parity_single"] = background(run, [*reference, "--output_dir", out["parity_single"]], env=base_env())
     # The MoE with its router's auxiliary loss, one step: one completion per microbatch (each is at least 11 tokens)
     moe = [*PARITY, *model_args(tiny_model, "moe", hidden_size=32, aux=MOE_AUX_COEF), *MOE_SHORT]
@@ -181,6 +186,28 @@ def test_moe_router_aux_loss_matches_one_process_of_the_token_share_definition(r
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in b) ** 0.5
     update = sum(float((b[k] - init[k]).norm() ** 2) for k in b) ** 0.5
     assert update > 0 and diff / update <= 1e-4, (diff, update)
+
+
+def test_several_updates_per_generation_batch_match_one_process(runs):
+    """Each of the 4 steps of one generation batch trains its slice (slices 0, 1, 0, 1) against TRL's old log-probs:
+    the ratios move away from 1 (clipped sequences) and every step is the one-process run's."""
+    check_ok(runs["procs"]["parity_odc"])
+    check_ok(runs["procs"]["parity_single"])
+    odc_dir, ref_dir = runs["out"]["parity_odc"] / "iterations", runs["out"]["parity_single"] / "iterations"
+    odc, ref = _steps(odc_dir / "losses.json"), _steps(ref_dir / "losses.json")
+    assert len(odc) == len(ref) == 4
+    assert ["reward" in h for h in odc] == ["reward" in h for h in ref] == [True, False, False, False]
+    for mine, truth in zip(odc, ref, strict=True):
+        assert mine["loss"] == pytest.approx(truth["loss"], rel=1e-4, abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(truth["grad_norm"], rel=GRPO_GRAD_NORM_REL)
+        for key in ("entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+            assert mine[key] == pytest.approx(truth[key], rel=1e-5, abs=1e-8), key
+    assert max(h["clip_ratio/region_mean"] for h in ref[2:]) > 0  # the second pass trains a moved policy
+    a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
+    init = torch.load(ref_dir / "initial_params.pt")
+    update = max(float((b[k] - init[k]).abs().max()) for k in b)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert update > 1e-4 and diff < 3e-2 * update, (diff, update)
 
 
 def test_the_example_generates_and_trains_without_a_collective(runs):

@@ -109,11 +109,13 @@ def test_split_refuses_what_it_cannot_rebatch():
         split_rollouts(batch)
 
 
-def _trainer(loss_type: str, ga: int = 1, spg: int = 1) -> SimpleNamespace:
+def _trainer(loss_type: str, ga: int = 1, spg: int = 1, trl_ga: int | None = None) -> SimpleNamespace:
+    """A trainer running ``ga`` accumulation steps (1 under a plan) of TRL's ``trl_ga`` (default: ``spg``)."""
     return SimpleNamespace(
         loss_type=loss_type,
         current_gradient_accumulation_steps=ga,
         args=SimpleNamespace(steps_per_generation=spg),
+        odc_run=SimpleNamespace(folded_accumulation=spg if trl_ga is None else trl_ga),
         beta=0.0,
     )
 
@@ -131,13 +133,20 @@ def test_token_mean_type_weighs_by_tokens():
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
-def test_global_token_types_undo_trls_accumulation_scaling(loss_type):
-    # TRL divides by num_items / world * ga / steps_per_generation; ODC wants num_items / world for the whole step.
+@pytest.mark.parametrize(("trl_ga", "spg"), [(4, 4), (1, 4), (2, 4)])
+def test_global_token_types_undo_trls_accumulation_scaling(loss_type, trl_ga, spg):
+    # TRL's microbatch: sum / (num_items / world x ga / spg), num_items the generation batch's loss tokens (100), each
+    # of the spg / ga steps of the generation batch the sum over its ga slices on each rank, averaged over ranks.
+    world, num_items, tokens = 2, 100.0, 40.0
+    trl = tokens / (num_items / world * trl_ga / spg)
+    # Under a plan: one accumulation step, TRL's loss computed with current_gradient_accumulation_steps = 1
+    odc = tokens / (num_items / world * 1 / spg)
     w = grpo_loss_weight(
-        _trainer(loss_type, ga=1, spg=4), rows=3, tokens=40, total_rows=12, total_tokens=100, world_size=2
-    )
-    trl_normaliser = 100 / 2 * 1 / 4
-    assert w == pytest.approx(trl_normaliser / (100 / 2))
+        _trainer(loss_type, ga=1, spg=spg, trl_ga=trl_ga), rows=3, tokens=tokens, total_rows=12, total_tokens=60,
+        world_size=world,
+    )  # fmt: skip
+    # the ga microbatches of a TRL step on a rank add up to one ODC step's: each microbatch x w = its TRL share x ga / ga
+    assert odc * w == pytest.approx(trl)
 
 
 def test_every_trl_loss_type_has_a_weight():
@@ -178,8 +187,8 @@ BALANCED = ODCConfig(enable=True, plan="free")
         ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         ({"sync_ref_model": True}, "--sync_ref_model false"),
         ({"loss_type": "made_up"}, r"Use one of \['bnpo'"),
-        ({"num_iterations": 2}, "--num_iterations 1"),
-        ({"steps_per_generation": 4}, "Leave --steps_per_generation unset"),
+        ({"steps_per_generation": 1}, "steps_per_generation=1 is below gradient_accumulation_steps=2"),
+        ({"steps_per_generation": 3}, "steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"),
         ({"entropy_coef": 0.01}, "--entropy_coef 0"),
         ({"use_adaptive_entropy": True}, "--entropy_coef 0"),
         ({"top_entropy_quantile": 0.2}, "--top_entropy_quantile 1.0"),
@@ -187,6 +196,8 @@ BALANCED = ODCConfig(enable=True, plan="free")
 )
 def test_refusals_name_the_fix(overrides, match):
     check_grpo_args(_args(), BALANCED)  # the defaults pass
+    # several updates per generation batch: served
+    check_grpo_args(_args(num_iterations=3, steps_per_generation=4), BALANCED)
     with pytest.raises(ValueError, match=match):
         check_grpo_args(_args(**overrides), BALANCED)
 
@@ -215,9 +226,10 @@ def test_plain_fsdp2_without_a_plan_keeps_trls_options():
     # TRL's own microbatches: every loss type and setting is TRL's
     plain = ODCConfig(enable=False, plan=None)
     check_grpo_args(_args(entropy_coef=0.1, num_iterations=3, top_entropy_quantile=0.5, use_vllm=True), plain)
+    check_grpo_args(_args(steps_per_generation=1), plain)
     # plain FSDP2 on a plan has the plan's limits
-    with pytest.raises(ValueError, match="--num_iterations 1"):
-        check_grpo_args(_args(num_iterations=3), ODCConfig(enable=False, plan="lockstep"))
+    with pytest.raises(ValueError, match="Set --steps_per_generation to a multiple of --gradient_accumulation_steps"):
+        check_grpo_args(_args(steps_per_generation=1), ODCConfig(enable=False, plan="lockstep"))
 
 
 def test_deferred_reduce_and_gather_give_step_ratios_minima_and_maxima():
@@ -361,14 +373,11 @@ def test_an_empty_lockstep_slot_is_a_zero_weight_copy_of_a_real_completion(monke
     """Plain FSDP2 runs an empty slot of the lockstep plan as a `ZeroWeightMicrobatch` of one of the rank's completions,
     unchanged (its mask, advantage and log-probs: TRL's loss on it is finite, and the step loop scales it by 0); ODC
     needs no filler."""
-    import accelerate.utils
-
     from odc_accelerate.integrations.trainer.data import ZeroWeightMicrobatch
     from odc_accelerate.integrations.trl.grpo import ODCGRPOTrainer
     from odc_accelerate.planning import StreamingStepPlanner
 
     batch = _trl_batch()
-    monkeypatch.setattr(accelerate.utils, "gather_object", lambda rows: rows)  # this batch is the step's, gathered
     monkeypatch.setattr(StreamingStepPlanner, "plan", lambda self, lengths: [[[0, 1], []], [[2], [0]]])
     trainer = object.__new__(ODCGRPOTrainer)
     trainer.__dict__.update(
@@ -382,8 +391,9 @@ def test_an_empty_lockstep_slot_is_a_zero_weight_copy_of_a_real_completion(monke
         odc_config=ODCConfig(enable=odc, plan="lockstep", max_tokens_per_microbatch=64),
         odc_step_timer=SimpleNamespace(add_work=lambda *a: None),
         _tokenizer=SimpleNamespace(pad_token_id=PAD),
+        _odc_generation_items=None,
     )
-    microbatches = ODCGRPOTrainer._odc_plan(trainer, batch)
+    microbatches = ODCGRPOTrainer._odc_plan(trainer, split_rollouts(batch))  # this batch is the step's, gathered
     assert microbatches[0]["odc_rows"] == 2 and not isinstance(microbatches[0], ZeroWeightMicrobatch)
     if odc:
         assert len(microbatches) == 1

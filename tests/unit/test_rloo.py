@@ -48,13 +48,14 @@ def _args(**overrides):
     [
         ({"use_vllm": True, "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         ({"sync_ref_model": True}, "--sync_ref_model false"),
-        ({"num_iterations": 2}, "--num_iterations 1"),
-        ({"steps_per_generation": 4}, "Leave --steps_per_generation unset"),
+        ({"steps_per_generation": 1}, "steps_per_generation=1 is below gradient_accumulation_steps=2"),
+        ({"steps_per_generation": 5}, "steps_per_generation=5 is not a multiple of gradient_accumulation_steps=2"),
     ],
 )
 def test_refusals_name_the_fix(overrides, match):
     check_rloo_args(_args(), BALANCED)  # the defaults pass
     check_rloo_args(_args(normalize_advantages=True, use_vllm=True), BALANCED)  # exact: TRL's global batch
+    check_rloo_args(_args(num_iterations=2, steps_per_generation=4), BALANCED)  # several updates per generation
     with pytest.raises(ValueError, match=match):
         check_rloo_args(_args(**overrides), BALANCED)
 
@@ -64,7 +65,7 @@ def test_vllm_server_mode_runs_under_odc():
 
 
 def test_plain_fsdp2_without_a_plan_keeps_trls_options():
-    check_rloo_args(_args(num_iterations=2, steps_per_generation=4), ODCConfig(enable=False))
+    check_rloo_args(_args(num_iterations=2, steps_per_generation=1), ODCConfig(enable=False))
     check_rloo_args(_args(use_vllm=True, vllm_mode="server"), ODCConfig(enable=False))
 
 
@@ -307,6 +308,7 @@ def _planned_trainer(rank: int, world: int, logps: torch.Tensor, config: ODCConf
         aux_loss_enabled=False,
         max_completion_length=3,
         odc_config=config,
+        odc_run=SimpleNamespace(folded_accumulation=1),
         odc_step_timer=SimpleNamespace(add_work=lambda *a: None),
         _odc_looping=False,
         _odc_totals=(0, 0.0),
@@ -373,10 +375,11 @@ def _odc_two_ranks(monkeypatch, beta, normalize, config):
     batches = [t._odc_generate([{"prompt": "p"}] * 8) for t in trainers]
     split = [split_rollouts(b, (), RLOO_KEYS) for b in batches]
     # accelerate's gather_object, as the ranks see it: every rank's rows, rank 0's first
-    monkeypatch.setattr(accelerate.utils, "gather_object", lambda rows: split[0] + split[1])
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda rows: [split[0], split[1]])
     advantages, seen, total, planned = {}, torch.zeros(16, dtype=torch.long), 0.0, []
     for trainer, batch in zip(trainers, batches, strict=True):
-        microbatches = ODCOnlineTrainerMixin._odc_plan(trainer, batch)
+        (step,) = ODCOnlineTrainerMixin._odc_gather_generation(trainer, batch)  # one step per generation batch
+        microbatches = ODCOnlineTrainerMixin._odc_plan(trainer, step)
         planned.append(microbatches)
         trainer._odc_looping = True
         for mb in microbatches:

@@ -125,14 +125,23 @@ def grpo_metric_calls(trainer: Any) -> tuple[tuple[str, str], ...]:
     return tuple(calls)
 
 
-def grpo_sample_each_step_once(sampler: Any, num_iterations: int) -> Any:
-    """Make GRPO's ``RepeatSampler`` yield each generation batch ``num_iterations`` times instead of
-    ``num_iterations x steps_per_generation`` times: under a balanced ODC plan one optimizer step consumes a whole
-    generation batch (the Trainer runs one accumulation step), so TRL's repeats for its accumulation steps would train
-    the same prompts again."""
+def grpo_sample_per_step(sampler: Any, steps: int) -> Any:
+    """Make GRPO's (and RLOO's) ``RepeatSampler`` yield each generation batch ``steps`` times (the optimizer steps it
+    feeds: ``num_iterations x steps_per_generation / gradient_accumulation_steps``) instead of TRL's
+    ``num_iterations x steps_per_generation`` (one per accumulation step): under a balanced ODC plan one loader item is
+    one optimizer step (the Trainer runs one accumulation step), and the items of the steps that reuse a generation
+    batch are read and set aside, as TRL sets aside its repeats."""
     require(sampler, "repeat_count", library=_LIBRARY, where="trl.trainer.utils.RepeatSampler")
-    sampler.repeat_count = int(num_iterations)
+    sampler.repeat_count = int(steps)
     return sampler
+
+
+def shuffle_generation_batch(batch: dict[str, Any], trainer_module: str) -> dict[str, Any]:
+    """TRL's shuffle of a rank's generation batch before it is split into ``steps_per_generation`` slices: the
+    ``shuffle_sequence_dict`` that ``trainer_module`` (``trl.trainer.grpo_trainer``, ``trl.trainer.rloo_trainer``)
+    calls in its ``_prepare_inputs``, looked up when called (the same permutation of the rank's torch RNG as TRL's)."""
+    shuffle = import_attr(trainer_module, "shuffle_sequence_dict", library=_LIBRARY)
+    return shuffle(batch)
 
 
 @contextlib.contextmanager

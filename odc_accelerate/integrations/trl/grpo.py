@@ -47,18 +47,23 @@ class ODCGRPOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
     * **vLLM server mode** (``vllm_mode="server"``) under ODC: rank 0 alone reads the full weights from the
       published shards and pushes them to the server (`odc_accelerate.integrations.vllm_server`: TRL's NCCL client on
       CUDA, safetensors files the server reloads elsewhere); the other ranks take no part in the sync. Generation is
-      TRL's: the step's prompts gathered to rank 0, the completions broadcast, once per step.
-    * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step is one generation
-      batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL). Its
-      completions are gathered once and planned over all ranks under the token budget
+      TRL's: the prompts gathered to rank 0, the completions broadcast, once per generation batch.
+    * **Planning** (``--odc_plan free``, the default with ODC, or ``lockstep``): one optimizer step trains
+      ``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL (the whole
+      generation batch unless ``steps_per_generation`` is larger). A generation batch's completions are gathered once
+      and each step's are planned over all ranks under the token budget
       (``--odc_max_tokens_per_microbatch``; by default ``per_device_train_batch_size x (longest prompt of the step +
       max_completion_length)``, the largest microbatch TRL itself would run), and each rank trains its own share.
     * **Exact loss** for every loss type of TRL (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo): each
       microbatch's loss is rescaled so that the step's gradient equals one process's over the whole global batch.
       What cannot be made exact is refused under a plan: the entropy bonus and the top-entropy mask (per-microbatch
-      statistics), several iterations per generation, prompts with images (refused by name at set-up). A MoE
-      router's auxiliary loss is weighted by each microbatch's share of the step's routed tokens
+      statistics), several generation batches per optimizer step, prompts with images (refused by name at set-up).
+      A MoE router's auxiliary loss is weighted by each microbatch's share of the step's routed tokens
       (`odc_accelerate.integrations.trainer.moe`).
+    * **Several updates per generation batch** (``num_iterations > 1``, ``steps_per_generation`` a multiple of
+      ``gradient_accumulation_steps``): each optimizer step the generation batch feeds is planned from its slice of the
+      gathered completions, as TRL slices them, and replayed for each iteration, with TRL's old log-probs (a
+      no-gradient pass of the model before any update, once per generation batch).
     * **Reference model** (``beta > 0``): sharded per layer and, under ODC, served by a gather-only engine: a reference
       forward makes no collective.
     * **Metrics**: TRL's per-microbatch reductions (kl, entropy, clip ratios) are answered locally and reduced once per
@@ -123,8 +128,8 @@ def grpo_loss_weight(
     """What one microbatch's GRPO loss (as TRL computes it) is multiplied by for the exact loss of the whole step.
 
     Args:
-        trainer: the GRPO trainer (its ``loss_type``, ``current_gradient_accumulation_steps`` and
-            ``args.steps_per_generation``).
+        trainer: the GRPO trainer (its ``loss_type``, ``current_gradient_accumulation_steps`` and the accumulation
+            it folded, ``odc_run.folded_accumulation``).
         rows (`int`): completions in the microbatch.
         tokens (`float`): loss tokens in the microbatch.
         total_rows (`int`): completions in the whole step, over all ranks.
@@ -136,14 +141,11 @@ def grpo_loss_weight(
         return rows * world_size / max(total_rows, 1)
     if kind == "tokens":
         return max(tokens, 1.0) * world_size / max(total_tokens, 1.0)
-    # The "global" types divide by num_items_in_batch (set to the step's loss tokens) the way TRL scales it.
-    normaliser = (
-        max(total_tokens, 1.0)
-        / world_size
-        * trainer.current_gradient_accumulation_steps
-        / trainer.args.steps_per_generation
-    )
-    return normaliser * world_size / max(total_tokens, 1.0)
+    # The "global" types divide a microbatch's token sum by num_items_in_batch (the generation batch's loss tokens,
+    # over all ranks) / world x gradient_accumulation_steps / steps_per_generation: TRL's step is the sum over its
+    # tokens / (those tokens x ga / spg). The ODC microbatch runs with the accumulation folded
+    # (current_gradient_accumulation_steps, 1), so it undoes that and divides by TRL's own accumulation instead.
+    return trainer.current_gradient_accumulation_steps / trainer.odc_run.folded_accumulation
 
 
 def finalize_grpo_metrics(trainer: Any, metrics: StepMetrics) -> None:

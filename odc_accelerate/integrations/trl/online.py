@@ -1,10 +1,12 @@
 """What ODC's online TRL trainers share (GRPO, RLOO): generate on each rank without a collective, then plan and train.
 
 Generation: transformers' ``generate`` without ``synced_gpus`` over ODC's one-sided reads, or a colocated vLLM engine
-refreshed from the published shards; TRL scores once per step. Training: one optimizer step is one generation batch,
-its completions gathered once and planned like SFT samples, each microbatch's loss weighted by the trainer. A trainer
-puts `ODCOnlineTrainerMixin` first in its bases and supplies ``odc_rollout_keys``, `_odc_init_context`,
-`_odc_check_trainer`, `_odc_check_settings`, `_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
+refreshed from the published shards; TRL scores once per generation batch. Training: a generation batch's completions
+are gathered once and feed ``num_iterations x steps_per_generation / gradient_accumulation_steps`` optimizer steps
+(each of its slices, as TRL slices it, once per iteration); each step's completions are planned like SFT samples, each
+microbatch's loss weighted by the trainer. A trainer puts `ODCOnlineTrainerMixin` first in its bases and supplies
+``odc_rollout_keys``, ``odc_trl_module``, `_odc_init_context`, `_odc_check_trainer`, `_odc_check_settings`,
+`_odc_loss_weight` and `_odc_finalize_metrics`. See docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ..trainer.budget import BudgetRule
 from ..trainer.data import ZeroWeightMicrobatch
 from ..trainer.dynamic import ClaimedStep, ClaimQueue
 from ..trainer.moe import routed_tokens
-from .rollouts import GRPO_KEYS, RolloutKeys, collate_rollouts, loss_tokens, split_rollouts
+from .online_checks import generation_slices, optimizer_steps_per_generation
+from .rollouts import GRPO_KEYS, RolloutKeys, collate_rollouts, loss_tokens, split_rollouts, step_slices
 
 __all__ = ["ODCOnlineTrainerMixin"]
 
@@ -39,6 +42,8 @@ class ODCOnlineTrainerMixin:
     odc_trainer_name: ClassVar[str] = "GRPO"
     #: The keys of the trainer's generation batch.
     odc_rollout_keys: ClassVar[RolloutKeys] = GRPO_KEYS
+    #: The TRL module of the trainer, whose ``shuffle_sequence_dict`` shuffles a generation batch before its slices.
+    odc_trl_module: ClassVar[str] = "trl.trainer.grpo_trainer"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._odc_ready = False  # inputs of the next training_step are already generated (plain path)
@@ -46,6 +51,11 @@ class ODCOnlineTrainerMixin:
         # TRL's online trainers take (model, reward_funcs, args, train_dataset, ...): the prompts are checked in the
         # set-up (`_odc_check_settings`), before TRL builds any vLLM engine.
         self._odc_prompts = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        # Balanced path: the completions of each optimizer step the current generation batch feeds (over all ranks),
+        # its loss tokens over all ranks (TRL's num_items_in_batch; None for RLOO), and the steps trained on it.
+        self._odc_generation: list[list[dict[str, torch.Tensor]]] | None = None
+        self._odc_generation_items: torch.Tensor | None = None
+        self._odc_generation_step = 0
         # Server mode without CUDA: TRL's client joins no NCCL weight-transfer group (ODC's sync reloads the server
         # from files, `_odc_sync_vllm_server`); TRL builds the client inside its __init__.
         with self._odc_init_context(), trl_grpo.vllm_server_without_communicator(self._odc_reloads_server_from_files):
@@ -98,8 +108,9 @@ class ODCOnlineTrainerMixin:
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         sampler = super()._get_train_sampler(dataset)
         if self.odc_config.balanced:
-            # distillation has no num_iterations: each generation batch trains once
-            trl_grpo.grpo_sample_each_step_once(sampler, getattr(self, "num_iterations", 1))
+            # One loader item per optimizer step: each generation batch's prompts once for every step it feeds.
+            steps = optimizer_steps_per_generation(self.args, self.odc_run.folded_accumulation)
+            trl_grpo.grpo_sample_per_step(sampler, steps)
         return sampler
 
     # ------------------------------------------------------------------ generation
@@ -227,34 +238,62 @@ class ODCOnlineTrainerMixin:
             finally:
                 self._odc_ready = False
         model.train()  # as Trainer.training_step does first: TRL's generation and metrics read the mode
-        batch = self._odc_generate(inputs)
-        microbatches = self._odc_plan(batch)
-        return super().training_step(model, microbatches, batch.get("num_items_in_batch"))
+        microbatches = self._odc_step_microbatches(inputs)
+        return super().training_step(model, microbatches, self._odc_generation_items)
+
+    def _odc_step_microbatches(self, inputs: list[dict[str, Any]]) -> Any:
+        """This rank's microbatches of the optimizer step (`_odc_plan`). A generation batch feeds
+        ``num_iterations x steps_per_generation / gradient_accumulation_steps`` steps, as in TRL: it is generated,
+        scored and gathered at the first (`_odc_generate`, `_odc_gather_generation`), each following step trains its
+        next slice, and each iteration trains the slices again (the steps' prompts from the loader, repeated by the
+        sampler as TRL repeats them, are then set aside, as TRL sets them aside)."""
+        steps = optimizer_steps_per_generation(self.args, self.odc_run.folded_accumulation)
+        if self._odc_generation is None or self._odc_generation_step % steps == 0:
+            # (None on the first step after a resume as well: TRL then generates too)
+            self._odc_generation = self._odc_gather_generation(self._odc_generate(inputs))
+            self._odc_generation_step = 0
+        rows = self._odc_generation[self._odc_generation_step % len(self._odc_generation)]
+        self._odc_generation_step += 1
+        return self._odc_plan(rows)
 
     def _odc_generate(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Generate and score the step's completions as TRL does, once per optimizer step."""
+        """Generate and score a generation batch's completions as TRL does, once per generation batch."""
         args = self.args
-        if getattr(args, "steps_per_generation", None) is None:  # distillation: nothing reads the accumulation there
-            return trl_grpo.generate_and_score_completions(self, inputs)
-        # TRL (GRPO) computes the old policy's log-probs when generation and optimizer steps are misaligned; here they
-        # align (one generation batch per optimizer step), which TRL sees with its own accumulation count.
-        folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, args.steps_per_generation
+        # TRL computes the old policy's log-probs (a no-gradient pass of the model before any update) when a
+        # generation batch feeds more than one optimizer step (gradient_accumulation_steps not a multiple of
+        # steps_per_generation x num_iterations): it decides on its own accumulation, which the trainer folded.
+        folded, args.gradient_accumulation_steps = args.gradient_accumulation_steps, self.odc_run.folded_accumulation
         try:
             return trl_grpo.generate_and_score_completions(self, inputs)
         finally:
             args.gradient_accumulation_steps = folded
 
-    def _odc_plan(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """Gather the step's completions from every rank (one collective), plan them over ranks and microbatches, and
-        return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
+    def _odc_gather_generation(self, batch: dict[str, Any]) -> list[list[dict[str, torch.Tensor]]]:
+        """Gather a generation batch's completions from every rank (one collective) and split them into the
+        completions of each optimizer step it feeds (`step_slices`): each rank's rows shuffled first, as TRL shuffles
+        them before slicing, when there is more than one such step. Sets ``_odc_generation_items`` to its loss tokens
+        over all ranks, where TRL's loss reads them (GRPO's ``num_items_in_batch``; RLOO's loss none)."""
         from accelerate.utils import gather_object
 
+        slices = generation_slices(self.args, self.odc_run.folded_accumulation)
+        if slices > 1:
+            batch = trl_grpo.shuffle_generation_batch(batch, self.odc_trl_module)
+        rows = split_rollouts(batch, self._odc_sequence_keys(), self.odc_rollout_keys)
+        per_rank = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
+        if "num_items_in_batch" in batch:
+            total = float(sum(float(loss_tokens(r).sum()) for rows in per_rank for r in rows))
+            self._odc_generation_items = torch.tensor(total, device=self.accelerator.device)
+        else:
+            self._odc_generation_items = None
+        return step_slices(per_rank, slices)
+
+    def _odc_plan(self, everyone: list[dict[str, torch.Tensor]]) -> Any:
+        """Plan the step's completions (over all ranks, `_odc_gather_generation`) over ranks and microbatches, and
+        return this rank's microbatches (under the ``dynamic`` plan: the step's queue, claimed while the step runs)."""
         from ...planning import PlanName, StreamingStepPlanner, claim_queue
 
         keys, sequence_keys = self.odc_rollout_keys, self._odc_sequence_keys()
-        rows = split_rollouts(batch, sequence_keys, keys)
         world = self.accelerator.num_processes
-        everyone = gather_object(rows) if world > 1 else rows
         lengths = [int(r["prompt_ids"].numel() + r["completion_ids"].numel()) for r in everyone]
         # By default the largest microbatch TRL itself would run; a completion over a budget set lower runs alone.
         longest_prompt = max(int(r["prompt_ids"].numel()) for r in everyone)
@@ -278,8 +317,8 @@ class ODCOnlineTrainerMixin:
         self._odc_totals = (len(everyone), total_tokens)
         # Every rank holds the step's completions: the routed tokens of a router's auxiliary loss without a collective
         self._odc_step_routed = sum(routed_tokens(r) for r in everyone) if self._odc_weights_router_aux() else 0
-        # GRPO's loss reads the step's loss tokens from its microbatches (its "global" loss types); RLOO's none.
-        num_items = torch.tensor(total_tokens, device=device) if "num_items_in_batch" in batch else None
+        # GRPO's loss reads the generation batch's loss tokens from its microbatches (its "global" types); RLOO none.
+        num_items = self._odc_generation_items
 
         def collate(indices: list[int]) -> dict[str, Any]:
             mb = collate_rollouts([everyone[i] for i in indices], pad, device, sequence_keys, keys)

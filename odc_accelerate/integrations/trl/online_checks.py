@@ -1,7 +1,8 @@
 """What ODC refuses of an online (GRPO, RLOO) run, before any work: GRPO's loss types and options whose loss cannot be
 made exact under a plan (`check_grpo_args`), the vLLM settings ODC's weight sync cannot serve
-(`check_vllm_args`), a model that sync would get wrong (`check_vllm_sync_settings`), and more than one generation batch
-per optimizer step (`check_one_generation_per_step`), and prompts with images under a plan (`check_no_images`)."""
+(`check_vllm_args`), a model that sync would get wrong (`check_vllm_sync_settings`), an optimizer step that would
+take more than one generation batch (`check_generation_steps`), and prompts with images under a plan
+(`check_no_images`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from .reference import check_reference_settings
 __all__ = [
     "check_grpo_args",
     "check_grpo_settings",
+    "check_generation_steps",
     "check_no_images",
-    "check_one_generation_per_step",
+    "generation_slices",
     "check_vllm_args",
     "check_vllm_sync_settings",
+    "optimizer_steps_per_generation",
 ]
 
 
@@ -57,7 +60,7 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
             f"loss_type={loss_type!r} has no exact rescaling under ODC's balanced plan. Use one of "
             f"{sorted(trl_grpo.GRPO_LOSS_NORMALISATION)}, or {alternatives}."
         )
-    check_one_generation_per_step(args, alternatives)
+    check_generation_steps(args, alternatives)
     if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
         raise ValueError(
             "The entropy bonus (entropy_coef / use_adaptive_entropy) is a mean over each microbatch's tokens, which "
@@ -70,26 +73,50 @@ def check_grpo_args(args: Any, config: ODCConfig) -> None:
         )
 
 
-def check_one_generation_per_step(args: Any, alternatives: str) -> None:
-    """Refuse, under a balanced plan, the settings that would train a generation batch over several optimizer steps:
-    ODC plans one generation batch per optimizer step.
+def check_generation_steps(args: Any, alternatives: str) -> None:
+    """Refuse, under a balanced plan, an optimizer step that would train on more than one generation batch.
+
+    A generation batch (``steps_per_generation`` slices of ``per_device_train_batch_size`` completions per rank) feeds
+    ``num_iterations x steps_per_generation / gradient_accumulation_steps`` optimizer steps, each planned over the
+    ``gradient_accumulation_steps`` slices it trains (see `.online.ODCOnlineTrainerMixin`); that needs
+    ``steps_per_generation`` to be a multiple of ``gradient_accumulation_steps``. Any ``num_iterations`` is served.
 
     Args:
-        args: the trainer's arguments (``num_iterations``, ``steps_per_generation``, ``gradient_accumulation_steps``).
+        args: the trainer's arguments (``steps_per_generation``, ``gradient_accumulation_steps``, read before the
+            trainer folds the accumulation).
         alternatives (`str`): what else the user can do, ending the messages.
     """
-    if int(getattr(args, "num_iterations", 1)) != 1:
-        raise ValueError(
-            f"num_iterations={args.num_iterations}: ODC's balanced plan trains each generation batch in one optimizer "
-            f"step. Set --num_iterations 1, or {alternatives}."
-        )
     spg, ga = getattr(args, "steps_per_generation", None), int(args.gradient_accumulation_steps)
-    if spg is not None and int(spg) != ga:
+    if spg is None or int(spg) % ga == 0:
+        return
+    spg = int(spg)
+    if spg < ga:
         raise ValueError(
-            f"steps_per_generation={spg} differs from gradient_accumulation_steps={ga}: ODC's balanced plan trains "
-            "each generation batch in one optimizer step. Leave --steps_per_generation unset (or equal to "
-            f"--gradient_accumulation_steps), or {alternatives}."
+            f"steps_per_generation={spg} is below gradient_accumulation_steps={ga}: each optimizer step would train "
+            "on several generation batches, generated in the middle of the step, which ODC's balanced plan (one "
+            "plan per step, made once its completions exist) cannot do. Set --steps_per_generation to a multiple of "
+            f"--gradient_accumulation_steps (or leave it unset), or {alternatives}."
         )
+    raise ValueError(
+        f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps={ga}: an optimizer step would "
+        "train on the end of one generation batch and the start of the next, which ODC's balanced plan (one plan per "
+        "step, made once its completions exist) cannot do. Set --steps_per_generation to a multiple of "
+        f"--gradient_accumulation_steps, or {alternatives}."
+    )
+
+
+def optimizer_steps_per_generation(args: Any, accumulation: int) -> int:
+    """The optimizer steps one generation batch feeds under a balanced plan: each of its `generation_slices` steps'
+    worth of completions, trained ``num_iterations`` times."""
+    return generation_slices(args, accumulation) * int(getattr(args, "num_iterations", 1))
+
+
+def generation_slices(args: Any, accumulation: int) -> int:
+    """How many optimizer steps' worth of completions one generation batch holds: ``steps_per_generation /
+    gradient_accumulation_steps`` (``accumulation``: TRL's, before the trainer folds it; `check_generation_steps`
+    holds)."""
+    spg = getattr(args, "steps_per_generation", None)
+    return max(1, int(spg if spg is not None else accumulation) // int(accumulation))
 
 
 def check_vllm_args(args: Any) -> None:

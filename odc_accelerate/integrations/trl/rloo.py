@@ -1,6 +1,6 @@
 """ODC for TRL's RLOO: `ODCRLOOTrainer` (``--odc true`` and friends; the arguments are `ODCRLOOConfig`).
 
-RLOO generates like GRPO (`.online.ODCOnlineTrainerMixin`). Its advantages are TRL's, computed over the step's global
+RLOO generates like GRPO (`.online.ODCOnlineTrainerMixin`). Its advantages are TRL's, computed over the global generation
 batch at generation; each planned microbatch's sequence-level loss is weighted by ``rows x W / completions of the
 step`` (`rloo_loss_weight`); entropy and clip ratios are reduced once per step
 (`finalize_rloo_metrics`). What it refuses, and why: docs/integrations.md, "TRL RLOO".
@@ -21,7 +21,7 @@ from ..trainer import ODCTrainerMixin
 from ..trainer.metrics import StepMetrics
 from .metrics import check_gathers, drop_microbatch_values, one_step_time, step_value
 from .online import ODCOnlineTrainerMixin
-from .online_checks import check_no_images, check_one_generation_per_step, check_vllm_args, check_vllm_sync_settings
+from .online_checks import check_generation_steps, check_no_images, check_vllm_args, check_vllm_sync_settings
 from .reference import ODCReferenceModelMixin, check_reference_settings
 from .rollouts import RolloutKeys
 
@@ -43,9 +43,10 @@ class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
       pushes the weights read from them to the server, `odc_accelerate.integrations.vllm_server`, and TRL gathers the
       prompts once per step); each rank's generation time is
       logged as ``odc/generation_s`` and counts as busy.
-    * **Planning** (``--odc_plan free``, the default with ODC, ``lockstep`` or ``dynamic``): one optimizer step is one
-      generation batch (``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank); its
-      completions are gathered once and planned over all ranks under the token budget
+    * **Planning** (``--odc_plan free``, the default with ODC, ``lockstep`` or ``dynamic``): one optimizer step trains
+      ``per_device_train_batch_size x gradient_accumulation_steps`` completions per rank, as in TRL; a generation
+      batch's completions are gathered once, and each step's (a slice of it, once per iteration, with
+      ``steps_per_generation`` above the accumulation or ``num_iterations > 1``) are planned over all ranks under the token budget
       (``--odc_max_tokens_per_microbatch``; by default ``per_device_train_batch_size x (longest prompt of the step +
       max_completion_length)``).
     * **Exact loss**: the leave-one-out advantages and the KL-in-reward term are TRL's own, computed over the global
@@ -56,6 +57,7 @@ class ODCRLOOTrainer(ODCOnlineTrainerMixin, ODCReferenceModelMixin, ODCTrainerMi
 
     odc_trainer_name = "RLOO"
     odc_rollout_keys = RLOO_KEYS
+    odc_trl_module = "trl.trainer.rloo_trainer"
 
     def _odc_init_context(self) -> contextlib.AbstractContextManager:
         return trl_rloo.rloo_reference_preparer(self._odc_prepare_reference)
@@ -101,17 +103,16 @@ def finalize_rloo_metrics(trainer: Any, metrics: StepMetrics) -> None:
 def check_rloo_args(args: Any, config: ODCConfig) -> None:
     """Refuse, before any work (and before any vLLM engine is created), the RLOO settings ODC cannot run (exactly).
 
-    The advantages need no refusal: TRL computes them at generation over the gathered generation batch, which under an
-    ODC plan is the step's global batch, as in TRL (``normalize_advantages`` included).
+    The advantages and old log-probs need no refusal: TRL computes them at generation over the gathered generation
+    batch, as without a plan (``normalize_advantages`` included).
 
     Raises:
         ValueError: a tensor-parallel colocated vLLM engine under ODC, ``sync_ref_model`` under ODC, or, under a
-            balanced plan, ``num_iterations != 1`` or ``steps_per_generation`` other than
-            ``gradient_accumulation_steps``.
+            balanced plan, ``steps_per_generation`` not a multiple of ``gradient_accumulation_steps``.
     """
     if config.enable and getattr(args, "use_vllm", False):
         check_vllm_args(args)
     check_reference_settings(args, config)
     if not config.balanced:
         return
-    check_one_generation_per_step(args, "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)")
+    check_generation_steps(args, "run without --odc / --odc_plan (plain FSDP2 with TRL's own microbatches)")

@@ -13,7 +13,7 @@ import torch
 
 from ..._compat.trl import grpo as trl_grpo
 
-__all__ = ["GRPO_KEYS", "RolloutKeys", "collate_rollouts", "loss_tokens", "split_rollouts"]
+__all__ = ["GRPO_KEYS", "RolloutKeys", "collate_rollouts", "loss_tokens", "split_rollouts", "step_slices"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,30 @@ def collate_rollouts(
     for key in keys.sample:
         out[key] = torch.stack([r[key] for r in rows])
     return {k: v.to(device) for k, v in out.items()}
+
+
+def step_slices(per_rank: list[list[Any]], steps: int) -> list[list[Any]]:
+    """The completions of each of ``steps`` optimizer steps fed by one generation batch, from every rank's rows of it
+    (``per_rank[r]``, in the order TRL slices them: shuffled as TRL shuffles them): step ``j`` takes the ``j``-th of
+    ``steps`` equal parts of every rank's rows, as TRL's step ``j`` trains the ``gradient_accumulation_steps`` slices
+    ``j x ga ..`` of every rank's ``steps_per_generation`` slices.
+
+    Raises:
+        ValueError: a rank's rows do not split into ``steps`` equal parts.
+    """
+    parts = []
+    for rows in per_rank:
+        if len(rows) % steps:
+            raise ValueError(
+                f"A rank's generation batch of {len(rows)} completions does not split into {steps} optimizer steps "
+                "(steps_per_generation / gradient_accumulation_steps); every rank's generation batch must hold "
+                "per_device_train_batch_size x steps_per_generation completions."
+            )
+        parts.append(len(rows) // steps)
+    return [
+        [row for rows, n in zip(per_rank, parts, strict=True) for row in rows[j * n : (j + 1) * n]]
+        for j in range(steps)
+    ]
 
 
 def loss_tokens(batch: dict[str, Any]) -> torch.Tensor:

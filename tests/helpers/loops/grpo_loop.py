@@ -8,12 +8,18 @@ copy of a prompt is a function of the prompt's text and ``j`` alone, with a long
 same completions whatever the number of ranks, and the comparison is of training. The reward is a rule on the
 completion's text. With ``--reference true`` the run is plain `trl.GRPOTrainer` (no ODC class involved). Rank 0
 writes ``OUT/losses.json`` (the logged loss of every step), ``OUT/initial_params.pt`` and ``OUT/final_params.pt``.
+
+``--extra_runs "NAME:ARGS;..."`` trains more runs after those, in the same process group, each with ARGS added
+(into OUT/NAME). ``--fixed_slices true`` replaces TRL's random shuffle of a generation batch before its
+``steps_per_generation`` slices (`fixed_slices_shuffle`), so that a one-process reference trains the same completions
+in each optimizer step as a run on ``--reference_ranks`` ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -38,6 +44,19 @@ class LoopArguments:
             "help": "Comma-separated loss types trained after --loss_types with beta=0 (no KL term, no reference "
             "model), into OUT/<type>_beta0."
         },
+    )
+    extra_runs: str | None = field(
+        default=None,
+        metadata={"help": "Runs trained after the others: 'NAME:ARGS;NAME:ARGS', each into OUT/NAME with ARGS added."},
+    )
+    fixed_slices: bool = field(
+        default=False,
+        metadata={
+            "help": "Slice generation batches in a fixed order (fixed_slices_shuffle) instead of TRL's shuffle."
+        },
+    )
+    reference_ranks: int = field(
+        default=2, metadata={"help": "With --fixed_slices: the ranks of the run a one-process reference stands for."}
     )
     model_name_or_path: str | None = field(
         default=None,
@@ -69,6 +88,53 @@ def stub_rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
         prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         completion_ids.append(tokens)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def fixed_slices_shuffle(ranks: int, slices: int) -> Any:
+    """A stand-in for TRL's ``shuffle_sequence_dict`` (its shuffle of a rank's generation batch before it is split
+    into ``slices`` slices) with a fixed permutation: the batch is read as ``ranks`` equal blocks (the generation
+    batches of that many ranks, in rank order) and slice ``k`` takes the ``k``-th part of every block. With
+    ``ranks=1`` (each rank of a multi-rank run) it keeps the order; on one process standing for ``ranks`` ranks, each
+    slice (and so each optimizer step) holds the completions the ``k``-th slices of those ranks hold."""
+    import torch
+
+    def shuffle(batch: dict[str, Any]) -> dict[str, Any]:
+        size = len(next(v for v in batch.values() if v is not None and getattr(v, "ndim", 1) > 0))
+        block = size // ranks
+        part = block // slices
+        order = [r * block + k * part + i for k in range(slices) for r in range(ranks) for i in range(part)]
+        assert sorted(order) == list(range(size)), (size, ranks, slices)
+        index = torch.tensor(order)
+
+        def permute(v: Any) -> Any:
+            if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+                return v
+            return v[index] if isinstance(v, torch.Tensor) else [v[i] for i in order]
+
+        return {k: permute(v) for k, v in batch.items()}
+
+    return shuffle
+
+
+def use_fixed_slices(loop_args: Any, args: Any) -> None:
+    """Put `fixed_slices_shuffle` (``loop_args.fixed_slices``) or TRL's own shuffle back in GRPO's and RLOO's
+    trainer modules, where their ``_prepare_inputs`` (and the ODC trainers) look it up."""
+    from trl.trainer import grpo_trainer, rloo_trainer, utils
+
+    shuffle = utils.shuffle_sequence_dict
+    if loop_args.fixed_slices:
+        ranks = loop_args.reference_ranks if loop_args.reference else 1
+        shuffle = fixed_slices_shuffle(ranks, int(args.steps_per_generation))
+    grpo_trainer.shuffle_sequence_dict = rloo_trainer.shuffle_sequence_dict = shuffle
+
+
+def extra_runs(spec: str | None) -> list[tuple[str, list[str]]]:
+    """``--extra_runs`` as (folder, arguments) pairs."""
+    runs = []
+    for item in filter(None, (part.strip() for part in (spec or "").split(";"))):
+        name, _, arguments = item.partition(":")
+        runs.append((name.strip(), shlex.split(arguments)))
+    return runs
 
 
 def length_rule_reward(completions: list[str], **kwargs: Any) -> list[float]:
@@ -151,16 +217,18 @@ def main(argv: list[str] | None = None) -> None:
         trainer_cls = ODCGRPOTrainer
     loss_types = loop_args.loss_types.split(",") if loop_args.loss_types else [args.loss_type]
     # (loss type, extra arguments, output folder) of each training run, one after the other in this process group
-    runs = [(loss_type, [], loss_type) for loss_type in loss_types]
+    runs = [(["--loss_type", loss_type], loss_type) for loss_type in loss_types]
     if loop_args.kl_free_loss_types:
-        runs += [(t, ["--beta", "0"], f"{t}_beta0") for t in loop_args.kl_free_loss_types.split(",")]
+        runs += [(["--loss_type", t, "--beta", "0"], f"{t}_beta0") for t in loop_args.kl_free_loss_types.split(",")]
+    runs += [(extra, folder) for folder, extra in extra_runs(loop_args.extra_runs)]
     root = args.output_dir
-    for i, (loss_type, extra, folder) in enumerate(runs):
+    for i, (extra, folder) in enumerate(runs):
         if len(runs) > 1:  # fresh arguments: a trainer may change its own (gradient accumulation); the last one wins
-            _, args = parser.parse_args_into_dataclasses(
-                [*argv, "--loss_type", loss_type, *extra, "--output_dir", os.path.join(root, folder)]
+            loop_args, args = parser.parse_args_into_dataclasses(
+                [*argv, *extra, "--output_dir", os.path.join(root, folder)]
             )
             args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
+        use_fixed_slices(loop_args, args)
         trainer = trainer_cls(
             model=path,
             reward_funcs=length_rule_reward,

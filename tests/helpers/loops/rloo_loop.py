@@ -11,6 +11,7 @@ old and reference log-probs, the KL-in-reward term and the leave-one-out advanta
 `grpo_loop.length_rule_reward`, except that it returns ``None`` (unscorable: TRL's NaN-aware baseline) for every
 completion whose text length is a multiple of 5. With ``--reference true`` the run is plain `trl.RLOOTrainer`. Rank 0
 writes ``OUT/losses.json`` (the log history), ``OUT/initial_params.pt`` and ``OUT/final_params.pt``.
+``--extra_runs``, ``--fixed_slices`` and ``--reference_ranks`` are `tests.helpers.loops.grpo_loop`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.helpers.loops.grpo_loop import length_rule_reward, stub_rollout, token_share_aux
+from tests.helpers.loops.grpo_loop import (
+    extra_runs,
+    length_rule_reward,
+    stub_rollout,
+    token_share_aux,
+    use_fixed_slices,
+)
 
 
 @dataclass
@@ -36,6 +43,9 @@ class LoopArguments:
         default=False,
         metadata={"help": "Reference only: a MoE router's auxiliary loss as `grpo_loop.token_share_aux` weights it."},
     )
+    extra_runs: str | None = field(default=None, metadata={"help": "As grpo_loop's: 'NAME:ARGS;...' (OUT/NAME)."})
+    fixed_slices: bool = field(default=False, metadata={"help": "As grpo_loop's: generation batches sliced in order."})
+    reference_ranks: int = field(default=2, metadata={"help": "As grpo_loop's (with --fixed_slices)."})
 
 
 def sometimes_unscorable_reward(completions: list[str], **kwargs: Any) -> list[float | None]:
@@ -98,15 +108,29 @@ def main(argv: list[str] | None = None) -> None:
         from odc_accelerate.integrations.trl import ODCRLOOTrainer
 
         trainer_cls = ODCRLOOTrainer
-    trainer = with_fixed_completions(trainer_cls)(
-        model=path,
-        reward_funcs=sometimes_unscorable_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    _save(trainer, initial)
+    runs = [([], None), *((extra, folder) for folder, extra in extra_runs(loop_args.extra_runs))]
+    root = args.output_dir
+    for i, (extra, folder) in enumerate(runs):
+        if folder is not None:  # fresh arguments: a trainer may change its own (gradient accumulation)
+            loop_args, args = parser.parse_args_into_dataclasses([*argv, *extra, "--output_dir", f"{root}/{folder}"])
+            args.model_init_kwargs = {"dtype": "float32", "attn_implementation": "sdpa"}
+        use_fixed_slices(loop_args, args)
+        trainer = with_fixed_completions(trainer_cls)(
+            model=path,
+            reward_funcs=sometimes_unscorable_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        trainer.train()
+        _save(trainer, initial)
+        if i < len(runs) - 1 and not loop_args.reference:
+            # The next trainer prepares a new model in the same process group: free this one's ODC engines.
+            from odc_accelerate.integrations.accelerate import get_engine, get_frozen_engines
+
+            for engine in [get_engine(trainer.accelerator), *get_frozen_engines(trainer.accelerator)]:
+                if engine is not None:
+                    engine.close()
     from odc_accelerate._compat.transformers import end_training
 
     end_training(trainer)
