@@ -66,6 +66,11 @@ class Allowed:
 #: through the module it checks.
 ALLOWED = (
     Allowed(
+        "tests/unit/test_online_steps.py",
+        "calls the online mixin's override of GRPOTrainer's sampler hook, to compare its prompts with TRL's",
+        ("trainer._get_train_sampler",),
+    ),
+    Allowed(
         "tests/unit/test_dpo_packing.py",
         "plants an attention implementation transformers' setter would normalise away, to see packing refuse it",
         ("eager.config._attn_implementation",),
