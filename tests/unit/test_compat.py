@@ -159,7 +159,7 @@ def _stand_in_vllm(monkeypatch, version, *, runner=True):
     import, as sys.modules entries (vLLM is an optional extra, not installed with the tests)."""
 
     class GPUModelRunner:
-        def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
             raise AssertionError("never called")
 
     class InprocClient:

@@ -177,7 +177,7 @@ def test_trainer_step_with_sync_each_batch_follows_the_set_up_decision_not_this_
             pre_optimizer_step=lambda optimizer, steps=steps: steps.append(1),
         )
         loop.optimizer = None  # a Trainer has the attribute from __init__ on
-        loop.odc_config = SimpleNamespace(memory_policy="auto")
+        loop.odc_config = SimpleNamespace(memory_policy="auto", balanced=False)
         loop.odc_step_timer = SimpleNamespace(compute=lambda device: contextlib.nullcontext())
         loop.args = SimpleNamespace(device="cpu")
         assert float(loop.training_step(None, [{}, {}])) == 2.0 and steps == [1]
