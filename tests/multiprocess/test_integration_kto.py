@@ -12,6 +12,10 @@ microbatches, ``per_device_train_batch_size 2``: TRL's KL pairs rotate the compl
 * ``trl_script``: TRL's unmodified ``trl/scripts/kto.py`` under ``odc-accelerate launch`` with the example's
   ``odc_cpu.yaml`` (``odc: true``), on a local model folder (the offline default's initial weights) and a local
   JSON-lines dataset (the same pairs), with ``--precompute_ref_log_probs true``.
+* ``odc_moe`` / ``single_moe``: ``odc`` and ``single`` for one step on a Qwen3-MoE (the session's `tiny_model`) with
+  the router's auxiliary loss (``MOE_AUX_COEF``), at ``--max_length 128`` (examples of unequal lengths, one per
+  microbatch); the reference weights each example's own term by its share of the step's non-padding tokens, the
+  definition ODC trains it with.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from integration_utils import (
+    MOE_AUX_COEF,
     ROOT,
     accelerate_launch,
     background,
@@ -31,6 +36,7 @@ from integration_utils import (
     final_params,
     logged_steps,
     max_rel,
+    model_args,
     reports,
     results,
     run,
@@ -51,10 +57,16 @@ SAMPLES_PER_STEP = 5
 NO_SAVE = ["--save_strategy", "no"]
 METRICS = ("kl", "entropy", "logits/chosen", "logits/rejected", "rewards/chosen", "rewards/rejected")
 METRICS += ("rewards/margins", "logps/chosen", "logps/rejected")
+# One step on the MoE (later values win over COMMON's): with seed 9 the step's examples hold 79 to 128 tokens at this
+# max_length (the suite's vocabulary), and no two share a microbatch of this budget, so their shares differ. The
+# gradient norm (1.4) is logged but not clipped: ODC's logged norm of a KTO step comes out ~4e-5 above one process's
+# while the gradients agree to ~5e-7, and clipping by it would scale the whole update by that.
+MOE_STEP = ["--max_steps", "1", "--max_length", "128", "--odc_max_tokens_per_microbatch", "128", "--seed", "9"]
+MOE_STEP += ["--max_grad_norm", "100"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
+def runs(tmp_path_factory, references, tiny_model):
     import trl
 
     from odc_accelerate.demo import offline_dpo_dataset
@@ -62,8 +74,15 @@ def runs(tmp_path_factory, references):
 
     root = tmp_path_factory.mktemp("kto")
     shm_before = shm_leftovers()
-    out = {name: root / name for name in ("odc", "single", "trl_script")}
+    out = {name: root / name for name in ("odc", "single", "trl_script", "odc_moe", "single_moe")}
     procs = {}
+    moe = [*COMMON, *model_args(tiny_model, "moe", aux=MOE_AUX_COEF), *MOE_STEP, *NO_SAVE]
+    procs["single_moe"], out["single_moe"] = references.start("kto", SAMPLES_PER_STEP, *moe, "--aux_token_share")
+    trace = {"ODC_TRACE_DIR": str(out["odc_moe"] / "trace")}
+    procs["odc_moe"] = background(
+        accelerate_launch, CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *moe, "--output_dir", out["odc_moe"],
+        ODC_DUMP_PARAMS="1", **trace,
+    )  # fmt: skip
     procs["single"], out["single"] = references.start("kto", SAMPLES_PER_STEP, *COMMON, *NO_SAVE)
     odc = [CONFIGS / "odc_cpu.yaml", TRAIN, "--odc", "true", *COMMON, *NO_SAVE]
     procs["odc"] = background(
@@ -143,6 +162,31 @@ def test_trls_own_kto_script_trains_with_odc_under_launch(runs):
     # the reference log-probs were precomputed (in batches of their own), so the loss agrees to fp32 noise
     _same_steps(history, logged_steps(single), rel=1e-4)
     _same_weights(load_file(out / "model.safetensors"), torch.load(single / "final_params.pt"), init)
+
+
+def test_moe_router_aux_loss_matches_one_process_weighting_it_the_same_way(runs):
+    """A MoE's router auxiliary loss under the free plan: each microbatch's term weighted by its share of the step's
+    routed tokens, against one process weighting each example's own term so; the logged ``aux_loss`` is the step's
+    weighted sum."""
+    check_ok(runs["procs"]["odc_moe"])
+    check_ok(runs["procs"]["single_moe"])
+    odc, single = runs["out"]["odc_moe"], runs["out"]["single_moe"]
+    (a,), (b,) = logged_steps(odc), logged_steps(single)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-5)
+    assert a["aux_loss"] > 1.0  # E x sum_e f_e P_e: 2 (top-2) for a balanced router
+    for key in METRICS:
+        if key in b:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    # one example per microbatch (5 over the ranks), unequal counts: the reference's per-example terms are ODC's
+    traced = [json.loads((odc / "trace" / f"trace_rank{r}.jsonl").read_text().splitlines()[0]) for r in (0, 1)]
+    assert sorted(len(t["microbatches"]) for t in traced) == [2, 3]
+    tokens = [mb["row_tokens"] for t in traced for mb in t["microbatches"]]
+    assert all(len(row) == 1 for row in tokens) and len({row[0] for row in tokens}) > 1  # unequal shares
+    init = torch.load(single / "initial_params.pt")
+    assert max_rel(torch.load(odc / "initial_params.pt"), init) == 0.0
+    _same_weights(final_params(odc), final_params(single), init)
 
 
 def test_no_shared_memory_left(runs):

@@ -92,8 +92,9 @@ def test_the_gathers_of_a_microbatch_follow_trls_order_and_the_steps_counts():
 
 
 # -------------------------------------------------------------------------------------------------------- the metrics
-def _microbatch(deferred, g, rows, chosen_rows):
-    """Record one microbatch's gathers as TRL's `_compute_loss` makes them; its per-example values for the check."""
+def _microbatch(deferred, g, rows, chosen_rows, aux=None):
+    """Record one microbatch's gathers as TRL's `_compute_loss` makes them (its router's auxiliary term last, when
+    given); its per-example values for the check."""
     labels = torch.zeros(rows, dtype=torch.bool)
     labels[:chosen_rows] = True
     tokens = torch.randint(1, 5, (rows,), generator=g).double()
@@ -113,6 +114,8 @@ def _microbatch(deferred, g, rows, chosen_rows):
     for side in (labels, ~labels):
         gather(rewards[side].nansum())
         gather(logps[side].nansum())
+    if aux is not None:
+        gather(torch.tensor(aux))
     return dict(labels=labels, tokens=tokens, entropy=entropy, logits=logits, rewards=rewards, logps=logps)
 
 
@@ -159,6 +162,55 @@ def test_step_metrics_are_trls_over_the_whole_step():
     for key, value in expected.items():
         assert recorded[key][-1] == pytest.approx(float(value), rel=1e-9), key
     assert recorded["num_tokens"] == [100 + int(tokens.sum() + len(tokens))]
+
+
+def _aux_step(chosen: float, rejected: float):
+    """What the router auxiliary loss's gather position and the metrics read of the ODC trainer: the step's counts."""
+
+    class AuxStep:
+        calculate_KL, aux_loss_enabled = True, True
+        _odc_step_gathers = ODCKTOTrainer._odc_step_gathers
+        _odc_aux_gather_position = ODCKTOTrainer._odc_aux_gather_position
+
+    step = AuxStep()
+    step._odc_kto_step = {"kl_sum": 0.0, "kl_pairs": 0.0, "num_chosen": chosen, "num_rejected": rejected}
+    return step
+
+
+def test_the_router_aux_loss_is_gathered_last_wherever_the_steps_counts_put_it():
+    """TRL gathers a side's rewards and log-probs only when the step has examples of it: the aux_loss gather (the one
+    weighted by the microbatch's share of the step's routed tokens) moves with the step's counts."""
+    positions = {}
+    for chosen, rejected in ((3.0, 2.0), (0.0, 5.0), (5.0, 0.0)):
+        step = _aux_step(chosen, rejected)
+        names = trl_kto.kto_gathers(step, chosen=chosen > 0, rejected=rejected > 0)
+        positions[chosen, rejected] = step._odc_aux_gather_position
+        assert names[step._odc_aux_gather_position] == "aux_loss"
+    # after kl, entropy (2), num_tokens, the logits (4), the counts (2) and each present side's rewards and log-probs
+    assert positions == {(3.0, 2.0): 14, (0.0, 5.0): 12, (5.0, 0.0): 12}
+
+
+def test_the_logged_router_aux_loss_is_the_share_weighted_sum_of_the_step():
+    """Each microbatch's aux_loss scaled by its share of the step's routed tokens (as the step loop scales it): the
+    step logs their sum over every rank, the term the update trains."""
+    g = torch.Generator().manual_seed(1)
+    ranks = [[(2, 1, 1.5, 0.5), (1, 0, 3.0, 0.125)], [(2, 2, 2.5, 0.375)]]  # (examples, desirable, aux, share)
+    stand_in, deferreds = SimpleNamespace(calculate_KL=True, aux_loss_enabled=True), []
+    for rank in ranks:
+        deferred = DeferredGather()
+        for rows, chosen, aux, share in rank:
+            _microbatch(deferred, g, rows, chosen, aux=aux)
+            deferred.scale_call(len(trl_kto.kto_gathers(stand_in, True, True)) - 1, share)  # the last gather
+        deferreds.append(deferred)
+    gathered = []
+    for deferred in deferreds:
+        reduce_step_metrics(deferred, lambda t, r=gathered: r.append(t) or t, "cpu")
+    metrics = reduce_step_metrics(deferreds[0], lambda t: torch.cat(gathered), "cpu")
+    trainer = SimpleNamespace(calculate_KL=True, aux_loss_enabled=True, odc_step_kl=0.0)
+    trainer._metrics = {"train": defaultdict(list, {"aux_loss": [7.0]})}  # an earlier step's, kept
+    trainer._total_train_tokens, trainer._odc_metric_marks = 0, {"aux_loss": 1}
+    finalize_kto_metrics(trainer, metrics, trl_kto.kto_gathers(trainer, chosen=True, rejected=True))
+    assert trainer._metrics["train"]["aux_loss"] == [7.0, pytest.approx(1.5 * 0.5 + 3.0 * 0.125 + 2.5 * 0.375)]
 
 
 # ----------------------------------------------------------------------------------------------------------- refusals

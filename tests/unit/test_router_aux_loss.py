@@ -1,7 +1,7 @@
 """A mixture-of-experts router's auxiliary loss under ODC's plans: when a trainer adds it, which tokens weight it,
 and where it is refused; transformers' own expert parallelism, refused.
 
-Under a plan the ODC SFT, DPO, GRPO and RLOO trainers and a plain Trainer's own loss weight each microbatch's
+Under a plan the ODC SFT, DPO, KTO, GRPO and RLOO trainers and a plain Trainer's own loss weight each microbatch's
 load-balancing term by its share of the step's routed tokens (`odc_accelerate.integrations.trainer.moe`; the
 multiprocess tests check the updates); the other trainers refuse it in their set-up, naming the model and the setting
 to change. Whether the loss is on is TRL's
@@ -79,10 +79,9 @@ def test_a_dense_model_or_no_model_has_none():
 
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "rloo", "kto"])
-def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
-    """SFT, DPO, GRPO and RLOO weight the loss under a plan: their set-up goes on to the launch's refusal (one process,
-    no FSDP). KTO does not weight it: refused before the accelerator exists, naming the model, the trainer and the
-    fix; with ``router_aux_loss_coef=0`` it goes on to the launch's refusal too."""
+def test_odc_trainers_weight_it_in_their_set_up(tmp_path, trainer):
+    """SFT, DPO, GRPO, RLOO and KTO weight the loss under a plan: their set-up goes on to the launch's refusal (one
+    process, no FSDP), with TRL's coefficient as with ``router_aux_loss_coef=0``."""
     from odc_accelerate import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
     from odc_accelerate.demo import load_offline_tokenizer
     from odc_accelerate.integrations.trl import (
@@ -107,11 +106,10 @@ def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
     data = _dataset("dpo" if trainer == "kto" else trainer)
     no_fsdp = "ODC needs FSDP2, but this run does not use FSDP"
     for coef in (None, 0.0):
-        match = MOE_AUX if trainer == "kto" and coef is None else no_fsdp
         args = config_class(
             output_dir=str(tmp_path), odc=True, router_aux_loss_coef=coef, report_to="none", bf16=False, **sizes
         )
-        with pytest.raises(ValueError, match=re.escape(match)) as refused:
+        with pytest.raises(ValueError, match=re.escape(no_fsdp)):
             trainer_class(
                 model=_model("moe"),
                 args=args,
@@ -119,9 +117,25 @@ def test_odc_trainers_weight_it_or_refuse_it_in_their_set_up(tmp_path, trainer):
                 processing_class=load_offline_tokenizer(),
                 **rewards,
             )
-        if match == MOE_AUX:  # the coefficient TRL would use, the trainer, and what to change
-            assert "(router_aux_loss_coef=0.001) once per microbatch, and ODCKTOTrainer does not" in str(refused.value)
-            assert "Pass --router_aux_loss_coef 0 to train without it" in str(refused.value)
+
+
+def test_a_trainer_that_does_not_weight_it_is_refused_by_name():
+    """What a trainer class that does not declare the weighting meets under a plan: the model, the coefficient, the
+    trainer, the trainers that weight it and the setting to change."""
+    from odc_accelerate.integrations.trainer.moe import check_router_aux_loss
+
+    class OtherTrainer:
+        pass
+
+    args, config = SimpleNamespace(router_aux_loss_coef=None), SimpleNamespace(plan="free")
+    with pytest.raises(ValueError) as refused:
+        check_router_aux_loss(_model("moe"), args, config, OtherTrainer)
+    message = str(refused.value)
+    assert f"{MOE_AUX} (router_aux_loss_coef=0.001) once per microbatch, and OtherTrainer does not" in message
+    assert "under the 'free' plan (ODCSFTTrainer, ODCDPOTrainer, ODCKTOTrainer, ODCGRPOTrainer" in message
+    assert "Pass --router_aux_loss_coef 0 to train without it" in message
+    check_router_aux_loss(_model("moe"), args, config, OtherTrainer, served=True)
+    check_router_aux_loss(_model("moe"), SimpleNamespace(router_aux_loss_coef=0.0), config, OtherTrainer)
 
 
 class _OwnLoss:

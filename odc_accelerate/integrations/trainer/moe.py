@@ -81,7 +81,7 @@ def check_router_aux_loss(
     loss: str | None = None,
 ) -> None:
     """Refuse a router auxiliary loss under a plan in a trainer that does not weight it, naming the model, the
-    trainer and what to change. The ODC SFT, DPO, GRPO and RLOO trainers and a plain Trainer's own loss weight it
+    trainer and what to change. The ODC SFT, DPO, KTO, GRPO and RLOO trainers and a plain Trainer's own loss weight it
     (``served``): nothing to refuse.
 
     Args:
@@ -123,8 +123,8 @@ def check_router_aux_loss(
     raise ValueError(
         f"{_model_name(model)} adds its router's auxiliary load-balancing loss (router_aux_loss_coef={coef:g}) once "
         f"per microbatch, and {trainer.__name__} does not weight it by each microbatch's share of the step's tokens "
-        f"under the {config.plan!r} plan (ODCSFTTrainer, ODCDPOTrainer, ODCGRPOTrainer, ODCRLOOTrainer and the "
-        f"Trainer's own loss do). {fix}, train with one of those, or run without --odc / --odc_plan to keep it."
+        f"under the {config.plan!r} plan (ODCSFTTrainer, ODCDPOTrainer, ODCKTOTrainer, ODCGRPOTrainer, ODCRLOOTrainer "
+        f"and the Trainer's own loss do). {fix}, train with one of those, or run without --odc / --odc_plan to keep it."
     )
 
 

@@ -85,12 +85,13 @@ class ODCKTOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, KTOTrainer):
       is per microbatch, over ``per_device_train_batch_size x world`` pairs). No KL forward runs in the microbatches.
     * **Exact loss.** TRL averages the desirable / undesirable losses over the examples of each microbatch
       (``losses.nanmean()``); each microbatch's loss is weighted by ``examples x W / examples of the step``, so the
-      step's loss is the mean over every example of the global batch.
+      step's loss is the mean over every example of the global batch. A MoE router's auxiliary loss: each
+      microbatch's term weighted by its share of the step's routed tokens (`odc_accelerate.integrations.trainer.moe`).
     * **Reference model** sharded per layer and served by a gather-only engine under ODC, or precomputed log-probs
       (``--precompute_ref_log_probs true``), as for DPO.
     * **Metrics.** TRL's gathers per microbatch are answered locally and reduced once per step: ``kl`` (the step's
       z0), entropy and logits as token-weighted values, rewards and log-probs as means over the step's desirable /
-      undesirable examples, ``num_tokens`` over every rank.
+      undesirable examples, ``num_tokens`` over every rank, ``aux_loss`` as the share-weighted sum of the step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -179,6 +180,19 @@ class ODCKTOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, KTOTrainer):
             self._odc_metric_marks = {key: len(v) for key, v in trl_compat.train_metrics(self).items()}
         return super().training_step(model, inputs, num_items_in_batch)
 
+    # A router's auxiliary loss: each microbatch's term weighted by its share of the step's routed tokens (`moe`).
+    _odc_serves_router_aux_loss = True
+
+    @property
+    def _odc_aux_gather_position(self) -> int:  # type: ignore[override]
+        # TRL gathers aux_loss last, after the reward and log-prob gathers the step's counts decide
+        return len(self._odc_step_gathers()) - 1
+
+    def _odc_step_gathers(self) -> tuple[str, ...]:
+        """The metric gathers of each microbatch of the current step (`trl_kto.kto_gathers` for its counts)."""
+        step = self._odc_kto_step
+        return trl_kto.kto_gathers(self, chosen=step["num_chosen"] > 0, rejected=step["num_rejected"] > 0)
+
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
         if not (self._odc_looping and num_items_in_batch is not None):
             return super().compute_loss(
@@ -187,18 +201,22 @@ class ODCKTOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, KTOTrainer):
         step = self._odc_kto_step
         if self.calculate_KL and "ref_KL_logps" in inputs:
             inputs = {**inputs, "ref_KL_logps": torch.zeros_like(inputs["ref_KL_logps"])}  # see `step_kl_answers`
-        with trl_kto.step_kl_answers(self, self.odc_step_kl, step["num_chosen"], step["num_rejected"]):
-            out = super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
         weight = kto_loss_weight(
             int(inputs["input_ids"].shape[0]), float(num_items_in_batch), self.accelerator.num_processes
         )
+        # TRL adds coef x aux to the examples' mean, which the weight then multiplies: the router term's weighted share
+        # of the step needs coef x share x W / weight (`moe`).
+        with (
+            trl_kto.step_kl_answers(self, self.odc_step_kl, step["num_chosen"], step["num_rejected"]),
+            self._odc_router_coef(self.accelerator.num_processes / weight),
+        ):
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         return (out[0] * weight, *out[1:]) if return_outputs else out * weight
 
     def _odc_finalize_metrics(self, metrics: StepMetrics) -> None:
-        step = self._odc_kto_step
-        names = trl_kto.kto_gathers(self, chosen=step["num_chosen"] > 0, rejected=step["num_rejected"] > 0)
+        names = self._odc_step_gathers()
         if metrics.gathers_per_microbatch != len(names):
             logger.warning(
                 "ODC: KTO made %d metric gathers per microbatch, expected %d (tested with TRL %s); metrics of this "
@@ -214,9 +232,9 @@ class ODCKTOTrainer(ODCReferenceModelMixin, ODCTrainerMixin, KTOTrainer):
 def finalize_kto_metrics(trainer: ODCKTOTrainer, metrics: StepMetrics, names: tuple[str, ...]) -> None:
     """KTO: ``kl`` is the step's z0; entropy and logits are ratios of global sums over the step's completion tokens;
     rewards and log-probs are means over the step's desirable / undesirable examples on every rank; ``num_tokens``
-    counts the input tokens of all ranks: the values TRL logs when the global batch is one microbatch."""
+    counts the input tokens of all ranks: the values TRL logs when the global batch is one microbatch; ``aux_loss``
+    is the sum of each microbatch's term weighted by its share of the step's routed tokens."""
     total = dict(zip(names, metrics.global_sums, strict=False))
-    count = dict(zip(names, metrics.global_counts, strict=False))
     mine = dict(zip(names, metrics.local_sums, strict=False))
     recorded = trl_compat.train_metrics(trainer)
     marks = trainer._odc_metric_marks
@@ -234,8 +252,8 @@ def finalize_kto_metrics(trainer: ODCKTOTrainer, metrics: StepMetrics, names: tu
             values[f"logps/{side}"] = total[f"logps/{side}"] / examples
     if "rewards/chosen" in values and "rewards/rejected" in values:
         values["rewards/margins"] = values["rewards/chosen"] - values["rewards/rejected"]
-    if "aux_loss" in names:
-        values["aux_loss"] = total["aux_loss"] / max(count["aux_loss"], 1.0)
+    if "aux_loss" in names:  # weighted by each microbatch's share of the step's routed tokens: their sum
+        values["aux_loss"] = total["aux_loss"]
     for key, value in values.items():
         recorded[key].append(float(value))
     trl_compat.count_train_tokens(trainer, total["num_tokens"], mine["num_tokens"])

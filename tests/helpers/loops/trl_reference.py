@@ -21,7 +21,9 @@ with numpy's PCG64 seeded by ``(seed, epoch)``. The only change to TRL's trainer
 that order (a sequential sampler), and with TRL 1.15 on CPU its fused LM head takes the torch path of TRL 1.16
 (`odc_accelerate._compat.trl.lm_head.fused_lm_head_torch_path`; TRL 1.15's is a Triton kernel whatever the device).
 ``--aux_token_share``: a MoE router's auxiliary loss of each microbatch weighted by its share of the step's
-non-padding tokens (the definition the ODC trainers train it with) instead of TRL's ``1 / gradient_accumulation_steps``.
+non-padding tokens (the definition the ODC trainers train it with) instead of TRL's ``1 / gradient_accumulation_steps``;
+for ``kto`` (the step as one microbatch), each example's own term weighted by its share (ODC's definition when each
+microbatch holds one example).
 ``OUT`` gets what the parity tests read from ODC runs (`run_example.py` with
 ``ODC_DUMP_PARAMS=1``): ``initial_params.pt``, ``final_params.pt`` and ``trainer_state.json``.
 """
@@ -94,6 +96,38 @@ def _kl_pairs_of_blocks(dataset, block: int):
     return dataset.map(rotate, batched=True, batch_size=block)
 
 
+@contextlib.contextmanager
+def _per_row_router_aux(model):
+    """Within the block, a forward of ``model`` that returns a router auxiliary loss returns instead the sum over its
+    rows of each row's own (a forward of that row alone) times the row's share of the batch's non-padding tokens."""
+    forward, own = model.forward, "forward" in vars(model)  # TRL's fused LM head is an instance attribute
+
+    def per_row(**kwargs):
+        out = forward(**kwargs)
+        if kwargs.get("output_router_logits") and getattr(out, "aux_loss", None) is not None:
+            mask = kwargs["attention_mask"]
+            rows = mask.size(0)
+            sliced = [
+                {
+                    k: v[i : i + 1] if torch.is_tensor(v) and v.dim() and v.size(0) == rows else v
+                    for k, v in kwargs.items()
+                }
+                for i in range(rows)
+            ]
+            shares = mask.sum(dim=1).float() / mask.sum().float()
+            out.aux_loss = sum(share * forward(**row).aux_loss for share, row in zip(shares, sliced, strict=True))
+        return out
+
+    model.forward = per_row
+    try:
+        yield
+    finally:
+        if own:
+            model.forward = forward
+        else:
+            del model.forward
+
+
 def main(argv: list[str]) -> None:
     from transformers import HfArgumentParser
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
@@ -137,7 +171,14 @@ def main(argv: list[str]) -> None:
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-        if own.aux_token_share:
+        if own.aux_token_share and own.trainer == "kto":
+            # The step as one microbatch: its router term is each example's own term (a forward of that row alone)
+            # weighted by its share of the step's non-padding tokens, ODC's definition with one example per microbatch.
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                with _per_row_router_aux(model) if model.training else contextlib.nullcontext():
+                    return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        elif own.aux_token_share:
             # The definition ODC trains a router's auxiliary loss with, in one process: each microbatch's term weighted
             # by its share of the step's non-padding tokens instead of 1 / gradient_accumulation_steps.
             def get_batch_samples(self, epoch_iterator, num_batches, device):
