@@ -143,8 +143,9 @@ class RunReport:
                 reference_gathers=ref_engine.stats.gathers if ref_engine is not None else 0,
                 reference_kept=getattr(trainer, trainer.odc_frozen_model_attribute) is not None,
                 precompute_ref_log_probs=bool(getattr(trainer.args, "precompute_ref_log_probs", False)),
-                packs_pairs=trainer.odc_packs_pairs,  # padding_free=True: pairs packed into one row
-                packed_forwards=trainer.odc_packed_forwards,
+                # DPO's pair packing (padding_free=True: pairs packed into one row); the other trainers have none
+                packs_pairs=getattr(trainer, "odc_packs_pairs", False),
+                packed_forwards=getattr(trainer, "odc_packed_forwards", 0),
             )
         out = trainer.args.output_dir
         if _flag("ODC_DUMP_PARAMS"):
