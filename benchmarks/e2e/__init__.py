@@ -1,9 +1,14 @@
-"""``python -m benchmarks.e2e sft`` (and ``dpo``, ``reward``, ``sft_hsdp``): the real training example, end to end, arm
-against arm.
+"""``python -m benchmarks.e2e sft`` (and ``dpo``, ``reward``, ``kto``, ``sft_hsdp``): the real training example, end to
+end, arm against arm.
 
 ``reward`` trains the reward-model example (``examples/reward/train.py``) on the long-tailed offline preference pairs,
 written once per benchmark run with a ``length`` column (`benchmarks.e2e.data.reward_pairs`) so that transformers'
 ``BatchRebalanceSampler`` can read their lengths; its arms are ``fsdp2_random``, ``fsdp2_rebalance`` and ``odc``.
+
+``kto`` trains the KTO example (``examples/kto/train.py``) on the same offline pairs, which TRL unpairs (chosen
+desirable, rejected undesirable), 2 examples per microbatch (TRL's KL estimate needs 2 or more); its FSDP2 baseline is
+TRL's KTO sampler, ``fsdp2_sequential`` (TRL refuses the others with a KL estimate), beside ``fsdp2_lockstep``, ``odc``
+and the limit.
 
 ``sft_hsdp`` runs the same arms on a 2-D mesh, 2 replicas x 2 shards (4 processes, ``fsdp2_hsdp_cpu.yaml`` /
 ``odc_hsdp_cpu.yaml``): FSDP2's HSDP against ODC within each shard group with one all-reduce across replicas per step.
@@ -14,6 +19,7 @@ the step is split over ranks and the communication change:
 
 * ``fsdp2_random``: plain FSDP2, the Trainer's default random sampling (``per_device_train_batch_size`` samples per
   microbatch, ``gradient_accumulation_steps`` microbatches per rank and step);
+* ``fsdp2_sequential`` (KTO): plain FSDP2 with ``--train_sampling_strategy sequential``, TRL's KTO default;
 * ``fsdp2_rebalance``: plain FSDP2 with transformers' ``BatchRebalanceSampler``
   (``--train_sampling_strategy batch_rebalance``);
 * ``fsdp2_lockstep``: plain FSDP2 on this package's ``lockstep`` plan (``--odc_plan lockstep``: equal microbatch

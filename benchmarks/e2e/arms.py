@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,14 @@ ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
         Arm("fsdp2_random", "FSDP2 + random", "fsdp2_cpu.yaml"),
+        # TRL's KTO samples in dataset order (its KL completions are each example's neighbours in a fixed-order batch,
+        # so it refuses any other sampler): its FSDP2 baseline.
+        Arm(
+            "fsdp2_sequential",
+            "FSDP2 + sequential",
+            "fsdp2_cpu.yaml",
+            ("--train_sampling_strategy", "sequential"),
+        ),
         Arm(
             "fsdp2_rebalance",
             "FSDP2 + batch_rebalance",
@@ -100,7 +109,7 @@ ARMS: dict[str, Arm] = {
         Arm("limit", "limit (no comm)", None, ("--odc_plan", "free"), planned=True),
     )
 }
-BASELINES = ("fsdp2_random", "fsdp2_rebalance")
+BASELINES = ("fsdp2_random", "fsdp2_rebalance", "fsdp2_sequential")
 """The arms every other arm's speedup is reported against."""
 
 
@@ -123,6 +132,8 @@ class Workload:
         data (`str`, *optional*): a dataset every arm trains on instead of the script's offline default, written once
             per benchmark run into ``OUT/data`` by ``benchmarks.e2e.data.DATASETS[data]`` and passed as
             ``--dataset_name`` (unless the script arguments name one).
+        min_batch (`int`): the smallest ``--batch`` the script accepts (a smaller one is refused before any run).
+        quick (`dict`): this workload's overrides of `QUICK` (the ``--quick`` defaults).
     """
 
     name: str
@@ -139,6 +150,8 @@ class Workload:
     unsupported: dict[str, str] = field(default_factory=dict)
     config_files: dict[str, str] = field(default_factory=dict)
     data: str | None = None
+    min_batch: int = 1
+    quick: dict[str, Any] = field(default_factory=dict)
 
     def config_of(self, arm: Arm) -> str | None:
         """The accelerate config file ``arm`` runs with on this workload (`None`: the limit)."""
@@ -193,6 +206,35 @@ WORKLOADS: dict[str, Workload] = {
         args=("--remove_unused_columns", "false"),
         data="reward_pairs",
         unsupported={"odc_packed": "the reward trainer pads a pair's rows; packing them is the DPO trainer's"},
+    ),
+    # KTO on the DPO example's preference pairs, unpaired by TRL (each chosen completion desirable, each rejected one
+    # undesirable: the KTO example's offline default). Each example also runs its KL sequence (its prompt with a
+    # neighbour's completion, no gradient) through the policy and the reference: in every microbatch under TRL, once
+    # per step under a plan. TRL needs 2+ examples per microbatch for its KL estimate and sequential sampling.
+    "kto": Workload(
+        "kto",
+        "examples/kto/train.py",
+        "examples/kto/configs",
+        batch=2,
+        grad_accum=2,
+        max_length=512,
+        max_steps=5,
+        arms=("fsdp2_sequential", "fsdp2_lockstep", "odc"),
+        min_batch=2,
+        quick={"arms": ("fsdp2_sequential", "odc"), "batch": 2, "grad_accum": 1},
+        unsupported={
+            **dict.fromkeys(
+                ("fsdp2_random", "fsdp2_rebalance", "fsdp2_rebalance_keep"),
+                "TRL's KTO trainer refuses any sampler but `sequential` (the KL completion of each example is its "
+                "neighbour's in a fixed-order batch); its FSDP2 baseline is fsdp2_sequential",
+            ),
+            **dict.fromkeys(
+                ("odc_dynamic", "odc_dynamic_both"),
+                "KTO's per-step KL estimate runs over each rank's microbatches before the step, which the dynamic "
+                "plan knows only as it claims them (the trainer refuses --odc_plan dynamic)",
+            ),
+            "odc_packed": "TRL's KTO collator pads each example's row; packing is the DPO trainer's",
+        },
     ),
 }
 # The SFT example on a 2-D mesh (2 replicas x 2 shards, 4 processes): FSDP2's HSDP under the three samplers vs ODC

@@ -83,7 +83,8 @@ def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
         help="tiny run for tests (2 arms, 1 repeat, 2 steps, 64 tokens) unless overridden",
     )
     if "--quick" in argv:  # defaults of the tiny run; options given explicitly still win
-        p.set_defaults(**{k: ",".join(v) if k == "arms" else v for k, v in QUICK.items()})
+        quick = {**QUICK, **workload.quick}
+        p.set_defaults(**{k: ",".join(v) if k == "arms" else v for k, v in quick.items()})
     opts = p.parse_args(argv[1:])
     opts.extra = extra
     opts.arms = [a.strip() for a in str(opts.arms).split(",") if a.strip()]
@@ -103,6 +104,11 @@ def parse_args(argv: list[str]) -> tuple[Workload, argparse.Namespace]:
             p.error(f"--slow_rank must be a rank >= 1 (rank 0 is the limit's rank), got {opts.slow_rank}")
         if not opts.slow_factor >= 1.0:
             p.error(f"--slow_factor must be >= 1, got {opts.slow_factor}")
+    if opts.batch < workload.min_batch:
+        p.error(
+            f"--batch must be at least {workload.min_batch} on {workload.name} ({workload.script} refuses fewer "
+            f"examples per microbatch), got {opts.batch}"
+        )
     if opts.max_steps <= opts.warmup:
         p.error(f"--max_steps ({opts.max_steps}) must exceed --warmup ({opts.warmup})")
     offline = "--model_name_or_path" not in extra and "--dataset_name" not in extra

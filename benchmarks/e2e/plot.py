@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e.arms import ARMS
+from benchmarks.e2e.arms import ARMS, BASELINES
 
 
 def pyplot() -> Any:
@@ -50,10 +50,11 @@ def plot(result: dict, path: Path, title: str = "") -> bool:
     ax_t.set_title("per rank: own forward + backward (blue), rest of the step (red)", fontsize=9)
     ax_b.barh(range(len(names)), [arms[n]["tokens_per_s"] for n in reversed(names)], color="tab:gray")
     ax_b.set_yticks(range(len(names)), [arms[n]["label"] for n in reversed(names)], fontsize=8)
+    base = next((b for b in BASELINES if b in arms), None)  # the first baseline the run has
     for i, n in enumerate(reversed(names)):
         text = f"{arms[n]['tokens_per_s']:.0f}"
-        if "speedup_vs_fsdp2_random" in arms[n] and n != "fsdp2_random":
-            text += f"  ({arms[n]['speedup_vs_fsdp2_random']:.2f}x vs random)"
+        if base is not None and n != base:
+            text += f"  ({arms[n][f'speedup_vs_{base}']:.2f}x vs {ARMS[base].label.split(' + ')[1]})"
         ax_b.text(arms[n]["tokens_per_s"], i, " " + text, va="center", fontsize=8)
     ax_b.set_xlabel("real (non-padding) tokens/s, median over repeats")
     ax_b.set_xlim(0, 1.75 * max(a["tokens_per_s"] for a in arms.values()))

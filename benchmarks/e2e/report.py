@@ -109,13 +109,17 @@ def targets_text(result: dict) -> list[str]:
     return lines
 
 
+_SAMPLE_NAMES = {"dpo": "pairs", "kto": "examples"}
+"""What a workload's samples per step are called (default: samples)."""
+
+
 def conditions_text(result: dict) -> str:
     """One sentence on what ran: sizes, samples per step, repeats, machine load, allocator, date."""
     c = result["config"]
     cond = result["conditions"]
     return (
         f"{c['world_size']} CPU processes x 1 thread, {c['workload']} example (offline tiny Qwen2, pydoc text), "
-        f"max_length {c['max_length']}, {c['samples_per_step']} {'pairs' if c['workload'] == 'dpo' else 'samples'} "
+        f"max_length {c['max_length']}, {c['samples_per_step']} {_SAMPLE_NAMES.get(c['workload'], 'samples')} "
         "per optimizer step "
         f"(FSDP2 arms: {c['per_device_train_batch_size']} per microbatch x {c['gradient_accumulation_steps']} "
         f"accumulation x {c['world_size']} ranks), {c['max_steps']} steps per run of which the first "

@@ -18,7 +18,7 @@ from benchmarks.e2e.arms import ARMS, WORKLOADS
 from benchmarks.e2e.cli import parse_args
 from benchmarks.e2e.environment import allocator_env, run_env
 from benchmarks.e2e.records import make_record, padding_pct, parse_log_history
-from benchmarks.e2e.report import write_outputs
+from benchmarks.e2e.report import table_rows, write_outputs
 from benchmarks.e2e.runner import RUN_EXAMPLE, commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,32 @@ def test_aggregation_matches_hand_computed_figures(tmp_path):
         assert files["png"].stat().st_size > 1000
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo", "reward"])
+def test_kto_compares_every_arm_with_trls_sequential_sampler(tmp_path):
+    """KTO's FSDP2 baseline is TRL's sequential sampler: its speedup column, the plot's and no random target."""
+    runs = _synthetic_runs()
+    runs = {"fsdp2_sequential": runs["fsdp2_random"], "odc": runs["odc"], "limit": runs["limit"]}
+    result = aggregate(runs, world=2)
+    arms = result["arms"]
+    assert arms["fsdp2_sequential"]["label"] == "FSDP2 + sequential"
+    assert arms["odc"]["speedup_vs_fsdp2_sequential"] == pytest.approx(310 / 230)
+    assert "speedup_vs_fsdp2_random" not in arms["odc"] and set(result["targets"]) == {"odc_bubble_pct"}
+    result["config"] = dict(
+        workload="kto", command="python -m benchmarks.e2e kto", world_size=2, max_length=512,
+        samples_per_step=8, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, warmup=1,
+        repeats=2,
+    )  # fmt: skip
+    result["conditions"] = dict(load_min=0.1, load_max=0.5, cpus=2, date="today")
+    head, *rows = table_rows(result)
+    assert "vs sequential" in head and "vs random" not in head
+    odc = next(r for r in rows if r[0] == "ODC + plan free")
+    assert odc[head.index("vs sequential")] == "1.35x"
+    files = write_outputs(result, tmp_path)
+    assert "8 examples per optimizer step (FSDP2 arms: 2 per microbatch x 2 accumulation" in files["table"].read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert files["png"].stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward", "kto"])
 def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_arguments(tmp_path, name):
     workload, opts = parse_args([name, "--batch", "2", "--grad_accum", "3", "--max_length", "300"])
     spec = importlib.util.spec_from_file_location(f"{name}_train", ROOT / workload.script)
@@ -160,7 +185,10 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
         else:  # the Trainer's: per device x accumulation x ranks
             samples[name] = training.per_device_train_batch_size * training.gradient_accumulation_steps * 2
         assert training.max_length == 300 and training.logging_steps == 1 and training.max_steps == opts.max_steps
-        assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else "random")
+        # TRL's KTO samples in dataset order by default (the planned arms replace the sampler)
+        default = "sequential" if workload.name == "kto" else "random"
+        assert training.train_sampling_strategy == ("batch_rebalance" if name == "fsdp2_rebalance" else default)
+        assert training.per_device_train_batch_size == 2  # KTO's KL pairs: blocks of this many rows, in every arm
         assert training.odc is (True if name in ("odc", "odc_dynamic", "odc_packed") else None)
         # DPO pairs packed into one row in the packed arm only (the planned SFT arms collate padding-free)
         assert getattr(training, "padding_free", False) is (
@@ -172,7 +200,7 @@ def test_every_arm_gets_the_same_samples_per_step_and_the_example_accepts_its_ar
     assert set(samples.values()) == {12}, samples
 
 
-def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cannot_run():
+def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cannot_run(capsys):
     with pytest.raises(SystemExit, match="sft\\|dpo\\|reward"):
         parse_args([])
     with pytest.raises(SystemExit):
@@ -183,6 +211,19 @@ def test_cli_refuses_values_the_offline_example_would_replace_and_arms_that_cann
         parse_args(["sft", "--arms", "fsdp2_random,nope"])
     _, opts = parse_args(["sft", "--quick", "--no_limit"])
     assert opts.arms == ["fsdp2_random", "odc"] and opts.repeats == 1
+    # KTO: TRL refuses any sampler but sequential, and fewer than 2 examples per microbatch (its KL estimate)
+    capsys.readouterr()
+    for args, message in (
+        (["--arms", "fsdp2_random"], "its FSDP2 baseline is fsdp2_sequential"),
+        (["--arms", "odc_dynamic"], "refuses --odc_plan dynamic"),
+        (["--batch", "1"], "--batch must be at least 2 on kto"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["kto", *args])
+        assert message in capsys.readouterr().err
+    _, opts = parse_args(["kto", "--quick", "--no_limit"])
+    assert opts.arms == ["fsdp2_sequential", "odc"] and opts.batch == 2 and opts.max_length == 64
+    assert parse_args(["kto"])[1].arms == ["fsdp2_sequential", "fsdp2_lockstep", "odc", "limit"]
 
 
 def test_reward_pairs_carry_the_length_batch_rebalance_reads(tmp_path):
@@ -231,11 +272,16 @@ def test_padding_share_counts_the_padded_rows_of_the_measured_steps_and_the_tabl
     assert "| bubble % | padding % |" in snippet and "| ODC + plan free | 4.00 | 310.0 | 3.8 | 0.0 |" in snippet
 
 
+NOT_STORED_YET = {"kto"}
+"""Workloads whose figures are not stored yet (to be measured on a quiet machine)."""
+
+
 def test_full_runs_write_to_the_stored_results_and_quick_runs_never_do():
     for name in WORKLOADS:
         _, opts = parse_args([name])
         assert opts.out == ROOT / "benchmarks" / "e2e" / name
-        assert (opts.out / "results.json").is_file()  # the stored result a rerun replaces
+        if name not in NOT_STORED_YET:
+            assert (opts.out / "results.json").is_file()  # the stored result a rerun replaces
         _, opts = parse_args([name, "--quick"])
         assert ROOT / "benchmarks" not in opts.out.parents
 
