@@ -206,11 +206,21 @@ def test_the_logged_router_aux_loss_is_the_share_weighted_sum_of_the_step():
     for deferred in deferreds:
         reduce_step_metrics(deferred, lambda t, r=gathered: r.append(t) or t, "cpu")
     metrics = reduce_step_metrics(deferreds[0], lambda t: torch.cat(gathered), "cpu")
-    trainer = SimpleNamespace(calculate_KL=True, aux_loss_enabled=True, odc_step_kl=0.0)
-    trainer._metrics = {"train": defaultdict(list, {"aux_loss": [7.0]})}  # an earlier step's, kept
-    trainer._total_train_tokens, trainer._odc_metric_marks = 0, {"aux_loss": 1}
+
+    class StandIn:
+        """What the metrics read of TRL's KTOTrainer and of the ODC trainer."""
+
+        calculate_KL, aux_loss_enabled, odc_step_kl = True, True, 0.0
+
+        def __init__(self, recorded):
+            self._metrics = {"train": recorded}  # TRL's: a defaultdict(list)
+            self._total_train_tokens = 0
+            self._odc_metric_marks = {"aux_loss": 1}
+
+    recorded = defaultdict(list, {"aux_loss": [7.0]})  # an earlier step's, kept
+    trainer = StandIn(recorded)
     finalize_kto_metrics(trainer, metrics, trl_kto.kto_gathers(trainer, chosen=True, rejected=True))
-    assert trainer._metrics["train"]["aux_loss"] == [7.0, pytest.approx(1.5 * 0.5 + 3.0 * 0.125 + 2.5 * 0.375)]
+    assert recorded["aux_loss"] == [7.0, pytest.approx(1.5 * 0.5 + 3.0 * 0.125 + 2.5 * 0.375)]
 
 
 # ----------------------------------------------------------------------------------------------------------- refusals
