@@ -73,3 +73,8 @@ def _trl_version() -> tuple[int, int]:
 requires_trl_116 = pytest.mark.skipif(
     _trl_version() < (1, 16), reason="GRPO and RLOO under ODC need TRL 1.16 (refused on older TRL)"
 )
+#: The hybrid linear-attention and vision-language paths are tested with TRL 1.16 and transformers 5.24 only (TRL 1.15
+#: neither emits the packed boundaries nor takes a Qwen3-VL for a vision-language model): their tests skip below.
+requires_hf_current = pytest.mark.skipif(
+    _trl_version() < (1, 16), reason="hybrid and vision-language models are tested with TRL 1.16 / transformers 5.24"
+)

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from trl.trainer import dpo_trainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
-from trl.trainer.utils import add_fused_lm_head
 
+from odc_accelerate._compat.trl.lm_head import fused_lm_head_torch_path
 from odc_accelerate.integrations.trl.packing import (
     PackedPairs,
     pack_rows,
@@ -41,7 +42,9 @@ def _model(kind: str, attention: str):
     model = AutoModelForCausalLM.from_config(
         tiny_causal_lm_config(kind, hidden_size=32), dtype=torch.float32, attn_implementation=attention
     )
-    add_fused_lm_head(model, outputs=FIELDS)
+    # TRL's kernel needs Triton's GPU driver; TRL 1.15 has no CPU path of its own: ODC routes it (`_compat.trl.lm_head`)
+    with fused_lm_head_torch_path("dpo"):
+        dpo_trainer.add_fused_lm_head(model, outputs=FIELDS)
     return model
 
 

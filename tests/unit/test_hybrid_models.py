@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 
+from tests.conftest import requires_hf_current
+
 
 @pytest.fixture(scope="module")
 def hybrid_model():
@@ -133,6 +135,7 @@ def _own_logits(model, samples):
         return [model(input_ids=torch.tensor([s["input_ids"]])).logits[0] for s in samples]
 
 
+@requires_hf_current
 def test_packing_by_position_ids_alone_leaks_across_samples_and_padded_rows_do_not(hybrid_model):
     """Why a recurrent model is planned padded without the kernels: DataCollatorWithFlattening's row (position ids
     restarting at 0) keeps the first sample exact and lets the recurrent state into the second; its boundaries make
@@ -162,6 +165,7 @@ def test_packing_by_position_ids_alone_leaks_across_samples_and_padded_rows_do_n
     assert (padded[1, :24] - own[1]).abs().max() < 1e-5
 
 
+@requires_hf_current
 def test_sequence_boundaries_are_those_trl_passes():
     from transformers import DataCollatorWithFlattening
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling

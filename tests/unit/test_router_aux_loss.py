@@ -10,6 +10,7 @@ decision (and, for `transformers.Trainer`, the model's own forward's): the tests
 
 from __future__ import annotations
 
+import inspect
 import re
 from types import SimpleNamespace
 
@@ -237,10 +238,10 @@ def test_a_model_transformers_distributed_itself_is_refused_by_name():
     check_transformers_distributed(model)  # loaded without one: nothing to refuse
     model.config.distributed_config = DistributedConfig(tp_size=1)
     check_transformers_distributed(model)  # one that distributes nothing
-    for config, named in (
-        (DistributedConfig(ep_size=2, fsdp_size=2, tp_size=1), "ep_size=2, fsdp_size=2"),
-        (DistributedConfig(enable_expert_parallel=True, tp_size=2), "ep_size=2, tp_size=2"),  # the deprecated flag
-    ):
+    cases = [_expert_parallel_config()]
+    if "ep_size" in inspect.signature(DistributedConfig).parameters:  # the older flag, deprecated there
+        cases.append((DistributedConfig(enable_expert_parallel=True, tp_size=2), "ep_size=2, tp_size=2"))
+    for config, named in cases:
         model.config.distributed_config = config
         with pytest.raises(ValueError, match=re.escape(f"distributed_config=DistributedConfig({named})")) as refused:
             check_transformers_distributed(model)
@@ -248,16 +249,25 @@ def test_a_model_transformers_distributed_itself_is_refused_by_name():
         assert "Load the model without distributed_config" in str(refused.value)
 
 
+def _expert_parallel_config() -> tuple:
+    """transformers' expert parallelism over 2 ranks, and how the refusal names it: ``ep_size`` where the config has it
+    (transformers 5.24), the older ``enable_expert_parallel`` flag otherwise (5.17)."""
+    from transformers.distributed import DistributedConfig
+
+    if "ep_size" in inspect.signature(DistributedConfig).parameters:
+        return DistributedConfig(ep_size=2, fsdp_size=2, tp_size=1), "ep_size=2, fsdp_size=2"
+    return DistributedConfig(enable_expert_parallel=True, tp_size=2), "tp_size=2, enable_expert_parallel=True"
+
+
 def test_the_odc_trainers_refuse_a_model_transformers_distributed_before_the_accelerator(tmp_path):
     """The trainer's set-up refuses it with ODC on before anything is prepared (in one process the launch's refusal
     would come next, and does without the distributed config)."""
-    from transformers.distributed import DistributedConfig
 
     from odc_accelerate import ODCSFTConfig, ODCSFTTrainer
     from odc_accelerate.demo import load_offline_tokenizer
 
     for distributed, match in (
-        (DistributedConfig(ep_size=2, fsdp_size=2, tp_size=1), "distributed_config=DistributedConfig(ep_size=2"),
+        (_expert_parallel_config()[0], f"distributed_config=DistributedConfig({_expert_parallel_config()[1]}"),
         (None, "ODC needs FSDP2, but this run does not use FSDP"),
     ):
         model = _model("moe")

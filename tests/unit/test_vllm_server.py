@@ -9,6 +9,7 @@ import torch
 
 from odc_accelerate._compat.trl import grpo as trl_grpo
 from odc_accelerate.integrations.vllm_server import push_weights_to_server, server_channel
+from tests.conftest import requires_trl_116
 
 
 def test_the_channel_follows_the_device():
@@ -34,6 +35,7 @@ class _Client:
         return {"weight_transfer_config": None}
 
 
+@requires_trl_116
 def test_without_cuda_the_client_checks_the_server_and_joins_no_nccl_group():
     from trl.generation.vllm_client import VLLMClient
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import requires_hf_current
+
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
@@ -15,6 +17,7 @@ def vlm(tmp_path_factory):
     return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model"), tiny_vlm_dataset(6, seed=1)
 
 
+@requires_hf_current
 def test_saved_tiny_vlm_loads_offline_and_trains_on_images(vlm):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -52,6 +55,7 @@ def _sft_trainer(tmp_path, path, dataset, **kwargs):
     return ODCSFTTrainer(model=str(path), args=args, train_dataset=dataset)
 
 
+@requires_hf_current
 def test_plan_counts_each_samples_image_tokens(tmp_path, vlm):
     from transformers import AutoProcessor
 

@@ -280,14 +280,15 @@ def vllm_server_without_communicator(skip: Any) -> Iterator[None]:
     (`odc_accelerate.integrations.vllm_server`). Elsewhere TRL's own ``init_communicator`` runs."""
     client_class = import_attr(_VLLM_CLIENT_MODULE, "VLLMClient", library=_LIBRARY)
     where = f"{_VLLM_CLIENT_MODULE}.VLLMClient"
-    require(client_class, "get_server_info", library=_LIBRARY, where=where)
 
     def replace(original: Any) -> Any:
         @functools.wraps(original)
         def init_communicator(self: Any, device: Any = 0) -> None:
             if not skip(device):
                 return original(self, device)
-            self.get_server_info()  # raises, naming VLLM_SERVER_DEV_MODE=1, where the server lacks dev endpoints
+            # checked here, in server mode only: a run without it (colocate, no vLLM) needs nothing of the client
+            get_server_info = require(self, "get_server_info", library=_LIBRARY, where=where)
+            get_server_info()  # raises, naming VLLM_SERVER_DEV_MODE=1, where the server lacks dev endpoints
             return None
 
         return init_communicator
