@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 #: pyproject.toml's ranges start at the oldest one; any other version runs with a warning (once).
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "torch": ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)),
-    "accelerate": ((1, 14), (1, 15)),
+    "accelerate": ((1, 14), (1, 15), (1, 16)),
     "transformers": ((5, 17), (5, 23), (5, 24)),
     "trl": ((1, 15), (1, 16)),
     "datasets": ((5, 2),),

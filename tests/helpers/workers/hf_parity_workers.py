@@ -95,7 +95,20 @@ def hf_parity_runs(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str
 
 def reference(kind: str, plan: list, how: str, world_size: int = 2) -> dict[str, Any]:
     """One process training ``kind`` on ``plan``'s steps, ``how`` = ``"split"`` or ``"concatenated"`` (module
-    docstring), with the ranks' loss scale. Returns the parameters after the last step and each step's gradients."""
+    docstring), with the ranks' loss scale. Returns the parameters after the last step and each step's gradients.
+
+    Runs on one torch thread, as each rank does (`odc_accelerate.testing.launch`): CPU kernels split their reductions
+    by thread (the embedding's backward among them), so another thread count adds in another order and the bitwise
+    comparison with the ``ordered`` reduction would fail."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(kind, plan, how, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(kind: str, plan: list, how: str, world_size: int) -> dict[str, Any]:
     model = build(kind)
     params = dict(model.named_parameters())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
