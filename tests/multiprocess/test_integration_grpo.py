@@ -378,9 +378,13 @@ def test_several_updates_per_generation_batch_match_one_process(runs, name):
         assert abs(ref[2]["loss"] - ref[0]["loss"]) > 1e-3, [h["loss"] for h in ref]
     a, b = torch.load(odc_dir / "final_params.pt"), torch.load(ref_dir / "final_params.pt")
     init = torch.load(ref_dir / "initial_params.pt")
-    update = max(float((b[k] - init[k]).abs().max()) for k in b)
-    diff = max(float((a[k] - b[k]).abs().max()) for k in b)
-    assert update > 1e-4 and diff < 1e-2 * update, (diff, update)
+    # The weights' distance over the update's norm, not elementwise: AdamW moves an entry whose gradient is near zero
+    # by up to its learning rate whatever fp32 noise that gradient carries (the ranks' adds and one process's sums
+    # round differently), so single embedding entries came out up to 2.7% of the largest update apart while the whole
+    # update agreed to 6e-5 (1.9e-6 to 6.3e-6 in other runs).
+    update = sum(float((b[k] - init[k]).double().norm() ** 2) for k in b) ** 0.5
+    diff = sum(float((a[k] - b[k]).double().norm() ** 2) for k in b) ** 0.5
+    assert update > 1e-3 and diff < 1e-3 * update, (diff, update)
     for r in reports(odc_dir, "odc_run_rank"):
         assert r["microbatch_dist_calls"] and all(c == {} for c in r["microbatch_dist_calls"])
 
