@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.calibration.configs import DEFAULT_LENGTHS, DEFAULT_MODELS, MODEL_CONFIGS
-from benchmarks.calibration.fit import QuadraticFit, describe_fit, fit_quadratic
+from benchmarks.calibration.fit import QuadraticFit, describe_fit, fit_quadratic, fit_scaled
 from benchmarks.calibration.load import FORMAT
 from odc_accelerate.planning import cost_from_config
 
@@ -196,7 +196,29 @@ def _add_fit(entry: dict[str, Any]) -> QuadraticFit | None:
         "effective_tflops_linear": flops.linear / fit.linear_s / 1e12 if fit.linear_s > 0 else None,
         "effective_tflops_quadratic": flops.quadratic / fit.quadratic_s / 1e12 if fit.quadratic_s > 0 else None,
     }
+    entry["fit"].update(planner_check(entry))
     return fit
+
+
+def planner_check(entry: dict[str, Any]) -> dict[str, Any]:
+    """How well the planner's own cost model (``cost="auto"`` from the model's config) predicts the measured times, up
+    to its unit: ``median_s ~ c + k cost(L)``. For a model with layers of other kinds than full attention (hybrid,
+    sliding-window), the same with the ``L^2`` term charged on every layer, as a cost model that ignores
+    ``layer_types`` would."""
+    lengths = [p["length"] for p in entry["points"]]
+    seconds = [p["median_s"] for p in entry["points"]]
+    out = {
+        "planner_cost_max_rel_error": max(
+            abs(e) for e in fit_scaled(lengths, seconds, cost_from_config(entry["config"]))[2]
+        )
+    }
+    kinds = entry["config"].get("layer_types")
+    if kinds and any(kind != "full_attention" for kind in kinds):
+        every = {**entry["config"], "layer_types": ["full_attention"] * len(kinds)}
+        every.pop("sliding_window", None)
+        errors = fit_scaled(lengths, seconds, cost_from_config(every))[2]
+        out["planner_cost_every_layer_max_rel_error"] = max(abs(e) for e in errors)
+    return out
 
 
 def _summary(data: dict[str, Any], fits: list[QuadraticFit | None]) -> str:
@@ -229,6 +251,16 @@ def _summary(data: dict[str, Any], fits: list[QuadraticFit | None]) -> str:
                     f"  {' and '.join(rates)} TFLOP/s of the planner's FLOP count (flops_cost, which counts no "
                     "activation recompute)"
                 )
+            check = (
+                '  the planner\'s cost model (cost="auto" from the config), time = c + k cost(L): max relative error '
+            )
+            check += f"{entry['fit']['planner_cost_max_rel_error']:.2%}"
+            if "planner_cost_every_layer_max_rel_error" in entry["fit"]:
+                check += (
+                    f" (with the L^2 term on every layer, ignoring layer_types: "
+                    f"{entry['fit']['planner_cost_every_layer_max_rel_error']:.2%})"
+                )
+            lines.append(check)
         elif not entry.get("fit_error"):
             lines.append("  no fit: fewer than 3 lengths measured")
         for key in ("stopped", "error", "fit_error"):

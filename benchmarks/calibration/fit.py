@@ -108,6 +108,32 @@ def fit_quadratic(lengths, seconds) -> QuadraticFit:
     )
 
 
+def fit_scaled(lengths, seconds, cost) -> tuple[float, float, tuple[float, ...]]:
+    """Fit ``seconds ~ c + k * cost(L)`` by least squares on the relative error: how well a planner cost model, up to
+    its unit (``k``) and a fixed cost per sequence (``c``), predicts measured times.
+
+    Only the ratios of a cost model's values matter to the planner, so this is the test of one: a model that charges
+    the right terms fits with a small error, whatever its unit.
+
+    Args:
+        lengths (array of `int`): sequence lengths in tokens, at least 2 distinct values.
+        seconds (array of `float`): measured seconds at each length, positive.
+        cost (`Callable`): the cost model, mapping an array of lengths to an array of costs.
+
+    Returns:
+        `tuple`: ``(c, k, rel_errors)``, the relative error ``(fit - measured) / measured`` at each length.
+    """
+    x = np.asarray(lengths, dtype=np.int64).ravel()
+    y = np.asarray(seconds, dtype=np.float64).ravel()
+    if np.unique(x).size < 2 or x.size != y.size or not np.all(y > 0):
+        raise ValueError(f"fit_scaled needs one positive time per length and 2 distinct lengths, got {x.tolist()}.")
+    costs = np.asarray(cost(x), dtype=np.float64)
+    columns = np.stack([np.ones_like(costs), costs / costs.max()], axis=1) / y[:, None]
+    (c, k), *_ = np.linalg.lstsq(columns, np.ones_like(y), rcond=None)
+    errors = columns @ np.array([c, k]) - 1.0
+    return float(c), float(k / costs.max()), tuple(float(e) for e in errors)
+
+
 def describe_fit(fit: QuadraticFit) -> str:
     """One line: the coefficients in readable units and the worst point."""
     ratio = f"{fit.quadratic_s / fit.linear_s:.3e} per token" if fit.linear_s > 0 else "n/a: no linear term"

@@ -120,3 +120,50 @@ def memory_worker(rank: int, world_size: int, arm: str, cfg: dict[str, Any], opt
             model.step(*_batches(workload, rank, opts, cfg["vocab"], gen), world_size)
     model.close()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+#: the engine's own step figures that the profile reports beside the ops (seconds, per step)
+ENGINE_PHASES = ("gather_s", "scatter_s", "fold_s", "publish_s", "wait_s")
+
+
+def profile_worker(
+    rank: int, world_size: int, arms: list[str], cfg: dict[str, Any], opts: dict[str, Any], steps: int
+) -> dict[str, Any]:
+    """Per arm, each op's self CPU time per balanced step (torch.profiler, averaged over ``steps`` profiled steps, the
+    arms interleaved as in `timing_worker`), the step's wall time and, for ODC arms, the engine's own phases."""
+    import collections
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    built = {arm: _Arm(arm, cfg) for arm in arms}
+    gen = torch.Generator().manual_seed(1234 + rank)
+    ops = {arm: collections.Counter() for arm in arms}
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    phases: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    for step in range(opts["warmup"] + steps):
+        for arm in arms[step % len(arms) :] + arms[: step % len(arms)]:
+            batches, n_global = _batches("balanced", rank, opts, cfg["vocab"], gen)
+            if step < opts["warmup"]:
+                built[arm].step(batches, n_global, world_size)
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                elapsed, _ = built[arm].step(batches, n_global, world_size)
+            wall[arm].append(elapsed)
+            for event in prof.key_averages():
+                ops[arm][event.key] += event.self_cpu_time_total / 1e3 / steps  # microseconds -> ms per step
+            engine = built[arm].engine
+            if engine is not None:
+                phases[arm].append({k: getattr(engine.last_step_stats, k) for k in ENGINE_PHASES})
+    for a in built.values():
+        a.close()
+    return {
+        "ops_ms": {arm: dict(c) for arm, c in ops.items()},
+        "wall_ms": {arm: statistics.median(w) * 1e3 for arm, w in wall.items()},
+        "phases_ms": {
+            arm: {k: statistics.median(p[k] for p in rows) * 1e3 for k in ENGINE_PHASES}
+            for arm, rows in phases.items()
+            if rows
+        },
+    }

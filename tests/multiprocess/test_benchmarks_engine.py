@@ -54,3 +54,28 @@ def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_pa
     assert float(ratios["FSDP2 imbalanced / ODC imbalanced"]) == pytest.approx(
         summary["fsdp_imbalanced_ms"] / summary["odc_imbalanced_ms"], abs=6e-4
     )
+
+
+def test_engine_profile_quick_run_shows_each_arms_ops_and_the_engines_phases(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine.profile", "--quick", "--steps", "1", "--arms", "odc,limit"]
+        + ["--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    results = json.loads((tmp_path / "profile.json").read_text())
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert set(r["wall_ms"]) == {"odc", "limit"} and min(r["wall_ms"].values()) > 0
+        # Both arms run the same matmuls; only the ODC arm goes through FSDP2's hooks, and only it has engine phases.
+        for arm in ("odc", "limit"):
+            assert r["ops_ms"][arm]["aten::mm"] > 0, arm
+        assert any(k.startswith("FSDP::") for k in r["ops_ms"]["odc"])
+        assert not any(k.startswith("FSDP::") for k in r["ops_ms"]["limit"])
+        assert set(r["phases_ms"]) == {"odc"}
+        phases = r["phases_ms"]["odc"]
+        assert 0 < phases["gather_s"] + phases["scatter_s"] < r["wall_ms"]["odc"]
+    assert (tmp_path / "profile.txt").read_text().strip() in out  # what is printed is what is stored

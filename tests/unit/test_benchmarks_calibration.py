@@ -20,11 +20,13 @@ from benchmarks.calibration import (
     fit_quadratic,
     load_calibration,
 )
+from benchmarks.calibration.cli import planner_check
+from benchmarks.calibration.fit import fit_scaled
 from benchmarks.calibration.load import FORMAT
 from benchmarks.sim import Hardware, ModelSpec, simulate
 from benchmarks.sim.cli import main as sim_main
 from benchmarks.sim.scale import compute_sources
-from odc_accelerate.planning import QuadraticCost
+from odc_accelerate.planning import QuadraticCost, cost_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = np.array([256, 512, 1024, 2048, 4096, 8192, 16384, 32768])
@@ -53,6 +55,37 @@ def test_fit_recovers_known_coefficients():
     np.testing.assert_allclose(noisy.rel_errors, by_hand, rtol=1e-12)
     assert noisy.max_rel_error == pytest.approx(np.abs(by_hand).max())
     assert noisy.max_rel_error < 0.03
+
+
+def test_fit_scaled_tells_a_cost_model_with_the_right_terms_from_one_without():
+    # A hybrid-like model whose L^2 term is a quarter of the dense one: the cost model that charges a quarter fits
+    # exactly (any unit, any fixed cost), the one that charges the whole term does not.
+    quarter = QuadraticCost(linear=4e-5, quadratic=B / 4)
+    seconds = 0.03 + 7.0 * quarter(LENGTHS)
+    c, k, errors = fit_scaled(LENGTHS, seconds, quarter)
+    assert (c, k) == pytest.approx((0.03, 7.0), rel=1e-8)
+    assert max(abs(e) for e in errors) < 1e-9
+    *_, wrong = fit_scaled(LENGTHS, seconds, QuadraticCost(linear=4e-5, quadratic=B))
+    by_hand = fit_scaled(LENGTHS, seconds, QuadraticCost(linear=4e-5, quadratic=B))
+    pred = by_hand[0] + by_hand[1] * QuadraticCost(linear=4e-5, quadratic=B)(LENGTHS)
+    np.testing.assert_allclose(wrong, (pred - seconds) / seconds, rtol=1e-9, atol=1e-12)
+    assert max(abs(e) for e in wrong) > 0.1
+    with pytest.raises(ValueError, match="2 distinct lengths"):
+        fit_scaled([512, 512], [1.0, 1.0], quarter)
+
+
+def testplanner_check_of_a_hybrid_compares_the_term_per_layer_kind_with_every_layer():
+    # Times that follow the per-kind cost model exactly: the planner check reports ~0 for it, and a clear error for
+    # the same model charged the L^2 term on every layer.
+    config = MODEL_CONFIGS["qwen3.5-moe-small-hybrid"]
+    seconds = 0.04 + 3e-12 * cost_from_config(config)(LENGTHS)
+    entry = {
+        "config": config,
+        "points": [{"length": int(n), "median_s": float(t)} for n, t in zip(LENGTHS, seconds, strict=True)],
+    }
+    check = planner_check(entry)
+    assert check["planner_cost_max_rel_error"] < 1e-9
+    assert check["planner_cost_every_layer_max_rel_error"] > 0.05
 
 
 def test_fit_keeps_coefficients_non_negative():
@@ -258,8 +291,16 @@ def test_module_on_cpu_writes_a_file_the_loader_and_simulator_accept(tmp_path):
         )
         assert err == pytest.approx((pred - p["median_s"]) / p["median_s"], rel=1e-9, abs=1e-12)
     assert fit["max_rel_error"] == pytest.approx(max(abs(e) for e in fit["rel_errors"]))
+    # The planner's own cost model against the same medians (a dense model: no every-layer counterpart).
+    *_, planner = fit_scaled(
+        [p["length"] for p in entry["points"]],
+        [p["median_s"] for p in entry["points"]],
+        cost_from_config(entry["config"]),
+    )
+    assert fit["planner_cost_max_rel_error"] == pytest.approx(max(abs(e) for e in planner), rel=1e-9)
+    assert "planner_cost_every_layer_max_rel_error" not in fit
     summary = (out / "summary.txt").read_text()
-    assert "tiny (sdpa)" in summary and "max relative error" in summary
+    assert "tiny (sdpa)" in summary and "max relative error" in summary and "the planner's cost model" in summary
 
     cal = load_calibration(out / "calibration.json", "tiny")
     assert cal.cost.linear == fit["linear_s_per_token"] and cal.cost.quadratic == fit["quadratic_s_per_token2"]

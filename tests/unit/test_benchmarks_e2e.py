@@ -425,3 +425,41 @@ def test_ordered_target_is_the_step_time_ratio_to_the_atomic_arm(tmp_path):
     table = write_outputs(slower, tmp_path)["table"].read_text()
     assert "ODC ordered step time over ODC atomic" in table and "1.100x  (target <= 1.05: NOT met" in table
     assert "| ODC + plan free, ordered | 2.20 |" in (tmp_path / "README_snippet.md").read_text()
+
+
+def test_pair_bound_fits_padded_compute_and_finds_the_best_split_of_a_steps_pairs():
+    """`benchmarks.e2e.pair_bound` on synthetic traces: it recovers the compute model the busy times were made from,
+    reads each pair's width from its two rows, and finds a split that beats the plan where one exists (and none
+    where the plan is already the best)."""
+    from benchmarks.e2e.pair_bound import analyse, pair_widths
+
+    d, a, b = 0.2, 4e-3, 3e-6
+    busy = lambda mbs: d + sum(a * r * w + b * r * w * w for r, w in mbs)  # noqa: E731
+
+    def mb(*pairs):  # pairs as (chosen tokens, rejected tokens): TRL's rows are every chosen, then every rejected
+        rows = [c for c, _ in pairs] + [r for _, r in pairs]
+        return {"rows": len(rows), "width": max(rows), "row_tokens": rows}
+
+    def step(*ranks):
+        return [{"busy_s": busy([(m["rows"], m["width"]) for m in mbs]), "microbatches": mbs} for mbs in ranks]
+
+    steps = [
+        step([mb((100, 80))], [mb((90, 100))]),  # warm-up, not read
+        step([mb((512, 400)), mb((90, 196))], [mb((332, 300)), mb((208, 10))]),  # 512 + 196 vs 332 + 208
+        step([mb((512, 1)), mb((64, 64))], [mb((512, 512)), mb((275, 275))]),  # forced: both 512s apart
+        step([mb((300, 300))], [mb((100, 100), (120, 110))]),  # two pairs packed in one microbatch
+    ]
+    trace = [[[s[0] for s in steps], [s[1] for s in steps]]]  # [process][rank][step]
+    results = {"config": {"max_length": 512, "warmup": 1}, "runs": {"odc": [{"repeat": 0, "trace": trace}]}}
+    out = analyse(results, "odc")
+    assert out["coef"] == pytest.approx([d, a, b], rel=1e-6)
+    assert max(abs(e) for e in out["fit_errors"]) < 1e-9
+    assert pair_widths(mb((100, 100), (120, 110))) == [100, 120]
+    first, forced, packed = out["steps"]
+    assert first["widths"] == [512, 332, 208, 196]
+    # The 512-wide pair alone against the other three ends the step sooner than the plan's two against two.
+    assert first["plan_over_best"] > 1.05 and first["best"] < first["plan"]
+    assert forced["plan_over_best"] == pytest.approx(1.0) and forced["best"] == pytest.approx(forced["plan"])
+    assert packed["widths"] == [300, 120, 100]
+    assert packed["plan_over_best"] == pytest.approx(1.0)
+    assert first["measured"] == pytest.approx(first["plan"])  # busy times are the model's: measured = fitted
