@@ -4,6 +4,7 @@ sequences, and the cost model's attention term per layer kind."""
 from __future__ import annotations
 
 import logging
+import types
 
 import accelerate
 import pytest
@@ -271,6 +272,23 @@ def test_default_sft_of_a_recurrent_model_plans_padded_rows(tmp_path, hybrid_mod
     assert trainer._odc_padded()
     step = next(iter(trainer.get_train_dataloader()))
     assert all("attention_mask" in mb and "seq_idx" not in mb for mb in step)
+
+
+def test_the_trainers_plan_charges_each_sample_what_the_models_config_says(tmp_path, hybrid_model, monkeypatch):
+    """The Trainer's plan costs samples by this model's config (attention's L^2 on its one full-attention layer of 4),
+    not by the published dense 7B fit; a config the cost model cannot read plans with that fit."""
+    import numpy as np
+
+    from odc_accelerate.planning import PUBLISHED_7B_COST, cost_from_config
+
+    trainer = _sft_trainer(tmp_path, hybrid_model)
+    trainer.get_train_dataloader()
+    sampler, expected = trainer._odc_sampler, cost_from_config(hybrid_model.config)
+    assert trainer._odc_plan_cost() == expected and expected != PUBLISHED_7B_COST
+    np.testing.assert_allclose(sampler.costs, expected(sampler.lengths), rtol=1e-12)  # one padded row per sample
+    # A custom model's config without the usual names: nothing cost_from_config can read.
+    monkeypatch.setattr(hybrid_model, "config", types.SimpleNamespace(model_type="custom", num_layers=4))
+    assert trainer._odc_plan_cost() is PUBLISHED_7B_COST
 
 
 # ---------------------------------------------------------------------------------------------------- cost model

@@ -40,6 +40,19 @@ class ODCStepLoaders:
             return dataset_lengths(dataset, length_fn=_row_length)
         return dataset_lengths(dataset)
 
+    def _odc_plan_cost(self) -> Any:
+        """What the plan charges a sample of each length: this model's training FLOPs (`cost_from_config`: attention's
+        ``L^2`` term on its full-attention layers only), or the published 7B fit where its config does not say."""
+        from ...planning import PUBLISHED_7B_COST, cost_from_config
+
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if config is not None:
+            try:
+                return cost_from_config(config)
+            except ValueError as err:  # a config without the usual names: plan with the published shape
+                logger.info("ODC plans with the published 7B cost fit: %s", err)
+        return PUBLISHED_7B_COST
+
     def _odc_padded(self) -> bool:
         """Whether the collator pads every row of a microbatch to its longest sample; plans then count padded shapes.
 
@@ -202,6 +215,7 @@ class ODCStepLoaders:
             shuffle=True,
             seed=int(self.args.data_seed if self.args.data_seed is not None else self.args.seed),
             drop_last=True,
+            cost=self._odc_plan_cost(),
             padded=self._odc_padded(),
         )
         if config.effective_plan == PlanName.DYNAMIC:

@@ -55,6 +55,7 @@ class ODCStreamLoaders:
             samples_per_step,
             run.max_tokens_per_microbatch,
             plan=config.effective_plan,
+            cost=self._odc_plan_cost(),
             padded=self._odc_padded(),
         )
         dynamic = config.effective_plan == PlanName.DYNAMIC

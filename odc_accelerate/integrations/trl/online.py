@@ -307,7 +307,7 @@ class ODCOnlineTrainerMixin:
             max(len(everyone), world),
             int(budget),
             plan=self.odc_config.effective_plan,
-            model_config=getattr(self.accelerator.unwrap_model(self.model), "config", None),
+            cost=self._odc_plan_cost(),
             padded=True,
         )
         plan = planner.plan(lengths)
