@@ -50,6 +50,25 @@ class QuadraticFit:
         return QuadraticCost(linear=self.linear_s, quadratic=self.quadratic_s)
 
 
+def nonnegative_lstsq(columns: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """``argmin |columns @ coef - target|`` with every coefficient ``>= 0``, solved exactly for a few columns: the best
+    fit over every subset of the columns whose own least-squares coefficients are all non-negative. Returns
+    ``(sum of squared residuals, coefficients)``, or None when no subset has non-negative coefficients."""
+    n = columns.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for size in range(n, 0, -1):
+        for subset in itertools.combinations(range(n), size):
+            coef, *_ = np.linalg.lstsq(columns[:, subset], target, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(n)
+            full[list(subset)] = coef
+            ssr = float(np.sum((columns @ full - target) ** 2))
+            if best is None or ssr < best[0] - 1e-15:
+                best = (ssr, full)
+    return best
+
+
 def fit_quadratic(lengths, seconds) -> QuadraticFit:
     """Fit ``seconds ~ c + a * L + b * L**2`` with ``a, b, c >= 0`` by least squares on the relative error.
 
@@ -81,18 +100,7 @@ def fit_quadratic(lengths, seconds) -> QuadraticFit:
     scale = float(x.max())  # columns in units of the longest length: keeps the system well conditioned
     u = x / scale
     columns = np.stack([np.ones_like(u), u, u * u], axis=1) / y[:, None]  # divided by y: relative residuals
-    target = np.ones_like(y)
-    best: tuple[float, np.ndarray] | None = None
-    for size in (3, 2, 1):
-        for subset in itertools.combinations(range(3), size):
-            coef, *_ = np.linalg.lstsq(columns[:, subset], target, rcond=None)
-            if np.any(coef < 0):
-                continue
-            full = np.zeros(3)
-            full[list(subset)] = coef
-            ssr = float(np.sum((columns @ full - target) ** 2))
-            if best is None or ssr < best[0] - 1e-15:
-                best = (ssr, full)
+    best = nonnegative_lstsq(columns, np.ones_like(y))
     if best is None or not (best[1][1] > 0 or best[1][2] > 0):  # a constant fits best: no QuadraticCost
         raise ValueError(
             f"fit_quadratic found no non-negative fit with a length-dependent term: the times {y.tolist()} do not "

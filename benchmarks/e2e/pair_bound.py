@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.calibration.fit import nonnegative_lstsq
+
 
 def pair_widths(microbatch: dict) -> list[int]:
     """The pairs of one traced microbatch as their own widths: rows ``i`` and ``i + n`` are a pair's chosen and
@@ -42,18 +44,7 @@ def fit(samples: list[tuple[list[tuple[int, int]], float]]) -> np.ndarray:
     x = np.stack([features(mbs) for mbs, _ in samples])
     y = np.array([busy for _, busy in samples])
     scale = x.max(axis=0)
-    columns, target = x / scale / y[:, None], np.ones_like(y)
-    best: tuple[float, np.ndarray] | None = None
-    for size in (3, 2, 1):
-        for subset in itertools.combinations(range(3), size):
-            coef, *_ = np.linalg.lstsq(columns[:, subset], target, rcond=None)
-            if np.any(coef < 0):
-                continue
-            full = np.zeros(3)
-            full[list(subset)] = coef
-            ssr = float(np.sum((columns @ full - target) ** 2))
-            if best is None or ssr < best[0]:
-                best = (ssr, full)
+    best = nonnegative_lstsq(x / scale / y[:, None], np.ones_like(y))
     assert best is not None  # a single positive term always fits positive times
     return best[1] / scale
 

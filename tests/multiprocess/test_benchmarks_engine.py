@@ -21,15 +21,14 @@ KEYS = (
 )
 
 
+def _run(module: str, *args: str) -> str:
+    """``python -m module args`` from the repository root; its standard output (a failure raises)."""
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+
+
 def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engine", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = _run("benchmarks.engine", "--quick", "--out", str(tmp_path))
     lines = out.strip().splitlines()
     summary = json.loads(lines[-1])
     for key in KEYS:
@@ -57,15 +56,7 @@ def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_pa
 
 
 def test_engine_profile_quick_run_shows_each_arms_ops_and_the_engines_phases(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engine.profile", "--quick", "--steps", "1", "--arms", "odc,limit"]
-        + ["--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = _run("benchmarks.engine.profile", "--quick", "--steps", "1", "--arms", "odc,limit", "--out", str(tmp_path))
     results = json.loads((tmp_path / "profile.json").read_text())
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
