@@ -10,7 +10,39 @@ from typing import Any
 # (reshard_after_forward / reshard_after_backward off, gradient sync on the last microbatch only), its own equivalent
 # of ODC's memory policy "both" ("odc_both").
 ARMS = ("fsdp", "fsdp_keep", "odc", "odc_both", "odc_layersync", "limit")
+#: arms only the profile and A/B drivers run (not in the stored table): "fsdp_floor" is FSDP2 with hooks that move no
+#: data (`_floor_comms`), i.e. the per-group work any hook-based data path pays under FSDP2 before moving a byte.
+EXTRA_ARMS = ("fsdp_floor",)
 WORKLOADS = ("balanced", "imbalanced")
+
+
+def _floor_comms():
+    """An all-gather and a reduce-scatter for FSDP2 that move nothing: each returns a buffer allocated once per size
+    (zeros: no denormals, and ``.grad += output`` keeps them zero) and leaves it as it is. FSDP2 still copies in and
+    out, divides, views and accumulates ``.grad`` around them, with ODC's sum reduction."""
+    import torch
+
+    from odc_accelerate._compat.torch import fsdp as compat
+
+    class _Cached:
+        def __init__(self) -> None:
+            self._buffers: dict[Any, torch.Tensor] = {}
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            key = (tuple(size), dtype, device)
+            if key not in self._buffers:
+                self._buffers[key] = torch.zeros(*size, dtype=dtype, device=device)
+            return self._buffers[key]
+
+    class FloorAllGather(_Cached, compat.AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return None
+
+    class FloorReduceScatter(_Cached, compat.ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            return None
+
+    return FloorAllGather, FloorReduceScatter
 
 
 def _rank_plan(workload: str, rank: int, long: int, short: int) -> list[int]:
@@ -36,6 +68,13 @@ class _Arm:
             if self.keep:
                 self.model.set_reshard_after_forward(False)
                 self.model.set_reshard_after_backward(False)
+            if arm == "fsdp_floor":
+                all_gather, reduce_scatter = _floor_comms()
+                for module in self.model.modules():
+                    if hasattr(module, "set_custom_all_gather"):
+                        module.set_custom_all_gather(all_gather())
+                        module.set_custom_reduce_scatter(reduce_scatter())
+                        module.set_force_sum_reduction_for_comms(True)
             if arm.startswith("odc"):
                 self.engine = ODCEngine(
                     self.model,

@@ -56,17 +56,29 @@ def test_engine_benchmark_quick_run_prints_table_and_json_and_stores_them(tmp_pa
 
 
 def test_engine_profile_quick_run_shows_each_arms_ops_and_the_engines_phases(tmp_path):
-    out = _run("benchmarks.engine.profile", "--quick", "--steps", "1", "--arms", "odc,limit", "--out", str(tmp_path))
+    arms = ("odc", "fsdp_floor", "limit")
+    out = _run(
+        "benchmarks.engine.profile", "--quick", "--steps", "1", "--arms", ",".join(arms), "--out", str(tmp_path)
+    )
     results = json.loads((tmp_path / "profile.json").read_text())
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
-        assert set(r["wall_ms"]) == {"odc", "limit"} and min(r["wall_ms"].values()) > 0
-        # Both arms run the same matmuls; only the ODC arm goes through FSDP2's hooks, and only it has engine phases.
-        for arm in ("odc", "limit"):
+        assert set(r["wall_ms"]) == set(arms) and min(r["wall_ms"].values()) > 0
+        # Every arm runs the same matmuls; ODC and the floor go through FSDP2's hooks, only ODC has engine phases.
+        for arm in arms:
             assert r["ops_ms"][arm]["aten::mm"] > 0, arm
-        assert any(k.startswith("FSDP::") for k in r["ops_ms"]["odc"])
+        for arm in ("odc", "fsdp_floor"):
+            assert any(k.startswith("FSDP::") for k in r["ops_ms"][arm]), arm
         assert not any(k.startswith("FSDP::") for k in r["ops_ms"]["limit"])
+        # The floor's hooks replace FSDP2's collectives: no process-group op runs in its step.
+        assert not any(k.startswith("c10d::") and ("gather" in k or "reduce" in k) for k in r["ops_ms"]["fsdp_floor"])
         assert set(r["phases_ms"]) == {"odc"}
         phases = r["phases_ms"]["odc"]
         assert 0 < phases["gather_s"] + phases["scatter_s"] < r["wall_ms"]["odc"]
     assert (tmp_path / "profile.txt").read_text().strip() in out  # what is printed is what is stored
+
+
+def test_engine_profile_refuses_an_unknown_arm():
+    cmd = [sys.executable, "-m", "benchmarks.engine.profile", "--quick", "--arms", "odc,fsdp_flor"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown arms ['fsdp_flor']" in proc.stderr and "fsdp_floor" in proc.stderr
