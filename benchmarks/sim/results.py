@@ -16,7 +16,7 @@ from benchmarks.transport import RESULTS_DIR as TRANSPORT_DIR
 
 ENGINE_RESULTS = ENGINE_DIR / "results.json"
 TRANSPORT_RESULTS = TRANSPORT_DIR / "results.json"
-E2E_SFT_RESULTS = E2E_DIR / "sft" / "results.json"
+E2E_SFT_RESULTS = E2E_DIR / "sft_grads" / "results.json"
 
 
 def _read(path: str | Path, command: str) -> dict[str, Any]:

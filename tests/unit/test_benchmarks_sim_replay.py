@@ -172,7 +172,7 @@ def test_stored_results_are_read_from_the_benchmarks_files(tmp_path):
     (tmp_path / "engine.txt").write_text('table\n{"odc_balanced_ms": 1.0}\n{"odc_balanced_ms": 2.0}\n')
     assert load_engine_result(tmp_path / "engine.txt") == {"odc_balanced_ms": 2.0}
     # the stored end-to-end result (validate-e2e's default) has the step traces the replay needs
-    assert E2E_SFT_RESULTS.parent.name == "sft" and E2E_SFT_RESULTS.parent.parent.name == "e2e"
+    assert E2E_SFT_RESULTS.parent.name == "sft_grads" and E2E_SFT_RESULTS.parent.parent.name == "e2e"
     stored = load_e2e_result()
     assert stored["config"]["workload"] == "sft" and stored["runs"]["limit"][0]["trace"]
 
