@@ -272,7 +272,7 @@ def test_padding_share_counts_the_padded_rows_of_the_measured_steps_and_the_tabl
     assert "| bubble % | padding % |" in snippet and "| ODC + plan free | 4.00 | 310.0 | 3.8 | 0.0 |" in snippet
 
 
-NOT_STORED_YET = {"kto"}
+NOT_STORED_YET: set[str] = set()
 """Workloads whose figures are not stored yet (to be measured on a quiet machine)."""
 
 
