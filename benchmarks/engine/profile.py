@@ -52,18 +52,16 @@ def table(result: dict[str, Any], rows: int = 25) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine.profile", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ARMS + EXTRA_ARMS)}"
-    )
+    choices = ARMS + EXTRA_ARMS
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(choices)}")
     p.add_argument("--steps", type=int, default=6, help="profiled balanced steps per arm (default 6)")
     p.add_argument("--quick", action="store_true", help="a tiny model (for tests)")
     p.add_argument("--out", type=Path, default=None, help="folder for profile.json and profile.txt")
     args = p.parse_args(argv)
     arms = args.arms.split(",")
-    unknown = sorted(set(arms) - set(ARMS + EXTRA_ARMS))
+    unknown = sorted(set(arms) - set(choices))
     if unknown or args.steps < 1:
-        choices = ", ".join(ARMS + EXTRA_ARMS)
-        p.error(f"unknown arms {unknown} (choose from {choices})" if unknown else "--steps must be >= 1")
+        p.error(f"unknown arms {unknown} (choose from {', '.join(choices)})" if unknown else "--steps must be >= 1")
     results = run(arms, args.steps, quick=args.quick)
     text = "\n\n".join(table(r) for r in results)
     print(text)
