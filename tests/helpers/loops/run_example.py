@@ -492,7 +492,9 @@ def torch_linear_vllm() -> None:
     def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
         if layer.weight.is_meta or layer.weight.ndim != 2:
             return dispatch(layer, remove_weight)
-        layer.cpu_linear = lambda x, weight, bias=None: torch.nn.functional.linear(x, weight, bias)
+        # vLLM calls it as cpu_linear(x, weight, bias); a function of torch's, not one defined in this file, which
+        # runs as __main__ (vLLM's compiled model records the source of every function it traces)
+        layer.cpu_linear = torch.nn.functional.linear
 
     # vLLM's linear and embedding layers import the function from the module at each call
     utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
