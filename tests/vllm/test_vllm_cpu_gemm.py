@@ -12,15 +12,12 @@ what the GRPO benchmark sets for every vLLM arm) vLLM keeps the weights and comp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.workers.vllm_workers import run_engine_script
 
 _SCRIPT = textwrap.dedent(
     """
@@ -65,27 +62,9 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _run(root: object, mode: str) -> dict:
-    """Run the script in a fresh interpreter (one vLLM engine per process); return its last line, as JSON."""
-    from tests.multiprocess.integration_utils import ROOT
-
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(root), mode], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.multiprocess
 def test_trls_per_parameter_load_fails_where_vllms_cpu_dispatch_packs_the_linear_weights(tmp_path):
-    got = _run(tmp_path / "plain", "plain")
+    got = run_engine_script(_SCRIPT, tmp_path / "plain", "plain")
     print(got)
     if not got["packs"]:
         # neither oneDNN nor SGL here: vLLM keeps the weights, and TRL's load serves the changed model
@@ -96,7 +75,7 @@ def test_trls_per_parameter_load_fails_where_vllms_cpu_dispatch_packs_the_linear
 
 @pytest.mark.multiprocess
 def test_with_torch_linear_trls_per_parameter_load_serves_the_changed_model(tmp_path):
-    got = _run(tmp_path / "torch_linear", "torch_linear")
+    got = run_engine_script(_SCRIPT, tmp_path / "torch_linear", "torch_linear")
     print(got)
     assert got["packs"] is False, got  # every linear weight kept: the switch took effect before the engine loaded
     assert got["error"] is None and got["difference"] < LOGPROB_TOLERANCE, got

@@ -15,14 +15,12 @@ source its default MoE backend there, Triton, has no such set-up step)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests.helpers.loops.vllm_trainer_check import LOGPROB_TOLERANCE
+from tests.helpers.workers.vllm_workers import run_engine_script
 
 _SCRIPT = textwrap.dedent(
     """
@@ -95,29 +93,9 @@ _SERVE = textwrap.dedent(
 )
 
 
-def _run(script: str, *args: object) -> object:
-    """Run ``script`` in a fresh interpreter (one vLLM engine per process) and return its last line, as JSON."""
-    import json
-
-    from tests.multiprocess.integration_utils import ROOT
-
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.multiprocess
 def test_vllms_cpu_reload_lays_out_moe_experts_wrongly_and_the_syncs_reload_serves_them(tmp_path):
-    got = _run(_SCRIPT, tmp_path)
+    got = run_engine_script(_SCRIPT, tmp_path)
     print(got)
     assert got["before"] < LOGPROB_TOLERANCE, got  # the engine serves the model it started from
     # vLLM's own reload of the changed checkpoint's tensors leaves the engine serving another model. When this fails,
@@ -128,6 +106,6 @@ def test_vllms_cpu_reload_lays_out_moe_experts_wrongly_and_the_syncs_reload_serv
     assert got["moe_layers_set_up"] == [2, 2] and got["all_loaded"] == [], got
     # Positive control: an engine loading the changed checkpoint at start-up serves it (the comparison accepts an
     # engine with the right weights).
-    right = _run(_SERVE, tmp_path / "changed1")
+    right = run_engine_script(_SERVE, tmp_path / "changed1")
     print({"fresh_engine": right})
     assert right < LOGPROB_TOLERANCE, right

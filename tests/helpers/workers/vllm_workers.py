@@ -24,6 +24,24 @@ VLLM_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+
+def run_engine_script(script: str, *args: object) -> Any:
+    """Run ``script`` (Python source) in a fresh interpreter with ``args`` as its ``sys.argv[1:]``, one in-process
+    vLLM engine per process (`VLLM_ENV`), the repository on its path; return its last line of output, read as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.multiprocess.integration_utils import ROOT
+
+    env = {**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 #: The tiny Qwen2 of the test: head_dim 128 / 2 = 64 (vLLM's CPU attention refuses 16), Qwen's vocabulary.
 MODEL_SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
