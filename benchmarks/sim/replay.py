@@ -109,7 +109,14 @@ def predict_arm(runs: list[dict], model: ModelSpec, hw: Hardware, system: str, w
     }  # fmt: skip
 
 
-SYSTEMS = {"fsdp2_random": "fsdp2", "fsdp2_rebalance": "fsdp2", "fsdp2_lockstep": "fsdp2", "odc": "odc"}
+SYSTEMS = {
+    "fsdp2_random": "fsdp2",
+    "fsdp2_rebalance": "fsdp2",
+    "fsdp2_lockstep": "fsdp2",
+    "odc": "odc",
+    # what the replay models for ODC: gradients kept until each rank's last microbatch (--odc_memory_policy grads)
+    "odc_grads": "odc",
+}
 
 
 def validate_e2e(result: dict, model: ModelSpec, gloo: dict, shm: dict, comm: dict) -> dict[str, Any]:
@@ -144,12 +151,12 @@ def validate_e2e(result: dict, model: ModelSpec, gloo: dict, shm: dict, comm: di
         if name in runs
     }
     speedups = {}
-    if "odc" in rows:
+    for name in (n for n, system in SYSTEMS.items() if system == "odc" and n in rows):
         for base in ("fsdp2_random", "fsdp2_rebalance", "fsdp2_lockstep"):
             if base in rows:
                 # arms see different samples in a step: compare tokens/s, not step times
-                odc, other = rows["odc"], rows[base]
-                speedups[f"odc_vs_{base}"] = {
+                odc, other = rows[name], rows[base]
+                speedups[f"{name}_vs_{base}"] = {
                     "predicted": odc["predicted_tokens_per_s"] / other["predicted_tokens_per_s"],
                     "measured": odc["measured_tokens_per_s"] / other["measured_tokens_per_s"],
                 }

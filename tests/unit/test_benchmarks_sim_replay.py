@@ -119,6 +119,13 @@ def test_replay_predicts_runs_generated_by_the_same_model_exactly():
     wrong = validate_e2e(result, MODEL, GLOO, SHM, dict(comm, fsdp2_comm=2 * comm["fsdp2_comm"]))["rows"]
     assert wrong["fsdp2_random"]["error_pct"] > 1.0 and wrong["fsdp2_lockstep"]["error_pct"] > 1.0
     assert wrong["odc"]["error_pct"] == pytest.approx(0.0, abs=1e-6)
+    # the same ODC run stored as the `grads` arm (what the replay models) is predicted as ODC, with its own speedups
+    renamed = dict(runs, odc_grads=runs["odc"])
+    del renamed["odc"]
+    grads = validate_e2e(dict(result, runs=renamed), MODEL, GLOO, SHM, comm)
+    assert set(grads["rows"]) == {"fsdp2_random", "fsdp2_lockstep", "odc_grads"}
+    assert grads["rows"]["odc_grads"] == res["rows"]["odc"]
+    assert set(grads["speedups"]) == {"odc_grads_vs_fsdp2_random", "odc_grads_vs_fsdp2_lockstep"}
 
 
 def test_replay_refuses_runs_without_trace_or_limit():
