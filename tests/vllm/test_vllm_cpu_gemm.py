@@ -4,8 +4,8 @@ model whose weights are changed by a known amount and loaded as TRL's ``VLLMGene
 
 vLLM 0.32's CPU GEMM dispatch packs each linear layer's weight after the first load (oneDNN wherever its build has
 oneDNN, SGL's kernel on CPUs with AMX) and replaces ``layer.weight`` with an empty parameter without
-``weight_loader``, so that per-parameter load fails there (pinned: when a vLLM release keeps the weight loadable, the
-first test fails and the benchmark's switch can go). With ``torch_linear_vllm`` (``ODC_BENCH_VLLM_TORCH_LINEAR=1``,
+``weight_loader``, so that per-parameter load fails there (the first test: where the weights are left in place, as on a
+build without either path, the load must serve the changed model instead). With ``torch_linear_vllm`` (``ODC_BENCH_VLLM_TORCH_LINEAR=1``,
 what the GRPO benchmark sets for every vLLM arm) vLLM keeps the weights and computes with
 ``torch.nn.functional.linear``, and the same load serves the changed model. ODC's own sync (vLLM's in-place reload,
 `tests/vllm/test_vllm_sync.py`) works either way."""
